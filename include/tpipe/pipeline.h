@@ -1,0 +1,131 @@
+// tpipe: GPipe-style pipeline-parallel training of a LibTorch layer stack.
+//
+// A Pipeline splits an ordered list of layers into contiguous stages, places
+// the stages on devices (one worker thread per device), and runs a schedule
+// of forward, backward, recompute and transfer instructions over
+// micro-batches. The contract: a pipelined step computes the same loss and
+// the same parameter gradients as the unpartitioned model on the whole batch,
+// for every stage count, micro-batch count, schedule and checkpoint mode.
+//
+//   torch::nn::Sequential net(torch::nn::Linear(32, 64), torch::nn::ReLU(),
+//                             torch::nn::Linear(64, 10));
+//   tpipe::PipelineOptions options;
+//   options.devices = {"cpu:0", "cpu:1"};
+//   options.microBatches = 4;
+//   tpipe::Pipeline pipe(tpipe::layersOf(net), options);
+//   torch::optim::SGD sgd(pipe.parameters(), 0.1);
+//   sgd.zero_grad();
+//   torch::Tensor loss = pipe.trainStep(x, y, [](auto& out, auto& target) {
+//     return torch::nn::functional::cross_entropy(out, target);
+//   });
+//   sgd.step();
+//
+// Threads: trainStep and forward block the calling thread until every worker
+// has finished its instruction list; call them from one thread at a time.
+// Ownership: the pipeline shares the modules with the caller (the same
+// parameter tensors), so any LibTorch optimizer over parameters() works.
+//
+// Rematerialization (checkpoint modes): a checkpointed micro-batch runs its
+// stage forward under no-grad and keeps only the stage input; right before
+// its backward the stage runs the forward again with grad, which costs one
+// more forward per stage but frees every intermediate activation between the
+// two. So that dropout draws the same mask twice, each stage owns its random
+// generator: its state is saved at the forward and replayed at the recompute.
+// LibTorch's dropout draws from the process-wide CPU generator, so stages
+// holding a random layer swap their own state into it under one lock while
+// they run: such forwards are serialized against each other (and masks
+// differ from the unpartitioned model's, which draws from one stream).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <torch/nn/modules/container/any.h>
+#include <torch/nn/modules/container/sequential.h>
+
+#include "tpipe/schedule.h"
+
+namespace tpipe {
+
+struct NamedLayer {
+  std::string name;  // parameter names are "<name>.<parameter>"
+  torch::nn::AnyModule module;
+};
+using LayerList = std::vector<NamedLayer>;
+
+// The children of a Sequential, named "0", "1", ... as PyTorch names them.
+LayerList layersOf(const torch::nn::Sequential& sequential);
+
+enum class PartitionMethod {
+  kUniform,     // layers per stage as even as possible
+  kParameters,  // balance parameter counts (optimal min-max)
+  kBalance,     // PipelineOptions::balance, layers per stage
+};
+
+struct PipelineOptions {
+  // "cpu:K" is a virtual CPU device (its own worker); "cuda:K" a GPU.
+  std::vector<std::string> devices{"cpu:0"};
+  // Total stages; 0 means one per device (times virtualStages).
+  int stages = 0;
+  PartitionMethod partition = PartitionMethod::kUniform;
+  std::vector<int> balance;  // layers per stage; implies kBalance
+  int microBatches = 1;
+  std::string schedule = "gpipe";  // see scheduleNames()
+  int virtualStages = 1;           // stages per device (interleaved-1f1b)
+  CheckpointMode checkpoint = CheckpointMode::kExceptLast;
+  // Intra-op threads of each device's worker; 0 shares the cores fairly.
+  int threadsPerDevice = 0;
+  uint64_t seed = 0;  // seeds each stage's random generator
+};
+
+// Must return the mean loss over the micro-batch (a scalar); the pipeline
+// weights each micro-batch by its share of the batch.
+using LossFunction = std::function<torch::Tensor(const torch::Tensor& output,
+                                                 const torch::Tensor& target)>;
+
+class Pipeline {
+ public:
+  // Throws c10::Error naming the offending option: unknown device, more
+  // stages than layers or devices, a balance not summing to the layer count,
+  // an invalid schedule.
+  Pipeline(LayerList layers, PipelineOptions options);
+  ~Pipeline();
+  Pipeline(const Pipeline&) = delete;
+  Pipeline& operator=(const Pipeline&) = delete;
+
+  // One pipelined forward and backward over the batch, split along dim 0
+  // into microBatches chunks (sizes differ by at most one). Gradients are
+  // accumulated into every parameter's .grad() exactly as
+  // lossFn(model(input), target).backward() would; returns the batch's mean
+  // loss (detached). On an error in any stage the step ends on every worker,
+  // the error names stage, device, micro-batch and instruction, and the
+  // pipeline is ready for the next step (gradients of the failed step are
+  // partial: zero them).
+  torch::Tensor trainStep(const torch::Tensor& input,
+                          const torch::Tensor& target,
+                          const LossFunction& lossFn);
+
+  // Micro-batched inference under no-grad; outputs concatenated in order.
+  torch::Tensor forward(const torch::Tensor& input);
+
+  std::vector<torch::Tensor> parameters() const;
+  // Named as nn.Sequential.state_dict() names them: "1.weight".
+  std::vector<std::pair<std::string, torch::Tensor>> namedParameters() const;
+
+  const LayerList& layers() const;
+  const std::vector<int>& boundaries() const;  // stages + 1 layer indices
+  const Schedule& schedule() const;
+  const PipelineOptions& options() const;
+  // The device each stage runs on, as named in the options.
+  std::vector<std::string> stageDevices() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace tpipe

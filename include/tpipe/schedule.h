@@ -1,0 +1,198 @@
+// Pipeline schedules as data.
+//
+// A schedule is one ordered instruction list per rank (a worker that owns a
+// device). Rank r hosts stages r, r + R, r + 2R, ... where R is the rank
+// count; with one virtual stage per rank, rank and stage coincide. Generators
+// are pure functions of (ranks, micro-batches, virtual stages, checkpoint
+// mode); `validate` checks any schedule, generated or loaded from JSON, before
+// the runtime executes it; `simulate` predicts its timeline from costs.
+//
+// Nothing here touches tensors or threads: this header is plain C++.
+#pragma once
+
+#include <cstdint>
+#include <iosfwd>
+#include <stdexcept>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include <nlohmann/json_fwd.hpp>
+
+namespace tpipe {
+
+// Which micro-batches keep only their stage input during the forward and
+// recompute the rest right before their backward (GPipe / torchgpipe).
+enum class CheckpointMode {
+  kAlways,      // every micro-batch
+  kExceptLast,  // all but the last micro-batch, whose backward comes first
+  kNever,       // keep every activation
+};
+
+CheckpointMode parseCheckpointMode(const std::string& name);
+const char* checkpointModeName(CheckpointMode mode);
+// True when micro-batch `microBatch` of `microBatches` is rematerialized.
+bool isCheckpointed(CheckpointMode mode, int microBatch, int microBatches);
+
+// What the runtime does for each instruction, roughly:
+//
+// Forward          x = stage 0 ? input[mb] : received[mb]
+//                  y = stage(x) (no-grad and keep only x when checkpointed)
+//                  last stage: loss[mb] = lossFn(y, target[mb]) * |mb| / |batch|
+struct Forward {
+  int stage;
+  int microBatch;
+  bool checkpointed;
+};
+// Recompute        restore the RNG state of Forward; y = stage(x) with grad
+struct Recompute {
+  int stage;
+  int microBatch;
+};
+// Backward         dx, dW += d(y or loss)/d(x, W) given dy; free the stash
+struct Backward {
+  int stage;
+  int microBatch;
+};
+// BackwardInput    dx = dy/dx given dy, graph retained (zero-bubble "B")
+struct BackwardInput {
+  int stage;
+  int microBatch;
+};
+// BackwardWeight   dW += dy/dW given dy, then free the stash (zero-bubble "W")
+struct BackwardWeight {
+  int stage;
+  int microBatch;
+};
+// SendActivation   channel(stage -> stage + 1).put(mb, y.detach())
+struct SendActivation {
+  int stage;
+  int microBatch;
+};
+// RecvActivation   received[mb] = channel(stage - 1 -> stage).take(mb)
+struct RecvActivation {
+  int stage;
+  int microBatch;
+};
+// SendGrad         channel(stage -> stage - 1).put(mb, dx)
+struct SendGrad {
+  int stage;
+  int microBatch;
+};
+// RecvGrad         dy = channel(stage + 1 -> stage).take(mb)
+struct RecvGrad {
+  int stage;
+  int microBatch;
+};
+
+using Instruction =
+    std::variant<Forward, Recompute, Backward, BackwardInput, BackwardWeight,
+                 SendActivation, RecvActivation, SendGrad, RecvGrad>;
+
+// JSON / display name of the instruction's kind, e.g. "forward".
+const char* opName(const Instruction& instruction);
+int stageOf(const Instruction& instruction);
+int microBatchOf(const Instruction& instruction);
+bool isCompute(const Instruction& instruction);
+// Short label used in timelines and traces: "F3", "B3", "R3", "b3", "w3",
+// "send act 3 -> stage 2", ...
+std::string shortLabel(const Instruction& instruction);
+
+struct Schedule {
+  std::string name;  // generator name, or "custom"
+  // false: an inference schedule (forwards and activation transfers only).
+  bool training = true;
+  int ranks = 0;
+  int virtualStages = 1;
+  int microBatches = 0;
+  std::vector<std::vector<Instruction>> perRank;
+
+  int stages() const { return ranks * virtualStages; }
+  int rankOfStage(int stage) const { return stage % ranks; }
+};
+
+struct ScheduleSpec {
+  std::string name = "gpipe";  // gpipe | 1f1b | interleaved-1f1b | zb-h1
+  int ranks = 1;
+  int microBatches = 1;
+  int virtualStages = 1;
+  CheckpointMode checkpoint = CheckpointMode::kExceptLast;
+};
+
+// Names accepted by makeSchedule.
+const std::vector<std::string>& scheduleNames();
+
+// Generators. All throw ScheduleError for impossible requests.
+Schedule gpipeSchedule(int ranks, int microBatches, CheckpointMode mode);
+Schedule oneFOneBSchedule(int ranks, int microBatches, CheckpointMode mode);
+Schedule interleavedSchedule(int ranks, int microBatches, int virtualStages,
+                             CheckpointMode mode);
+Schedule zeroBubbleH1Schedule(int ranks, int microBatches, CheckpointMode mode);
+// Inference: every rank forwards its stages' micro-batches in order.
+Schedule forwardOnlySchedule(int ranks, int virtualStages, int microBatches);
+// Dispatches on spec.name and validates the result.
+Schedule makeSchedule(const ScheduleSpec& spec);
+
+class ScheduleError : public std::invalid_argument {
+ public:
+  using std::invalid_argument::invalid_argument;
+};
+
+// Throws ScheduleError naming the first violated rule: every micro-batch
+// forwarded and backwarded exactly once per stage (B and W once each when
+// split), forward before backward, recompute exactly for checkpointed
+// forwards, every send matched by its receive, and a unit-cost dry run that
+// finishes (a stall lists the stuck instruction of every rank).
+void validate(const Schedule& schedule);
+
+// Per-stage costs in any time unit. Transfer is the time from the end of a
+// send on one stage to the data being available on the neighbour.
+struct StageCosts {
+  double forward = 1.0;
+  double backward = 2.0;        // a whole Backward
+  double backwardInput = 1.0;   // zero-bubble B
+  double backwardWeight = 1.0;  // zero-bubble W
+  double recompute = 1.0;
+  double transfer = 0.0;
+};
+
+struct TimedInstruction {
+  int rank;
+  int index;  // position in schedule.perRank[rank]
+  double start;
+  double end;
+};
+
+struct Simulation {
+  double makespan = 0.0;
+  std::vector<double> busy;  // per rank: compute time incl. recompute
+  std::vector<double> idle;  // per rank: makespan - busy
+  double bubbleFraction = 0.0;  // sum(idle) / (ranks * makespan)
+  // Per stage: peak count of micro-batches with anything stashed (input or
+  // activations), and of those holding a full activation graph.
+  std::vector<int> peakStashed;
+  std::vector<int> peakLive;
+  std::vector<TimedInstruction> timeline;
+  bool finished = true;  // false: a stall; `stuck` says where
+  std::string stuck;
+};
+
+// Runs the schedule's instruction lists against the costs (one entry per
+// stage, or one entry for all). Receives wait for their send; sends never
+// block. Never throws on a stall: see Simulation::finished.
+Simulation simulate(const Schedule& schedule,
+                    const std::vector<StageCosts>& costs);
+
+// The textbook bubble (p - 1) / (m + p - 1) of fill-drain and 1F1B.
+double theoreticalBubble(int stages, int microBatches);
+
+void printInstructions(std::ostream& out, const Schedule& schedule);
+void printSimulation(std::ostream& out, const Schedule& schedule,
+                     const Simulation& simulation, int width = 72);
+
+nlohmann::json scheduleToJson(const Schedule& schedule);
+Schedule scheduleFromJson(const nlohmann::json& json);  // then validate()
+nlohmann::json simulationToJson(const Schedule& schedule,
+                                const Simulation& simulation);
+
+}  // namespace tpipe

@@ -1,0 +1,244 @@
+#include "runtime/executor.h"
+
+#include <ATen/core/grad_mode.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Context.h>
+#include <ATen/ops/zeros_like.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/autograd.h>
+
+#include "overloaded.h"
+
+namespace tpipe {
+namespace runtime {
+namespace {
+
+using Direction = Exchange::Direction;
+
+// LibTorch's dropout draws from the one process-wide CPU generator. A stage
+// with a random layer swaps its own state in while it runs, under this lock,
+// so masks depend only on the stage's own stream and replay exactly.
+std::mutex& globalGeneratorMutex() {
+  static std::mutex mutex;
+  return mutex;
+}
+
+class StageGeneratorScope {
+ public:
+  StageGeneratorScope(bool active, const at::Tensor& state)
+      : active_(active) {
+    if (!active_) return;
+    lock_ = std::unique_lock<std::mutex>(globalGeneratorMutex());
+    at::Generator generator = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> guard(generator.mutex());
+    saved_ = generator.get_state();
+    generator.set_state(state);
+  }
+  // The generator's state after the stage ran (the stage's next state).
+  at::Tensor current() const {
+    at::Generator generator = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> guard(generator.mutex());
+    return generator.get_state();
+  }
+  ~StageGeneratorScope() {
+    if (!active_) return;
+    at::Generator generator = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> guard(generator.mutex());
+    generator.set_state(saved_);
+  }
+  StageGeneratorScope(const StageGeneratorScope&) = delete;
+  StageGeneratorScope& operator=(const StageGeneratorScope&) = delete;
+
+ private:
+  bool active_;
+  std::unique_lock<std::mutex> lock_;
+  at::Tensor saved_;
+};
+
+class RankExecutor {
+ public:
+  RankExecutor(StepState& state, int rank) : state_(state), rank_(rank) {}
+
+  void operator()(const Forward& op) {
+    StageRuntime& stage = stageAt(op.stage);
+    Stash& stash = state_.at(op.stage, op.microBatch);
+    if (op.stage == 0) stash.input = state_.inputs[op.microBatch];
+    TORCH_CHECK(stash.input.defined(), "no input received");
+    stash.checkpointed = op.checkpointed;
+    const bool training = state_.schedule->training;
+    if (training && stage.stochastic) stash.rngState = stage.rngState;
+    at::Tensor output;
+    {
+      at::AutoGradMode gradMode(training && !op.checkpointed);
+      StageGeneratorScope generator(training && stage.stochastic,
+                                    stage.rngState);
+      output = runLayers(stage, stash.input);
+      if (training && stage.stochastic) stage.rngState = generator.current();
+      if (isLast(op.stage) && training) output = weightedLoss(output, op);
+    }
+    if (isLast(op.stage)) {
+      if (training) {
+        state_.losses[op.microBatch] = output.detach();
+      } else {
+        state_.outputs[op.microBatch] = output;
+      }
+    }
+    stash.output = std::move(output);
+    if (!training) stash.input = at::Tensor();
+  }
+
+  void operator()(const Recompute& op) {
+    StageRuntime& stage = stageAt(op.stage);
+    Stash& stash = state_.at(op.stage, op.microBatch);
+    at::AutoGradMode gradMode(true);
+    StageGeneratorScope generator(stage.stochastic, stash.rngState);
+    at::Tensor output = runLayers(stage, stash.input);
+    if (isLast(op.stage)) {
+      output = weightedLoss(output, Forward{op.stage, op.microBatch, true});
+    }
+    stash.output = std::move(output);
+  }
+
+  void operator()(const Backward& op) {
+    Stash& stash = state_.at(op.stage, op.microBatch);
+    at::AutoGradMode gradMode(true);
+    if (stash.output.requires_grad()) {
+      torch::autograd::backward({stash.output}, gradientsFor(stash));
+    }
+    if (op.stage > 0) stash.inputGrad = inputGradient(stash);
+    release(stash);
+  }
+
+  void operator()(const BackwardInput& op) {
+    Stash& stash = state_.at(op.stage, op.microBatch);
+    if (op.stage == 0) return;  // no previous stage wants an input gradient
+    at::AutoGradMode gradMode(true);
+    if (stash.output.requires_grad() && stash.input.requires_grad()) {
+      auto grads = torch::autograd::grad({stash.output}, {stash.input},
+                                         gradientsFor(stash),
+                                         /*retain_graph=*/true,
+                                         /*create_graph=*/false,
+                                         /*allow_unused=*/true);
+      stash.inputGrad = grads[0];
+    }
+    stash.inputGrad = inputGradient(stash);
+  }
+
+  void operator()(const BackwardWeight& op) {
+    StageRuntime& stage = stageAt(op.stage);
+    Stash& stash = state_.at(op.stage, op.microBatch);
+    at::AutoGradMode gradMode(true);
+    if (stash.output.requires_grad() && !stage.parameters.empty()) {
+      torch::autograd::backward({stash.output}, gradientsFor(stash),
+                                /*retain_graph=*/false,
+                                /*create_graph=*/false, stage.parameters);
+    }
+    release(stash);
+  }
+
+  void operator()(const SendActivation& op) {
+    Stash& stash = state_.at(op.stage, op.microBatch);
+    const c10::Device to = stageAt(op.stage + 1).device;
+    state_.exchange->put(Direction::kActivation, op.stage, op.microBatch,
+                         stash.output.detach().to(to));
+    if (stash.checkpointed || !state_.schedule->training) {
+      stash.output = at::Tensor();  // recompute rebuilds it
+    }
+  }
+
+  void operator()(const RecvActivation& op) {
+    at::Tensor input = state_.exchange->take(Direction::kActivation,
+                                             op.stage - 1, op.microBatch);
+    if (state_.schedule->training && input.is_floating_point()) {
+      input.requires_grad_(true);
+    }
+    state_.at(op.stage, op.microBatch).input = std::move(input);
+  }
+
+  void operator()(const SendGrad& op) {
+    Stash& stash = state_.at(op.stage, op.microBatch);
+    const c10::Device to = stageAt(op.stage - 1).device;
+    state_.exchange->put(Direction::kGradient, op.stage - 1, op.microBatch,
+                         stash.inputGrad.to(to));
+    stash.inputGrad = at::Tensor();
+    stash.input = at::Tensor();
+  }
+
+  void operator()(const RecvGrad& op) {
+    state_.at(op.stage, op.microBatch).gradOutput =
+        state_.exchange->take(Direction::kGradient, op.stage, op.microBatch);
+  }
+
+ private:
+  StageRuntime& stageAt(int stage) { return (*state_.stages)[stage]; }
+  bool isLast(int stage) const { return stage == state_.schedule->stages() - 1; }
+
+  static at::Tensor runLayers(StageRuntime& stage, at::Tensor x) {
+    for (auto& layer : stage.layers) x = layer.forward(x);
+    return x;
+  }
+
+  at::Tensor weightedLoss(const at::Tensor& output, const Forward& op) {
+    at::Tensor loss = (*state_.lossFn)(output, state_.targets[op.microBatch]);
+    TORCH_CHECK(loss.defined() && loss.numel() == 1,
+                "the loss function must return a scalar, got shape ",
+                loss.sizes());
+    return loss.reshape({}) * state_.weights[op.microBatch];
+  }
+
+  // The last stage's output is the loss itself: its gradient is implicit.
+  static std::vector<at::Tensor> gradientsFor(const Stash& stash) {
+    if (!stash.gradOutput.defined()) return {};
+    return {stash.gradOutput};
+  }
+
+  // A stage input no gradient reached (an integer tensor, or an output the
+  // stage ignored) has gradient zero, which the previous stage still awaits.
+  static at::Tensor inputGradient(const Stash& stash) {
+    at::Tensor grad = stash.inputGrad.defined()   ? stash.inputGrad
+                      : stash.input.grad().defined() ? stash.input.grad()
+                                                     : at::Tensor();
+    if (grad.defined()) return grad;
+    return at::zeros_like(stash.input);
+  }
+
+  static void release(Stash& stash) {
+    stash.output = at::Tensor();
+    stash.gradOutput = at::Tensor();
+    stash.rngState = at::Tensor();
+  }
+
+  StepState& state_;
+  int rank_;
+};
+
+}  // namespace
+
+void runRank(StepState& state, int rank) {
+  const auto& list = state.schedule->perRank[rank];
+  RankExecutor executor(state, rank);
+  size_t i = 0;
+  try {
+    for (; i < list.size(); ++i) std::visit(executor, list[i]);
+  } catch (const StepAborted&) {
+    // Another rank failed first and has recorded why.
+  } catch (const std::exception& error) {
+    const Instruction& instruction = list[i];
+    const int stage = stageOf(instruction);
+    const c10::Error* torchError = dynamic_cast<const c10::Error*>(&error);
+    std::string message =
+        "stage " + std::to_string(stage) + " on " +
+        (*state.stages)[stage].deviceName + ", micro-batch " +
+        std::to_string(microBatchOf(instruction)) + ", " +
+        opName(instruction) + ": " +
+        (torchError ? torchError->what_without_backtrace() : error.what());
+    {
+      std::lock_guard<std::mutex> lock(state.errorMutex);
+      if (state.error.empty()) state.error = std::move(message);
+    }
+    state.exchange->abort();
+  }
+}
+
+}  // namespace runtime
+}  // namespace tpipe

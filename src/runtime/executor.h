@@ -1,0 +1,70 @@
+// Executes one rank's instruction list for one step. Knows nothing about
+// which generator produced the schedule: it dispatches each instruction to
+// its handler with std::visit.
+#pragma once
+
+#include <atomic>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+#include <torch/nn/modules/container/any.h>
+
+#include "runtime/worker.h"
+#include "tpipe/pipeline.h"
+#include "tpipe/schedule.h"
+
+namespace tpipe {
+namespace runtime {
+
+struct StageRuntime {
+  int index = 0;
+  std::string deviceName;  // as in the options, e.g. "cpu:1"
+  c10::Device device{c10::kCPU};
+  std::vector<torch::nn::AnyModule> layers;
+  std::vector<at::Tensor> parameters;  // those requiring grad
+  bool stochastic = false;             // holds a layer that draws randomness
+  at::Tensor rngState;                 // the stage's own generator state
+};
+
+// What one (stage, micro-batch) keeps between its instructions.
+struct Stash {
+  at::Tensor input;       // the stage input (a grad-requiring leaf if float)
+  at::Tensor output;      // stage output, or the weighted loss on the last
+  at::Tensor gradOutput;  // gradient received for `output`
+  at::Tensor inputGrad;   // gradient to send to the previous stage
+  at::Tensor rngState;    // generator state at the forward, for recompute
+  bool checkpointed = false;
+};
+
+// The state of one step, shared by all ranks' workers.
+struct StepState {
+  const Schedule* schedule = nullptr;
+  std::vector<StageRuntime>* stages = nullptr;
+  Exchange* exchange = nullptr;
+  std::vector<at::Tensor> inputs;   // per micro-batch, on stage 0's device
+  std::vector<at::Tensor> targets;  // per micro-batch, on the last device
+  std::vector<double> weights;      // micro-batch size / batch size
+  const LossFunction* lossFn = nullptr;
+  std::vector<Stash> stash;             // [stage * m + micro-batch]
+  std::vector<at::Tensor> losses;       // weighted, detached, per micro-batch
+  std::vector<at::Tensor> outputs;      // inference outputs per micro-batch
+
+  std::mutex errorMutex;
+  std::string error;  // first failure, with its context; empty when none
+
+  Stash& at(int stage, int microBatch) {
+    return stash[static_cast<size_t>(stage) * schedule->microBatches +
+                 microBatch];
+  }
+};
+
+// Runs schedule.perRank[rank]. Never throws: a failure is recorded in
+// state.error with stage, device, micro-batch and instruction, and aborts
+// the exchange so every other rank stops too.
+void runRank(StepState& state, int rank);
+
+}  // namespace runtime
+}  // namespace tpipe

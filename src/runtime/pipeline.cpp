@@ -1,0 +1,331 @@
+#include "tpipe/pipeline.h"
+
+#include <algorithm>
+#include <set>
+#include <thread>
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/grad_mode.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/stack.h>
+#include <c10/util/Exception.h>
+#include <torch/cuda.h>
+
+#include "runtime/executor.h"
+#include "runtime/worker.h"
+#include "tpipe/partition.h"
+
+namespace tpipe {
+
+LayerList layersOf(const torch::nn::Sequential& sequential) {
+  LayerList layers;
+  size_t index = 0;
+  for (const auto& module : *sequential) {
+    layers.push_back({std::to_string(index++), module});
+  }
+  return layers;
+}
+
+namespace {
+
+c10::Device parseDevice(const std::string& name) {
+  const auto colon = name.find(':');
+  const std::string type = name.substr(0, colon);
+  int index = 0;
+  if (colon != std::string::npos) {
+    const std::string digits = name.substr(colon + 1);
+    TORCH_CHECK(!digits.empty() && digits.size() < 6 &&
+                    std::all_of(digits.begin(), digits.end(),
+                                [](char c) { return c >= '0' && c <= '9'; }),
+                "unknown device '", name,
+                "' (expected cpu:N for a virtual CPU device or cuda:N)");
+    index = std::stoi(digits);
+  }
+  if (type == "cpu") return c10::Device(c10::kCPU);
+  if (type == "cuda") {
+    TORCH_CHECK(torch::cuda::is_available(), "device '", name,
+                "': this LibTorch has no usable CUDA device");
+    TORCH_CHECK(index < static_cast<int>(torch::cuda::device_count()),
+                "device '", name, "': only ", torch::cuda::device_count(),
+                " CUDA device(s) present");
+    return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(index));
+  }
+  TORCH_CHECK(false, "unknown device '", name,
+              "' (expected cpu:N for a virtual CPU device or cuda:N)");
+}
+
+bool drawsRandomness(const torch::nn::AnyModule& layer) {
+  for (const auto& module : layer.ptr()->modules()) {
+    const std::string& name = module->name();
+    if (name.find("Dropout") != std::string::npos ||
+        name.find("RReLU") != std::string::npos) {
+      return true;
+    }
+  }
+  return false;
+}
+
+int64_t parameterCount(const torch::nn::AnyModule& layer) {
+  int64_t count = 0;
+  for (const auto& parameter : layer.ptr()->parameters()) {
+    count += parameter.numel();
+  }
+  return count;
+}
+
+template <class Body>
+auto checked(Body body) -> decltype(body()) {
+  try {
+    return body();
+  } catch (const std::invalid_argument& error) {
+    TORCH_CHECK(false, error.what());
+  }
+}
+
+}  // namespace
+
+struct Pipeline::Impl {
+  LayerList layers;
+  PipelineOptions options;
+  std::vector<c10::Device> rankDevices;
+  std::vector<int> boundaries;
+  Schedule schedule;
+  std::vector<runtime::StageRuntime> stages;
+  runtime::Exchange exchange;
+  std::vector<std::unique_ptr<runtime::DeviceWorker>> workers;
+
+  void resolve();
+  void place();
+  void run(runtime::StepState& state, const Schedule& plan);
+  std::vector<at::Tensor> split(const at::Tensor& tensor, int chunks,
+                                c10::Device device) const;
+};
+
+void Pipeline::Impl::resolve() {
+  TORCH_CHECK(!layers.empty(), "the layer list is empty");
+  std::set<std::string> names;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    TORCH_CHECK(!layers[i].module.is_empty(), "layer ", i, " ('",
+                layers[i].name, "') holds no module");
+    TORCH_CHECK(names.insert(layers[i].name).second,
+                "two layers are named '", layers[i].name, "'");
+  }
+  TORCH_CHECK(options.microBatches >= 1,
+              "micro-batches must be >= 1, got ", options.microBatches);
+  TORCH_CHECK(options.virtualStages >= 1,
+              "virtual stages must be >= 1, got ", options.virtualStages);
+  TORCH_CHECK(options.threadsPerDevice >= 0,
+              "threads per device must be >= 0, got ",
+              options.threadsPerDevice);
+  TORCH_CHECK(!options.devices.empty(), "no devices given");
+  std::set<std::string> seen;
+  std::vector<c10::Device> devices;
+  for (const auto& name : options.devices) {
+    TORCH_CHECK(seen.insert(name).second, "device '", name,
+                "' is listed twice; each device runs one worker");
+    devices.push_back(parseDevice(name));
+  }
+  if (!options.balance.empty()) {
+    options.partition = PartitionMethod::kBalance;
+    TORCH_CHECK(options.stages == 0 ||
+                    options.stages == static_cast<int>(options.balance.size()),
+                "stages (", options.stages, ") and balance (",
+                options.balance.size(), " entries) disagree");
+    options.stages = static_cast<int>(options.balance.size());
+  }
+  TORCH_CHECK(options.partition != PartitionMethod::kBalance ||
+                  !options.balance.empty(),
+              "partition method 'balance' needs a balance list");
+  const int stages = options.stages > 0
+                         ? options.stages
+                         : static_cast<int>(devices.size()) * options.virtualStages;
+  TORCH_CHECK(options.stages >= 0, "stages must be >= 1, got ", options.stages);
+  TORCH_CHECK(stages <= static_cast<int>(layers.size()), "more stages (",
+              stages, ") than layers (", layers.size(),
+              "): every stage needs at least one layer");
+  TORCH_CHECK(stages % options.virtualStages == 0, "stages (", stages,
+              ") must be a multiple of virtual stages (",
+              options.virtualStages, ")");
+  const int ranks = stages / options.virtualStages;
+  TORCH_CHECK(ranks <= static_cast<int>(devices.size()), stages,
+              " stages with ", options.virtualStages,
+              " virtual stage(s) per device need ", ranks, " devices, got ",
+              devices.size());
+  rankDevices.assign(devices.begin(), devices.begin() + ranks);
+
+  const int layerCount = static_cast<int>(layers.size());
+  boundaries = checked([&] {
+    switch (options.partition) {
+      case PartitionMethod::kBalance:
+        return balanceBoundaries(options.balance, layerCount);
+      case PartitionMethod::kParameters: {
+        std::vector<double> weights;
+        for (const auto& layer : layers) {
+          weights.push_back(static_cast<double>(parameterCount(layer.module)));
+        }
+        return minMaxBoundaries(weights, stages);
+      }
+      case PartitionMethod::kUniform:
+        break;
+    }
+    return uniformBoundaries(layerCount, stages);
+  });
+  ScheduleSpec spec;
+  spec.name = options.schedule;
+  spec.ranks = ranks;
+  spec.microBatches = options.microBatches;
+  spec.virtualStages = options.virtualStages;
+  spec.checkpoint = options.checkpoint;
+  schedule = checked([&] { return makeSchedule(spec); });
+}
+
+void Pipeline::Impl::place() {
+  const int ranks = schedule.ranks;
+  stages.resize(schedule.stages());
+  for (int s = 0; s < schedule.stages(); ++s) {
+    runtime::StageRuntime& stage = stages[s];
+    stage.index = s;
+    stage.deviceName = options.devices[schedule.rankOfStage(s)];
+    stage.device = rankDevices[schedule.rankOfStage(s)];
+    for (int l = boundaries[s]; l < boundaries[s + 1]; ++l) {
+      torch::nn::AnyModule& layer = layers[l].module;
+      layer.ptr()->to(stage.device);
+      stage.layers.push_back(layer);
+      stage.stochastic = stage.stochastic || drawsRandomness(layer);
+      for (const auto& parameter : layer.ptr()->parameters()) {
+        if (parameter.requires_grad()) stage.parameters.push_back(parameter);
+      }
+    }
+    auto generator = at::make_generator<at::CPUGeneratorImpl>(
+        options.seed * 1000003ULL + static_cast<uint64_t>(s));
+    stage.rngState = generator.get_state();
+  }
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  const int threads = options.threadsPerDevice > 0
+                          ? options.threadsPerDevice
+                          : std::max(1, cores / ranks);
+  for (int rank = 0; rank < ranks; ++rank) {
+    // OpenMP's thread count is per thread, and a new thread inherits the
+    // last value set anywhere: set it once in each worker.
+    workers.push_back(std::make_unique<runtime::DeviceWorker>(
+        [threads] { at::set_num_threads(threads); }));
+  }
+}
+
+std::vector<at::Tensor> Pipeline::Impl::split(const at::Tensor& tensor,
+                                              int chunks,
+                                              c10::Device device) const {
+  std::vector<at::Tensor> parts;
+  for (const auto& part : tensor.tensor_split(chunks, 0)) {
+    parts.push_back(part.to(device));
+  }
+  return parts;
+}
+
+void Pipeline::Impl::run(runtime::StepState& state, const Schedule& plan) {
+  state.schedule = &plan;
+  state.stages = &stages;
+  state.exchange = &exchange;
+  exchange.reset(plan.stages() - 1);
+  const int m = plan.microBatches;
+  state.stash.assign(static_cast<size_t>(plan.stages()) * m, {});
+  state.losses.assign(m, {});
+  state.outputs.assign(m, {});
+  runtime::Latch latch(plan.ranks);
+  for (int rank = 0; rank < plan.ranks; ++rank) {
+    const bool training = plan.training;
+    workers[rank]->post([&state, &latch, rank, training] {
+      at::AutoGradMode gradMode(training);  // grad mode is per thread
+      runtime::runRank(state, rank);
+      latch.countDown();
+    });
+  }
+  latch.wait();
+  state.stash.clear();  // frees activations of a failed step too
+  TORCH_CHECK(state.error.empty(), state.error);
+}
+
+Pipeline::Pipeline(LayerList layers, PipelineOptions options)
+    : impl_(std::make_unique<Impl>()) {
+  impl_->layers = std::move(layers);
+  impl_->options = std::move(options);
+  impl_->resolve();
+  impl_->place();
+}
+
+Pipeline::~Pipeline() = default;
+
+torch::Tensor Pipeline::trainStep(const torch::Tensor& input,
+                                  const torch::Tensor& target,
+                                  const LossFunction& lossFn) {
+  TORCH_CHECK(input.defined() && input.dim() >= 1,
+              "trainStep: input must have a batch dimension");
+  TORCH_CHECK(target.defined() && target.dim() >= 1 &&
+                  target.size(0) == input.size(0),
+              "trainStep: target batch (",
+              target.defined() && target.dim() ? target.size(0) : 0,
+              ") differs from input batch (", input.size(0), ")");
+  TORCH_CHECK(lossFn, "trainStep: no loss function given");
+  const int m = impl_->schedule.microBatches;
+  const int64_t batch = input.size(0);
+  TORCH_CHECK(batch >= m, "more micro-batches (", m, ") than samples (",
+              batch, ") in the batch");
+  runtime::StepState state;
+  state.inputs = impl_->split(input, m, impl_->stages.front().device);
+  state.targets = impl_->split(target, m, impl_->stages.back().device);
+  for (const auto& chunk : state.inputs) {
+    state.weights.push_back(static_cast<double>(chunk.size(0)) /
+                            static_cast<double>(batch));
+  }
+  state.lossFn = &lossFn;
+  impl_->run(state, impl_->schedule);
+  at::Tensor total = state.losses[0];
+  for (int mb = 1; mb < m; ++mb) total = total + state.losses[mb];
+  return total;
+}
+
+torch::Tensor Pipeline::forward(const torch::Tensor& input) {
+  TORCH_CHECK(input.defined() && input.dim() >= 1 && input.size(0) >= 1,
+              "forward: input must have a non-empty batch dimension");
+  const int m = static_cast<int>(
+      std::min<int64_t>(impl_->options.microBatches, input.size(0)));
+  const Schedule inference = forwardOnlySchedule(
+      impl_->schedule.ranks, impl_->schedule.virtualStages, m);
+  runtime::StepState state;
+  state.inputs = impl_->split(input, m, impl_->stages.front().device);
+  impl_->run(state, inference);
+  return at::cat(state.outputs, 0);
+}
+
+std::vector<torch::Tensor> Pipeline::parameters() const {
+  std::vector<torch::Tensor> all;
+  for (const auto& named : namedParameters()) all.push_back(named.second);
+  return all;
+}
+
+std::vector<std::pair<std::string, torch::Tensor>> Pipeline::namedParameters()
+    const {
+  std::vector<std::pair<std::string, torch::Tensor>> all;
+  for (const auto& layer : impl_->layers) {
+    for (const auto& item : layer.module.ptr()->named_parameters()) {
+      all.emplace_back(layer.name + "." + item.key(), item.value());
+    }
+  }
+  return all;
+}
+
+const LayerList& Pipeline::layers() const { return impl_->layers; }
+const std::vector<int>& Pipeline::boundaries() const {
+  return impl_->boundaries;
+}
+const Schedule& Pipeline::schedule() const { return impl_->schedule; }
+const PipelineOptions& Pipeline::options() const { return impl_->options; }
+
+std::vector<std::string> Pipeline::stageDevices() const {
+  std::vector<std::string> names;
+  for (const auto& stage : impl_->stages) names.push_back(stage.deviceName);
+  return names;
+}
+
+}  // namespace tpipe

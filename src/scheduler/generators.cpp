@@ -1,0 +1,289 @@
+// Schedule generators: each decides only the order of compute on every rank;
+// `lower` adds the transfers and recomputation every generator needs alike.
+#include <algorithm>
+#include <sstream>
+
+#include "tpipe/schedule.h"
+
+namespace tpipe {
+namespace {
+
+enum class Pass { kForward, kBackward, kBackwardInput, kBackwardWeight };
+
+struct ComputeStep {
+  Pass pass;
+  int stage;
+  int microBatch;
+};
+
+using ComputeOrder = std::vector<std::vector<ComputeStep>>;  // per rank
+
+void requireCounts(int ranks, int microBatches, int virtualStages) {
+  if (ranks < 1) {
+    throw ScheduleError("schedule: stages per virtual stage (ranks) must be "
+                        ">= 1, got " + std::to_string(ranks));
+  }
+  if (microBatches < 1) {
+    throw ScheduleError("schedule: micro-batches must be >= 1, got " +
+                        std::to_string(microBatches));
+  }
+  if (virtualStages < 1) {
+    throw ScheduleError("schedule: virtual stages must be >= 1, got " +
+                        std::to_string(virtualStages));
+  }
+}
+
+// Receives go right before the compute that needs them and sends right
+// after the compute that produced them. A checkpointed micro-batch recomputes
+// before it waits for its gradient, so the recompute overlaps that wait.
+Schedule lower(std::string name, int ranks, int virtualStages,
+               int microBatches, CheckpointMode mode,
+               const ComputeOrder& order) {
+  Schedule schedule;
+  schedule.name = std::move(name);
+  schedule.ranks = ranks;
+  schedule.virtualStages = virtualStages;
+  schedule.microBatches = microBatches;
+  schedule.perRank.resize(ranks);
+  const int last = ranks * virtualStages - 1;
+  for (int rank = 0; rank < ranks; ++rank) {
+    auto& list = schedule.perRank[rank];
+    for (const ComputeStep& step : order[rank]) {
+      const int s = step.stage;
+      const int mb = step.microBatch;
+      const bool checkpointed = isCheckpointed(mode, mb, microBatches);
+      switch (step.pass) {
+        case Pass::kForward:
+          if (s > 0) list.emplace_back(RecvActivation{s, mb});
+          list.emplace_back(Forward{s, mb, checkpointed});
+          if (s < last) list.emplace_back(SendActivation{s, mb});
+          break;
+        case Pass::kBackward:
+        case Pass::kBackwardInput:
+          if (checkpointed) list.emplace_back(Recompute{s, mb});
+          if (s < last) list.emplace_back(RecvGrad{s, mb});
+          if (step.pass == Pass::kBackward) {
+            list.emplace_back(Backward{s, mb});
+          } else {
+            list.emplace_back(BackwardInput{s, mb});
+          }
+          if (s > 0) list.emplace_back(SendGrad{s, mb});
+          break;
+        case Pass::kBackwardWeight:
+          list.emplace_back(BackwardWeight{s, mb});
+          break;
+      }
+    }
+  }
+  return schedule;
+}
+
+// 1F1B's compute order for one rank: `warmup` forwards, then alternate one
+// forward and one backward, then drain the remaining backwards.
+std::vector<ComputeStep> oneFOneBOrder(int stage, int warmup,
+                                       int microBatches, Pass backward) {
+  std::vector<ComputeStep> steps;
+  for (int mb = 0; mb < warmup; ++mb) {
+    steps.push_back({Pass::kForward, stage, mb});
+  }
+  for (int k = 0; k < microBatches - warmup; ++k) {
+    steps.push_back({Pass::kForward, stage, warmup + k});
+    steps.push_back({backward, stage, k});
+  }
+  for (int mb = microBatches - warmup; mb < microBatches; ++mb) {
+    steps.push_back({backward, stage, mb});
+  }
+  return steps;
+}
+
+}  // namespace
+
+CheckpointMode parseCheckpointMode(const std::string& name) {
+  if (name == "always") return CheckpointMode::kAlways;
+  if (name == "except_last") return CheckpointMode::kExceptLast;
+  if (name == "never") return CheckpointMode::kNever;
+  throw ScheduleError("unknown checkpoint mode '" + name +
+                      "' (expected always, except_last or never)");
+}
+
+const char* checkpointModeName(CheckpointMode mode) {
+  switch (mode) {
+    case CheckpointMode::kAlways: return "always";
+    case CheckpointMode::kExceptLast: return "except_last";
+    case CheckpointMode::kNever: return "never";
+  }
+  return "?";
+}
+
+bool isCheckpointed(CheckpointMode mode, int microBatch, int microBatches) {
+  switch (mode) {
+    case CheckpointMode::kAlways: return true;
+    case CheckpointMode::kExceptLast: return microBatch < microBatches - 1;
+    case CheckpointMode::kNever: return false;
+  }
+  return false;
+}
+
+const std::vector<std::string>& scheduleNames() {
+  static const std::vector<std::string> names = {"gpipe", "1f1b",
+                                                 "interleaved-1f1b", "zb-h1"};
+  return names;
+}
+
+// Fill-drain: all forwards, then all backwards in reverse micro-batch order
+// (the last micro-batch's activations are the freshest). With virtual stages
+// each rank runs its chunks in model order forward and reverse backward.
+Schedule gpipeSchedule(int ranks, int microBatches, CheckpointMode mode) {
+  requireCounts(ranks, microBatches, 1);
+  ComputeOrder order(ranks);
+  for (int rank = 0; rank < ranks; ++rank) {
+    for (int mb = 0; mb < microBatches; ++mb) {
+      order[rank].push_back({Pass::kForward, rank, mb});
+    }
+    for (int mb = microBatches - 1; mb >= 0; --mb) {
+      order[rank].push_back({Pass::kBackward, rank, mb});
+    }
+  }
+  return lower("gpipe", ranks, 1, microBatches, mode, order);
+}
+
+// PipeDream-flush: stage s runs p - s - 1 warm-up forwards, so at most p - s
+// micro-batches are stashed at once.
+Schedule oneFOneBSchedule(int ranks, int microBatches, CheckpointMode mode) {
+  requireCounts(ranks, microBatches, 1);
+  ComputeOrder order(ranks);
+  for (int rank = 0; rank < ranks; ++rank) {
+    const int warmup = std::min(ranks - rank - 1, microBatches);
+    order[rank] = oneFOneBOrder(rank, warmup, microBatches, Pass::kBackward);
+  }
+  return lower("1f1b", ranks, 1, microBatches, mode, order);
+}
+
+// Megatron-LM's interleaved 1F1B: rank r holds model chunks (stages)
+// r, r + p, ..., and walks them in groups of p micro-batches, so the
+// pipeline fills v times faster. Needs m to be a multiple of p.
+Schedule interleavedSchedule(int ranks, int microBatches, int virtualStages,
+                             CheckpointMode mode) {
+  requireCounts(ranks, microBatches, virtualStages);
+  if (virtualStages == 1) {
+    Schedule schedule = oneFOneBSchedule(ranks, microBatches, mode);
+    schedule.name = "interleaved-1f1b";
+    return schedule;
+  }
+  if (microBatches % ranks != 0) {
+    throw ScheduleError(
+        "interleaved-1f1b needs micro-batches to be a multiple of the "
+        "pipeline ranks: " + std::to_string(microBatches) + " % " +
+        std::to_string(ranks) + " != 0");
+  }
+  const int total = microBatches * virtualStages;
+  auto microBatchOfStep = [&](int k) {
+    return (k / (ranks * virtualStages)) * ranks + k % ranks;
+  };
+  ComputeOrder order(ranks);
+  for (int rank = 0; rank < ranks; ++rank) {
+    auto forward = [&](int k) {
+      const int chunk = (k / ranks) % virtualStages;
+      return ComputeStep{Pass::kForward, chunk * ranks + rank,
+                         microBatchOfStep(k)};
+    };
+    auto backward = [&](int k) {
+      const int chunk = virtualStages - 1 - (k / ranks) % virtualStages;
+      return ComputeStep{Pass::kBackward, chunk * ranks + rank,
+                         microBatchOfStep(k)};
+    };
+    const int warmup = microBatches == ranks
+                           ? total
+                           : std::min(total, (ranks - rank - 1) * 2 +
+                                                 (virtualStages - 1) * ranks);
+    auto& steps = order[rank];
+    for (int k = 0; k < warmup; ++k) steps.push_back(forward(k));
+    for (int k = 0; k < total - warmup; ++k) {
+      steps.push_back(forward(warmup + k));
+      steps.push_back(backward(k));
+    }
+    for (int k = total - warmup; k < total; ++k) steps.push_back(backward(k));
+  }
+  return lower("interleaved-1f1b", ranks, virtualStages, microBatches, mode,
+               order);
+}
+
+// Zero-bubble ZB-H1 (Qi et al. 2023): 1F1B with the backward split into B
+// (input gradient, on the critical path) and W (weight gradient). Stage s
+// holds back its first s W passes and runs them in the drain, where 1F1B
+// idles; every stage then stashes at most p micro-batches, 1F1B's peak.
+Schedule zeroBubbleH1Schedule(int ranks, int microBatches,
+                              CheckpointMode mode) {
+  requireCounts(ranks, microBatches, 1);
+  ComputeOrder order(ranks);
+  for (int rank = 0; rank < ranks; ++rank) {
+    const int warmup = std::min(ranks - rank - 1, microBatches);
+    auto& steps = order[rank];
+    int nextWeight = 0;
+    int inputsDone = 0;
+    for (const ComputeStep& step :
+         oneFOneBOrder(rank, warmup, microBatches, Pass::kBackwardInput)) {
+      steps.push_back(step);
+      if (step.pass != Pass::kBackwardInput) continue;
+      ++inputsDone;
+      const bool steady = step.microBatch < microBatches - warmup;
+      if (!steady || inputsDone > rank) {
+        steps.push_back({Pass::kBackwardWeight, rank, nextWeight++});
+      }
+    }
+    while (nextWeight < microBatches) {
+      steps.push_back({Pass::kBackwardWeight, rank, nextWeight++});
+    }
+  }
+  return lower("zb-h1", ranks, 1, microBatches, mode, order);
+}
+
+Schedule forwardOnlySchedule(int ranks, int virtualStages, int microBatches) {
+  requireCounts(ranks, microBatches, virtualStages);
+  ComputeOrder order(ranks);
+  for (int rank = 0; rank < ranks; ++rank) {
+    for (int chunk = 0; chunk < virtualStages; ++chunk) {
+      for (int mb = 0; mb < microBatches; ++mb) {
+        order[rank].push_back({Pass::kForward, chunk * ranks + rank, mb});
+      }
+    }
+  }
+  Schedule schedule = lower("forward-only", ranks, virtualStages, microBatches,
+                            CheckpointMode::kNever, order);
+  schedule.training = false;
+  return schedule;
+}
+
+Schedule makeSchedule(const ScheduleSpec& spec) {
+  Schedule schedule;
+  const bool plain = spec.virtualStages == 1;
+  if (spec.name == "gpipe" || spec.name == "1f1b" || spec.name == "zb-h1") {
+    if (!plain) {
+      throw ScheduleError("schedule '" + spec.name +
+                          "' has one stage per rank; virtual stages (" +
+                          std::to_string(spec.virtualStages) +
+                          ") need 'interleaved-1f1b'");
+    }
+  }
+  if (spec.name == "gpipe") {
+    schedule = gpipeSchedule(spec.ranks, spec.microBatches, spec.checkpoint);
+  } else if (spec.name == "1f1b") {
+    schedule = oneFOneBSchedule(spec.ranks, spec.microBatches, spec.checkpoint);
+  } else if (spec.name == "interleaved-1f1b") {
+    schedule = interleavedSchedule(spec.ranks, spec.microBatches,
+                                   spec.virtualStages, spec.checkpoint);
+  } else if (spec.name == "zb-h1") {
+    schedule =
+        zeroBubbleH1Schedule(spec.ranks, spec.microBatches, spec.checkpoint);
+  } else {
+    std::ostringstream message;
+    message << "unknown schedule '" << spec.name << "' (expected one of:";
+    for (const auto& name : scheduleNames()) message << ' ' << name;
+    message << ')';
+    throw ScheduleError(message.str());
+  }
+  validate(schedule);
+  return schedule;
+}
+
+}  // namespace tpipe

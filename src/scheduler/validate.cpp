@@ -1,0 +1,308 @@
+// The one validator every schedule passes before it runs, and the simulator
+// whose unit-cost dry run is the validator's deadlock check.
+#include <algorithm>
+#include <sstream>
+
+#include "overloaded.h"
+#include "tpipe/schedule.h"
+
+namespace tpipe {
+namespace {
+
+// Position of each instruction kind for one (stage, micro-batch) in its
+// rank's list; -1 when absent.
+struct Positions {
+  int forward = -1;
+  int recompute = -1;
+  int backward = -1;
+  int backwardInput = -1;
+  int backwardWeight = -1;
+  int sendActivation = -1;
+  int recvActivation = -1;
+  int sendGrad = -1;
+  int recvGrad = -1;
+  bool checkpointed = false;
+};
+
+std::string where(int stage, int microBatch) {
+  return "stage " + std::to_string(stage) + ", micro-batch " +
+         std::to_string(microBatch);
+}
+
+[[noreturn]] void fail(const Schedule& schedule, const std::string& what) {
+  throw ScheduleError("invalid schedule '" + schedule.name + "': " + what);
+}
+
+void record(const Schedule& schedule, int& slot, int position,
+            const Instruction& instruction) {
+  if (slot >= 0) {
+    fail(schedule, std::string(opName(instruction)) + " appears twice for " +
+                       where(stageOf(instruction), microBatchOf(instruction)));
+  }
+  slot = position;
+}
+
+int* slotFor(Positions& p, const Instruction& instruction) {
+  return std::visit(
+      Overloaded{[&](const Forward&) { return &p.forward; },
+                 [&](const Recompute&) { return &p.recompute; },
+                 [&](const Backward&) { return &p.backward; },
+                 [&](const BackwardInput&) { return &p.backwardInput; },
+                 [&](const BackwardWeight&) { return &p.backwardWeight; },
+                 [&](const SendActivation&) { return &p.sendActivation; },
+                 [&](const RecvActivation&) { return &p.recvActivation; },
+                 [&](const SendGrad&) { return &p.sendGrad; },
+                 [&](const RecvGrad&) { return &p.recvGrad; }},
+      instruction);
+}
+
+void checkStageMicroBatch(const Schedule& schedule, const Positions& p,
+                          int stage, int mb) {
+  const int last = schedule.stages() - 1;
+  const std::string at = where(stage, mb);
+  if (p.forward < 0) fail(schedule, "no forward for " + at);
+  if (!schedule.training) {
+    if (p.backward >= 0 || p.backwardInput >= 0 || p.backwardWeight >= 0 ||
+        p.recompute >= 0 || p.sendGrad >= 0 || p.recvGrad >= 0 ||
+        p.checkpointed) {
+      fail(schedule, "an inference schedule only forwards; see " + at);
+    }
+    if (stage > 0 && (p.recvActivation < 0 || p.recvActivation > p.forward)) {
+      fail(schedule, "missing receive of the activation before forward for " +
+                         at);
+    }
+    if (stage < last && (p.sendActivation < 0 || p.sendActivation < p.forward)) {
+      fail(schedule, "missing send of the activation after forward for " + at);
+    }
+    return;
+  }
+  const bool split = p.backwardInput >= 0 || p.backwardWeight >= 0;
+  if (split && p.backward >= 0) {
+    fail(schedule, "both backward and backward_input/weight for " + at);
+  }
+  if (split && (p.backwardInput < 0 || p.backwardWeight < 0)) {
+    fail(schedule, "backward_input and backward_weight must both appear "
+                   "for " + at);
+  }
+  if (!split && p.backward < 0) fail(schedule, "no backward for " + at);
+  const int gradientPass = split ? p.backwardInput : p.backward;
+  if (gradientPass < p.forward) {
+    fail(schedule, "backward before forward for " + at);
+  }
+  if (split && p.backwardWeight < p.backwardInput) {
+    fail(schedule, "backward_weight before backward_input for " + at);
+  }
+  if (p.checkpointed) {
+    if (p.recompute < 0) {
+      fail(schedule, "checkpointed forward without recompute for " + at);
+    }
+    if (p.recompute < p.forward || p.recompute > gradientPass) {
+      fail(schedule, "recompute must come between forward and backward for " +
+                         at);
+    }
+  } else if (p.recompute >= 0) {
+    fail(schedule, "recompute of a forward that kept its activations for " +
+                       at);
+  }
+  if (stage > 0) {
+    if (p.recvActivation < 0 || p.recvActivation > p.forward) {
+      fail(schedule, "missing receive of the activation before forward for " +
+                         at);
+    }
+    if (p.sendGrad < 0 || p.sendGrad < gradientPass) {
+      fail(schedule, "missing send of the input gradient after backward for " +
+                         at);
+    }
+  } else if (p.recvActivation >= 0 || p.sendGrad >= 0) {
+    fail(schedule, "stage 0 has no previous stage to talk to (" + at + ")");
+  }
+  if (stage < last) {
+    if (p.sendActivation < 0 || p.sendActivation < p.forward) {
+      fail(schedule, "missing send of the activation after forward for " + at);
+    }
+    if (p.recvGrad < 0 || p.recvGrad > gradientPass) {
+      fail(schedule, "missing receive of the gradient before backward for " +
+                         at);
+    }
+  } else if (p.sendActivation >= 0 || p.recvGrad >= 0) {
+    fail(schedule, "the last stage has no next stage to talk to (" + at + ")");
+  }
+}
+
+}  // namespace
+
+void validate(const Schedule& schedule) {
+  if (schedule.ranks < 1 || schedule.virtualStages < 1 ||
+      schedule.microBatches < 1) {
+    fail(schedule, "ranks, virtual stages and micro-batches must be >= 1");
+  }
+  if (static_cast<int>(schedule.perRank.size()) != schedule.ranks) {
+    fail(schedule, "has " + std::to_string(schedule.perRank.size()) +
+                       " instruction lists for " +
+                       std::to_string(schedule.ranks) + " ranks");
+  }
+  const int stages = schedule.stages();
+  const int m = schedule.microBatches;
+  std::vector<Positions> positions(static_cast<size_t>(stages) * m);
+  for (int rank = 0; rank < schedule.ranks; ++rank) {
+    const auto& list = schedule.perRank[rank];
+    for (int i = 0; i < static_cast<int>(list.size()); ++i) {
+      const Instruction& instruction = list[i];
+      const int stage = stageOf(instruction);
+      const int mb = microBatchOf(instruction);
+      if (stage < 0 || stage >= stages) {
+        fail(schedule, "rank " + std::to_string(rank) + " instruction " +
+                           std::to_string(i) + " names stage " +
+                           std::to_string(stage) + " of " +
+                           std::to_string(stages));
+      }
+      if (mb < 0 || mb >= m) {
+        fail(schedule, "rank " + std::to_string(rank) + " instruction " +
+                           std::to_string(i) + " names micro-batch " +
+                           std::to_string(mb) + " of " + std::to_string(m));
+      }
+      if (schedule.rankOfStage(stage) != rank) {
+        fail(schedule, "rank " + std::to_string(rank) + " runs " +
+                           shortLabel(instruction) + " of stage " +
+                           std::to_string(stage) + ", which lives on rank " +
+                           std::to_string(schedule.rankOfStage(stage)));
+      }
+      Positions& p = positions[static_cast<size_t>(stage) * m + mb];
+      record(schedule, *slotFor(p, instruction), i, instruction);
+      if (const auto* forward = std::get_if<Forward>(&instruction)) {
+        p.checkpointed = forward->checkpointed;
+      }
+    }
+  }
+  for (int stage = 0; stage < stages; ++stage) {
+    for (int mb = 0; mb < m; ++mb) {
+      checkStageMicroBatch(schedule, positions[stage * m + mb], stage, mb);
+    }
+  }
+  const Simulation dryRun = simulate(schedule, {StageCosts{}});
+  if (!dryRun.finished) fail(schedule, "deadlock: " + dryRun.stuck);
+}
+
+Simulation simulate(const Schedule& schedule,
+                    const std::vector<StageCosts>& costs) {
+  const int ranks = schedule.ranks;
+  const int stages = schedule.stages();
+  const int m = schedule.microBatches;
+  if (costs.size() != 1 && static_cast<int>(costs.size()) != stages) {
+    throw ScheduleError("simulate: expected 1 or " + std::to_string(stages) +
+                        " stage costs, got " + std::to_string(costs.size()));
+  }
+  auto cost = [&](int stage) -> const StageCosts& {
+    return costs.size() == 1 ? costs[0] : costs[stage];
+  };
+  // Time at which a sent tensor is available to its receiver; < 0: not sent.
+  std::vector<double> activationReady(static_cast<size_t>(stages) * m, -1.0);
+  std::vector<double> gradReady(static_cast<size_t>(stages) * m, -1.0);
+  auto index = [m](int stage, int mb) { return static_cast<size_t>(stage) * m + mb; };
+
+  Simulation result;
+  result.busy.assign(ranks, 0.0);
+  result.idle.assign(ranks, 0.0);
+  result.peakStashed.assign(stages, 0);
+  result.peakLive.assign(stages, 0);
+  std::vector<int> stashed(stages, 0), live(stages, 0);
+  std::vector<size_t> next(ranks, 0);
+  std::vector<double> clock(ranks, 0.0);
+
+  auto bump = [&](int stage, int stashDelta, int liveDelta) {
+    stashed[stage] += stashDelta;
+    live[stage] += liveDelta;
+    result.peakStashed[stage] = std::max(result.peakStashed[stage], stashed[stage]);
+    result.peakLive[stage] = std::max(result.peakLive[stage], live[stage]);
+  };
+
+  bool progress = true;
+  while (progress) {
+    progress = false;
+    for (int rank = 0; rank < ranks; ++rank) {
+      const auto& list = schedule.perRank[rank];
+      while (next[rank] < list.size()) {
+        const Instruction& instruction = list[next[rank]];
+        const int s = stageOf(instruction);
+        const int mb = microBatchOf(instruction);
+        const StageCosts& c = cost(s);
+        double start = clock[rank];
+        double duration = 0.0;
+        bool blocked = false;
+        std::visit(
+            Overloaded{
+                [&](const Forward& f) {
+                  duration = c.forward;
+                  bump(s, 1, f.checkpointed ? 0 : 1);
+                },
+                [&](const Recompute&) {
+                  duration = c.recompute;
+                  bump(s, 0, 1);
+                },
+                [&](const Backward&) {
+                  duration = c.backward;
+                  bump(s, -1, -1);
+                },
+                [&](const BackwardInput&) { duration = c.backwardInput; },
+                [&](const BackwardWeight&) {
+                  duration = c.backwardWeight;
+                  bump(s, -1, -1);
+                },
+                [&](const SendActivation&) {
+                  activationReady[index(s, mb)] = start + c.transfer;
+                },
+                [&](const SendGrad&) {
+                  gradReady[index(s, mb)] = start + cost(s - 1).transfer;
+                },
+                [&](const RecvActivation&) {
+                  const double ready = s > 0 ? activationReady[index(s - 1, mb)] : -1;
+                  if (ready < 0) blocked = true;
+                  start = std::max(start, ready);
+                },
+                [&](const RecvGrad&) {
+                  const double ready =
+                      s + 1 < stages ? gradReady[index(s + 1, mb)] : -1;
+                  if (ready < 0) blocked = true;
+                  start = std::max(start, ready);
+                }},
+            instruction);
+        if (blocked) break;
+        const double end = start + duration;
+        if (isCompute(instruction)) result.busy[rank] += duration;
+        result.timeline.push_back(
+            {rank, static_cast<int>(next[rank]), start, end});
+        clock[rank] = end;
+        ++next[rank];
+        progress = true;
+      }
+    }
+  }
+
+  std::ostringstream stuck;
+  for (int rank = 0; rank < ranks; ++rank) {
+    const auto& list = schedule.perRank[rank];
+    if (next[rank] < list.size()) {
+      result.finished = false;
+      stuck << "rank " << rank << " waits at instruction " << next[rank]
+            << " (" << shortLabel(list[next[rank]]) << "); ";
+    }
+  }
+  result.stuck = stuck.str();
+  if (!result.stuck.empty()) result.stuck.resize(result.stuck.size() - 2);
+
+  result.makespan = *std::max_element(clock.begin(), clock.end());
+  double idle = 0.0;
+  for (int rank = 0; rank < ranks; ++rank) {
+    result.idle[rank] = result.makespan - result.busy[rank];
+    idle += result.idle[rank];
+  }
+  result.bubbleFraction =
+      result.makespan > 0 ? idle / (ranks * result.makespan) : 0.0;
+  return result;
+}
+
+double theoreticalBubble(int stages, int microBatches) {
+  return static_cast<double>(stages - 1) / (microBatches + stages - 1);
+}
+
+}  // namespace tpipe

@@ -1,0 +1,357 @@
+#include <gtest/gtest.h>
+
+#include <torch/torch.h>
+
+#include "tpipe/pipeline.h"
+
+namespace tpipe {
+namespace {
+
+torch::nn::Sequential makeNet(torch::Dtype dtype, uint64_t seed,
+                              double dropout = 0.0) {
+  torch::manual_seed(seed);
+  torch::nn::Sequential net(
+      torch::nn::Linear(6, 12), torch::nn::Tanh(), torch::nn::Linear(12, 12),
+      torch::nn::GELU(), torch::nn::Dropout(dropout), torch::nn::Linear(12, 10),
+      torch::nn::Sigmoid(), torch::nn::Linear(10, 10), torch::nn::ReLU(),
+      torch::nn::Linear(10, 3));
+  net->to(dtype);
+  return net;
+}
+
+torch::Tensor crossEntropy(const torch::Tensor& out, const torch::Tensor& y) {
+  return torch::nn::functional::cross_entropy(out, y);
+}
+
+double relativeError(const torch::Tensor& a, const torch::Tensor& b) {
+  const double scale = std::max(b.norm().item<double>(), 1e-30);
+  return (a - b).norm().item<double>() / scale;
+}
+
+std::vector<std::string> cpuDevices(int count) {
+  std::vector<std::string> devices;
+  for (int i = 0; i < count; ++i) devices.push_back("cpu:" + std::to_string(i));
+  return devices;
+}
+
+struct Case {
+  std::string schedule;
+  int ranks;
+  int virtualStages;
+  int microBatches;
+  CheckpointMode mode;
+};
+
+std::string describe(const Case& c, torch::Dtype dtype) {
+  return c.schedule + " ranks=" + std::to_string(c.ranks) + " v=" +
+         std::to_string(c.virtualStages) + " m=" +
+         std::to_string(c.microBatches) + " " + checkpointModeName(c.mode) +
+         (dtype == torch::kDouble ? " f64" : " f32");
+}
+
+// Loss and every gradient of a pipelined step equal the unpartitioned
+// model's on the whole batch.
+void expectTransparent(const Case& c, torch::Dtype dtype) {
+  SCOPED_TRACE(describe(c, dtype));
+  const double tolerance = dtype == torch::kDouble ? 1e-12 : 1e-5;
+  torch::nn::Sequential reference = makeNet(dtype, 1);
+  torch::nn::Sequential piped = makeNet(dtype, 1);
+  torch::manual_seed(2);
+  const int64_t batch = 13;  // not divisible by 2, 4 or 7
+  torch::Tensor x = torch::randn({batch, 6}, dtype);
+  torch::Tensor y = torch::randint(0, 3, {batch}, torch::kLong);
+
+  PipelineOptions options;
+  options.devices = cpuDevices(c.ranks);
+  options.virtualStages = c.virtualStages;
+  options.microBatches = c.microBatches;
+  options.schedule = c.schedule;
+  options.checkpoint = c.mode;
+  Pipeline pipe(layersOf(piped), options);
+  ASSERT_EQ(pipe.schedule().stages(), c.ranks * c.virtualStages);
+
+  torch::Tensor expected = crossEntropy(reference->forward(x), y);
+  expected.backward();
+  torch::Tensor loss = pipe.trainStep(x, y, crossEntropy);
+  EXPECT_LE(relativeError(loss, expected.detach()), tolerance);
+
+  auto want = reference->parameters();
+  auto got = pipe.parameters();
+  ASSERT_EQ(want.size(), got.size());
+  for (size_t i = 0; i < want.size(); ++i) {
+    ASSERT_TRUE(got[i].grad().defined()) << "parameter " << i;
+    EXPECT_LE(relativeError(got[i].grad(), want[i].grad()), tolerance)
+        << "parameter " << i;
+  }
+}
+
+std::vector<Case> transparencyCases() {
+  std::vector<Case> cases;
+  for (int ranks = 1; ranks <= 4; ++ranks) {
+    for (int m : {1, 2, 4, 7}) {
+      for (auto mode : {CheckpointMode::kAlways, CheckpointMode::kExceptLast,
+                        CheckpointMode::kNever}) {
+        for (const char* schedule : {"gpipe", "1f1b", "zb-h1"}) {
+          cases.push_back({schedule, ranks, 1, m, mode});
+        }
+        if (m % ranks == 0) cases.push_back({"interleaved-1f1b", ranks, 2, m, mode});
+      }
+    }
+  }
+  return cases;
+}
+
+TEST(PipelineTest, TransparentInDouble) {
+  for (const Case& c : transparencyCases()) expectTransparent(c, torch::kDouble);
+}
+
+TEST(PipelineTest, TransparentInFloat) {
+  for (const Case& c : transparencyCases()) expectTransparent(c, torch::kFloat);
+}
+
+TEST(PipelineTest, SeveralOptimizerStepsTrackSequentialTraining) {
+  torch::nn::Sequential reference = makeNet(torch::kDouble, 3);
+  torch::nn::Sequential piped = makeNet(torch::kDouble, 3);
+  PipelineOptions options;
+  options.devices = cpuDevices(3);
+  options.microBatches = 4;
+  options.schedule = "1f1b";
+  Pipeline pipe(layersOf(piped), options);
+  torch::optim::SGD refOpt(reference->parameters(),
+                           torch::optim::SGDOptions(0.1).momentum(0.9));
+  torch::optim::SGD pipeOpt(pipe.parameters(),
+                            torch::optim::SGDOptions(0.1).momentum(0.9));
+  torch::manual_seed(4);
+  for (int step = 0; step < 5; ++step) {
+    torch::Tensor x = torch::randn({10, 6}, torch::kDouble);
+    torch::Tensor y = torch::randint(0, 3, {10}, torch::kLong);
+    refOpt.zero_grad();
+    torch::Tensor expected = crossEntropy(reference->forward(x), y);
+    expected.backward();
+    refOpt.step();
+    pipeOpt.zero_grad();
+    torch::Tensor loss = pipe.trainStep(x, y, crossEntropy);
+    pipeOpt.step();
+    EXPECT_LE(relativeError(loss, expected.detach()), 1e-12) << "step " << step;
+  }
+  auto want = reference->parameters();
+  auto got = pipe.parameters();
+  for (size_t i = 0; i < want.size(); ++i) {
+    EXPECT_LE(relativeError(got[i], want[i]), 1e-12) << "parameter " << i;
+  }
+}
+
+TEST(PipelineTest, DropoutMasksReplayUnderRecompute) {
+  auto gradientsWith = [](CheckpointMode mode, const std::string& schedule) {
+    torch::nn::Sequential net = makeNet(torch::kDouble, 5, /*dropout=*/0.5);
+    PipelineOptions options;
+    options.devices = cpuDevices(3);
+    options.microBatches = 4;
+    options.checkpoint = mode;
+    options.schedule = schedule;
+    options.seed = 11;
+    Pipeline pipe(layersOf(net), options);
+    torch::manual_seed(6);
+    torch::Tensor x = torch::randn({12, 6}, torch::kDouble);
+    torch::Tensor y = torch::randint(0, 3, {12}, torch::kLong);
+    pipe.trainStep(x, y, crossEntropy);
+    std::vector<torch::Tensor> grads;
+    for (const auto& p : pipe.parameters()) grads.push_back(p.grad().clone());
+    return grads;
+  };
+  for (const char* schedule : {"gpipe", "1f1b"}) {
+    auto kept = gradientsWith(CheckpointMode::kNever, schedule);
+    auto remat = gradientsWith(CheckpointMode::kAlways, schedule);
+    auto again = gradientsWith(CheckpointMode::kNever, schedule);
+    for (size_t i = 0; i < kept.size(); ++i) {
+      EXPECT_TRUE(torch::equal(kept[i], remat[i])) << schedule << " parameter " << i;
+      EXPECT_TRUE(torch::equal(kept[i], again[i])) << schedule << " parameter " << i;
+    }
+  }
+}
+
+TEST(PipelineTest, ForwardMatchesTheModelInEvalMode) {
+  torch::nn::Sequential net = makeNet(torch::kDouble, 7, 0.3);
+  PipelineOptions options;
+  options.devices = cpuDevices(4);
+  options.microBatches = 3;
+  Pipeline pipe(layersOf(net), options);
+  net->eval();
+  torch::Tensor x = torch::randn({11, 6}, torch::kDouble);
+  torch::Tensor out = pipe.forward(x);
+  EXPECT_FALSE(out.requires_grad());
+  EXPECT_LE(relativeError(out, net->forward(x).detach()), 1e-14);
+  // Fewer samples than micro-batches is fine for inference.
+  EXPECT_EQ(pipe.forward(x.narrow(0, 0, 2)).size(0), 2);
+}
+
+TEST(PipelineTest, PartitionMethodsAndNames) {
+  torch::nn::Sequential net = makeNet(torch::kFloat, 8);
+  PipelineOptions options;
+  options.devices = cpuDevices(3);
+  options.balance = {2, 5, 3};
+  Pipeline pipe(layersOf(net), options);
+  EXPECT_EQ(pipe.boundaries(), (std::vector<int>{0, 2, 7, 10}));
+  EXPECT_EQ(pipe.stageDevices(),
+            (std::vector<std::string>{"cpu:0", "cpu:1", "cpu:2"}));
+  EXPECT_EQ(pipe.namedParameters().front().first, "0.weight");
+  EXPECT_EQ(pipe.namedParameters().back().first, "9.bias");
+
+  PipelineOptions byParameters;
+  byParameters.devices = cpuDevices(2);
+  byParameters.partition = PartitionMethod::kParameters;
+  Pipeline balanced(layersOf(makeNet(torch::kFloat, 8)), byParameters);
+  // Parameters per layer: 84, 0, 156, 0, 0, 130, 0, 110, 0, 33.
+  EXPECT_EQ(balanced.boundaries(), (std::vector<int>{0, 3, 10}));
+}
+
+std::string constructionError(const PipelineOptions& options) {
+  try {
+    Pipeline pipe(layersOf(makeNet(torch::kFloat, 9)), options);
+  } catch (const c10::Error& error) {
+    return error.what_without_backtrace();
+  }
+  return "";
+}
+
+TEST(PipelineTest, BadOptionsAreClearErrors) {
+  PipelineOptions options;
+  options.devices = cpuDevices(12);
+  options.stages = 11;
+  EXPECT_NE(constructionError(options).find("more stages (11) than layers (10)"),
+            std::string::npos)
+      << constructionError(options);
+
+  options = {};
+  options.devices = {"cpu:0", "gpu:1"};
+  EXPECT_NE(constructionError(options).find("unknown device 'gpu:1'"),
+            std::string::npos)
+      << constructionError(options);
+
+  options = {};
+  options.devices = cpuDevices(2);
+  options.balance = {4, 4};
+  EXPECT_NE(constructionError(options).find(
+                "balance sums to 8 layers, but the model has 10"),
+            std::string::npos)
+      << constructionError(options);
+
+  options = {};
+  options.devices = cpuDevices(2);
+  options.stages = 3;
+  EXPECT_NE(constructionError(options).find("need 3 devices, got 2"),
+            std::string::npos)
+      << constructionError(options);
+
+  options = {};
+  options.devices = {"cpu:0", "cpu:0"};
+  EXPECT_NE(constructionError(options).find("listed twice"), std::string::npos);
+
+  options = {};
+  options.schedule = "zigzag";
+  EXPECT_NE(constructionError(options).find("unknown schedule 'zigzag'"),
+            std::string::npos);
+
+  options = {};
+  options.devices = {"cuda:0"};
+  if (!torch::cuda::is_available()) {
+    EXPECT_NE(constructionError(options).find("no usable CUDA device"),
+              std::string::npos)
+        << constructionError(options);
+  }
+}
+
+TEST(PipelineTest, MoreMicroBatchesThanSamples) {
+  PipelineOptions options;
+  options.devices = cpuDevices(2);
+  options.microBatches = 8;
+  Pipeline pipe(layersOf(makeNet(torch::kFloat, 10)), options);
+  try {
+    pipe.trainStep(torch::randn({5, 6}), torch::zeros({5}, torch::kLong),
+                   crossEntropy);
+    FAIL() << "expected an error";
+  } catch (const c10::Error& error) {
+    EXPECT_NE(std::string(error.what_without_backtrace())
+                  .find("more micro-batches (8) than samples (5)"),
+              std::string::npos);
+  }
+  EXPECT_THROW(pipe.trainStep(torch::randn({9, 6}),
+                              torch::zeros({8}, torch::kLong), crossEntropy),
+               c10::Error);
+}
+
+struct ThrowingImpl : torch::nn::Module {
+  bool armed = false;
+  torch::Tensor forward(torch::Tensor x) {
+    if (armed) throw std::runtime_error("boom");
+    return x;
+  }
+};
+TORCH_MODULE(Throwing);
+
+TEST(PipelineTest, AThrowingLayerEndsTheStepAndThePipelineRecovers) {
+  torch::manual_seed(12);
+  Throwing thrower;
+  torch::nn::Sequential net(torch::nn::Linear(6, 8), torch::nn::ReLU(),
+                            torch::nn::Linear(8, 8), thrower,
+                            torch::nn::Linear(8, 3), torch::nn::Identity());
+  torch::manual_seed(12);
+  torch::nn::Sequential reference(torch::nn::Linear(6, 8), torch::nn::ReLU(),
+                                  torch::nn::Linear(8, 8), torch::nn::Identity(),
+                                  torch::nn::Linear(8, 3), torch::nn::Identity());
+  for (const char* schedule : {"gpipe", "1f1b", "zb-h1"}) {
+    PipelineOptions options;
+    options.devices = cpuDevices(3);
+    options.microBatches = 4;
+    options.schedule = schedule;
+    Pipeline pipe(layersOf(net), options);
+    torch::Tensor x = torch::randn({8, 6});
+    torch::Tensor y = torch::randint(0, 3, {8}, torch::kLong);
+    thrower->armed = true;
+    try {
+      pipe.trainStep(x, y, crossEntropy);
+      FAIL() << "expected the step to fail";
+    } catch (const c10::Error& error) {
+      EXPECT_NE(std::string(error.what_without_backtrace())
+                    .find("stage 1 on cpu:1, micro-batch 0, forward: boom"),
+                std::string::npos)
+          << error.what_without_backtrace();
+    }
+    thrower->armed = false;
+    for (auto& p : pipe.parameters()) p.mutable_grad() = torch::Tensor();
+    for (auto& p : reference->parameters()) p.mutable_grad() = torch::Tensor();
+    torch::Tensor loss = pipe.trainStep(x, y, crossEntropy);
+    torch::Tensor expected = crossEntropy(reference->forward(x), y);
+    expected.backward();
+    EXPECT_LE(relativeError(loss, expected.detach()), 1e-5);
+    auto got = pipe.parameters();
+    auto want = reference->parameters();
+    for (size_t i = 0; i < got.size(); ++i) {
+      EXPECT_LE(relativeError(got[i].grad(), want[i].grad()), 1e-5);
+    }
+  }
+}
+
+TEST(PipelineTest, ABadLossIsReportedWithItsStage) {
+  PipelineOptions options;
+  options.devices = cpuDevices(2);
+  options.microBatches = 2;
+  Pipeline pipe(layersOf(makeNet(torch::kFloat, 13)), options);
+  auto perSample = [](const torch::Tensor& out, const torch::Tensor& y) {
+    return torch::nn::functional::cross_entropy(
+        out, y, torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kNone));
+  };
+  try {
+    pipe.trainStep(torch::randn({4, 6}), torch::zeros({4}, torch::kLong), perSample);
+    FAIL();
+  } catch (const c10::Error& error) {
+    EXPECT_NE(std::string(error.what_without_backtrace())
+                  .find("stage 1 on cpu:1, micro-batch 0, forward: the loss "
+                        "function must return a scalar"),
+              std::string::npos)
+        << error.what_without_backtrace();
+  }
+}
+
+}  // namespace
+}  // namespace tpipe

@@ -1,0 +1,287 @@
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "tpipe/schedule.h"
+
+namespace tpipe {
+namespace {
+
+// Compute instructions of one rank as "F0 F1 B1 R0 B0"; with virtual stages
+// each label carries "@stage".
+std::string computeOrder(const Schedule& schedule, int rank) {
+  std::string out;
+  for (const Instruction& instruction : schedule.perRank[rank]) {
+    if (!isCompute(instruction)) continue;
+    if (!out.empty()) out += ' ';
+    out += shortLabel(instruction);
+    if (schedule.virtualStages > 1) {
+      out += '@' + std::to_string(stageOf(instruction));
+    }
+  }
+  return out;
+}
+
+// Every instruction, transfers as sA/rA (activation) and sG/rG (gradient).
+std::string fullOrder(const Schedule& schedule, int rank) {
+  std::string out;
+  for (const Instruction& instruction : schedule.perRank[rank]) {
+    if (!out.empty()) out += ' ';
+    const std::string mb = std::to_string(microBatchOf(instruction));
+    if (std::holds_alternative<SendActivation>(instruction)) out += "sA" + mb;
+    else if (std::holds_alternative<RecvActivation>(instruction)) out += "rA" + mb;
+    else if (std::holds_alternative<SendGrad>(instruction)) out += "sG" + mb;
+    else if (std::holds_alternative<RecvGrad>(instruction)) out += "rG" + mb;
+    else out += shortLabel(instruction);
+  }
+  return out;
+}
+
+TEST(ScheduleTest, GpipeFullListsWithTransfers) {
+  const Schedule s = gpipeSchedule(2, 2, CheckpointMode::kNever);
+  EXPECT_EQ(fullOrder(s, 0), "F0 sA0 F1 sA1 rG1 B1 rG0 B0");
+  EXPECT_EQ(fullOrder(s, 1), "rA0 F0 rA1 F1 B1 sG1 B0 sG0");
+  validate(s);
+}
+
+TEST(ScheduleTest, GpipeCheckpointModesPlaceRecomputeBeforeTheWait) {
+  EXPECT_EQ(fullOrder(gpipeSchedule(2, 3, CheckpointMode::kExceptLast), 0),
+            "F0 sA0 F1 sA1 F2 sA2 rG2 B2 R1 rG1 B1 R0 rG0 B0");
+  EXPECT_EQ(computeOrder(gpipeSchedule(3, 3, CheckpointMode::kAlways), 2),
+            "F0 F1 F2 R2 B2 R1 B1 R0 B0");
+  EXPECT_EQ(computeOrder(gpipeSchedule(3, 3, CheckpointMode::kNever), 1),
+            "F0 F1 F2 B2 B1 B0");
+}
+
+TEST(ScheduleTest, OneFOneBTable) {
+  const Schedule s = oneFOneBSchedule(3, 4, CheckpointMode::kNever);
+  EXPECT_EQ(computeOrder(s, 0), "F0 F1 F2 B0 F3 B1 B2 B3");
+  EXPECT_EQ(computeOrder(s, 1), "F0 F1 B0 F2 B1 F3 B2 B3");
+  EXPECT_EQ(computeOrder(s, 2), "F0 B0 F1 B1 F2 B2 F3 B3");
+  // Fewer micro-batches than warm-up slots: all forwards, then backwards.
+  EXPECT_EQ(computeOrder(oneFOneBSchedule(4, 2, CheckpointMode::kNever), 0),
+            "F0 F1 B0 B1");
+}
+
+TEST(ScheduleTest, InterleavedTable) {
+  const Schedule s = interleavedSchedule(2, 4, 2, CheckpointMode::kNever);
+  EXPECT_EQ(s.stages(), 4);
+  EXPECT_EQ(computeOrder(s, 0),
+            "F0@0 F1@0 F0@2 F1@2 F2@0 B0@2 F3@0 B1@2 F2@2 B0@0 F3@2 B1@0 "
+            "B2@2 B3@2 B2@0 B3@0");
+  EXPECT_EQ(computeOrder(s, 1),
+            "F0@1 F1@1 F0@3 B0@3 F1@3 B1@3 F2@1 B0@1 F3@1 B1@1 F2@3 B2@3 "
+            "F3@3 B3@3 B2@1 B3@1");
+  EXPECT_THROW(interleavedSchedule(2, 3, 2, CheckpointMode::kNever),
+               ScheduleError);
+}
+
+TEST(ScheduleTest, ZeroBubbleH1Table) {
+  const Schedule s = zeroBubbleH1Schedule(4, 8, CheckpointMode::kNever);
+  EXPECT_EQ(computeOrder(s, 0),
+            "F0 F1 F2 F3 b0 w0 F4 b1 w1 F5 b2 w2 F6 b3 w3 F7 b4 w4 b5 w5 b6 "
+            "w6 b7 w7");
+  EXPECT_EQ(computeOrder(s, 1),
+            "F0 F1 F2 b0 F3 b1 w0 F4 b2 w1 F5 b3 w2 F6 b4 w3 F7 b5 w4 b6 w5 "
+            "b7 w6 w7");
+  EXPECT_EQ(computeOrder(s, 3),
+            "F0 b0 F1 b1 F2 b2 F3 b3 w0 F4 b4 w1 F5 b5 w2 F6 b6 w3 F7 b7 w4 "
+            "w5 w6 w7");
+}
+
+TEST(ScheduleTest, EveryGeneratorValidatesAcrossShapes) {
+  for (const auto& name : scheduleNames()) {
+    for (int p : {1, 2, 3, 4, 8}) {
+      for (int m : {1, 2, 4, 7, 8, 16}) {
+        for (auto mode : {CheckpointMode::kAlways, CheckpointMode::kExceptLast,
+                          CheckpointMode::kNever}) {
+          for (int v : {1, 2, 3}) {
+            const bool interleaved = name == "interleaved-1f1b";
+            if (v > 1 && !interleaved) continue;
+            if (interleaved && v > 1 && m % p != 0) continue;
+            SCOPED_TRACE(name + " p=" + std::to_string(p) + " m=" +
+                         std::to_string(m) + " v=" + std::to_string(v));
+            EXPECT_NO_THROW(makeSchedule({name, p, m, v, mode}));
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(ScheduleTest, UnknownScheduleAndVirtualStagesAreRejected) {
+  try {
+    makeSchedule({"gpipe2", 2, 2, 1, CheckpointMode::kNever});
+    FAIL() << "expected an error";
+  } catch (const ScheduleError& error) {
+    EXPECT_NE(std::string(error.what()).find("unknown schedule 'gpipe2'"),
+              std::string::npos);
+  }
+  EXPECT_THROW(makeSchedule({"1f1b", 2, 4, 2, CheckpointMode::kNever}),
+               ScheduleError);
+  EXPECT_THROW(makeSchedule({"gpipe", 0, 4, 1, CheckpointMode::kNever}),
+               ScheduleError);
+}
+
+std::string validationError(const Schedule& schedule) {
+  try {
+    validate(schedule);
+  } catch (const ScheduleError& error) {
+    return error.what();
+  }
+  return "";
+}
+
+TEST(ScheduleTest, ValidatorRejectsMissingReceive) {
+  Schedule s = gpipeSchedule(2, 2, CheckpointMode::kNever);
+  s.perRank[1].erase(s.perRank[1].begin());  // rA0
+  EXPECT_NE(validationError(s).find(
+                "missing receive of the activation before forward for stage 1, "
+                "micro-batch 0"),
+            std::string::npos)
+      << validationError(s);
+}
+
+TEST(ScheduleTest, ValidatorRejectsBackwardBeforeForward) {
+  Schedule s;
+  s.name = "broken";
+  s.ranks = 1;
+  s.microBatches = 1;
+  s.perRank = {{Backward{0, 0}, Forward{0, 0, false}}};
+  EXPECT_NE(validationError(s).find("backward before forward for stage 0"),
+            std::string::npos)
+      << validationError(s);
+}
+
+TEST(ScheduleTest, ValidatorRejectsAWaitCycleAndShowsStuckInstructions) {
+  Schedule s;
+  s.name = "cycle";
+  s.ranks = 2;
+  s.microBatches = 1;
+  // Rank 0 waits for a gradient before it sends the activation rank 1 needs.
+  s.perRank = {{Forward{0, 0, false}, RecvGrad{0, 0}, SendActivation{0, 0},
+                Backward{0, 0}},
+               {RecvActivation{1, 0}, Forward{1, 0, false}, Backward{1, 0},
+                SendGrad{1, 0}}};
+  const std::string error = validationError(s);
+  EXPECT_NE(error.find("deadlock"), std::string::npos) << error;
+  EXPECT_NE(error.find("rank 0 waits at instruction 1 (recv grad 0 <- stage 1)"),
+            std::string::npos)
+      << error;
+  EXPECT_NE(error.find("rank 1 waits at instruction 0 (recv act 0 <- stage 0)"),
+            std::string::npos)
+      << error;
+}
+
+TEST(ScheduleTest, ValidatorRejectsRecomputeRulesAndWrongRank) {
+  Schedule s = gpipeSchedule(1, 1, CheckpointMode::kNever);
+  s.perRank[0].insert(s.perRank[0].begin() + 1, Recompute{0, 0});
+  EXPECT_NE(validationError(s).find("recompute of a forward that kept"),
+            std::string::npos);
+  Schedule t = gpipeSchedule(2, 1, CheckpointMode::kNever);
+  std::swap(t.perRank[0], t.perRank[1]);
+  EXPECT_NE(validationError(t).find("which lives on rank"), std::string::npos);
+  Schedule u = gpipeSchedule(1, 2, CheckpointMode::kNever);
+  u.perRank[0].push_back(Forward{0, 1, false});
+  EXPECT_NE(validationError(u).find("forward appears twice"), std::string::npos);
+}
+
+TEST(ScheduleTest, UnitCostBubbleMatchesTheoryForGpipeAndOneFOneB) {
+  for (int p : {1, 2, 4, 8}) {
+    for (int m : {1, 4, 8, 32}) {
+      for (const char* name : {"gpipe", "1f1b"}) {
+        const Schedule s = makeSchedule({name, p, m, 1, CheckpointMode::kNever});
+        const Simulation sim = simulate(s, {StageCosts{}});
+        ASSERT_TRUE(sim.finished);
+        EXPECT_NEAR(sim.bubbleFraction, theoreticalBubble(p, m), 1e-12)
+            << name << " p=" << p << " m=" << m;
+        EXPECT_DOUBLE_EQ(sim.makespan, 3.0 * (m + p - 1));
+      }
+    }
+  }
+}
+
+TEST(ScheduleTest, ZeroBubbleIdlesAtMostAThirdOfOneFOneB) {
+  for (int p : {2, 3, 4, 8}) {
+    for (int m : {p, 2 * p, 4 * p}) {
+      const Simulation ofob = simulate(
+          oneFOneBSchedule(p, m, CheckpointMode::kNever), {StageCosts{}});
+      const Simulation zb = simulate(
+          zeroBubbleH1Schedule(p, m, CheckpointMode::kNever), {StageCosts{}});
+      double idleOfob = 0, idleZb = 0;
+      for (int r = 0; r < p; ++r) {
+        idleOfob += ofob.idle[r];
+        idleZb += zb.idle[r];
+      }
+      EXPECT_LE(idleZb, idleOfob / 3.0 + 1e-9) << "p=" << p << " m=" << m;
+      EXPECT_LT(zb.bubbleFraction, ofob.bubbleFraction);
+      // Same peak memory as 1F1B: p micro-batches on any stage.
+      for (int stage = 0; stage < p; ++stage) {
+        EXPECT_LE(zb.peakStashed[stage], p);
+      }
+    }
+  }
+}
+
+TEST(ScheduleTest, PeakStashedMicroBatches) {
+  const int p = 4, m = 8;
+  const Simulation gpipe =
+      simulate(gpipeSchedule(p, m, CheckpointMode::kNever), {StageCosts{}});
+  const Simulation ofob =
+      simulate(oneFOneBSchedule(p, m, CheckpointMode::kNever), {StageCosts{}});
+  EXPECT_EQ(gpipe.peakStashed[0], m);
+  for (int stage = 0; stage < p; ++stage) {
+    EXPECT_EQ(ofob.peakStashed[stage], p - stage);
+  }
+  // Rematerialization keeps inputs stashed but at most one live graph.
+  const Simulation remat =
+      simulate(gpipeSchedule(p, m, CheckpointMode::kAlways), {StageCosts{}});
+  EXPECT_EQ(remat.peakStashed[0], m);
+  EXPECT_EQ(remat.peakLive[0], 1);
+}
+
+TEST(ScheduleTest, TransferAndStageCostsShiftTheTimeline) {
+  const Schedule s = gpipeSchedule(2, 1, CheckpointMode::kNever);
+  StageCosts slow;
+  slow.transfer = 0.5;
+  const Simulation sim = simulate(s, {slow, slow});
+  // F on 0 (1), transfer (0.5), F on 1 (1), B on 1 (2), transfer, B on 0.
+  EXPECT_DOUBLE_EQ(sim.makespan, 1 + 0.5 + 1 + 2 + 0.5 + 2);
+  EXPECT_THROW(simulate(s, {slow, slow, slow}), ScheduleError);
+}
+
+TEST(ScheduleTest, JsonRoundTripAndErrors) {
+  const Schedule s = zeroBubbleH1Schedule(3, 4, CheckpointMode::kExceptLast);
+  const nlohmann::json json = scheduleToJson(s);
+  EXPECT_EQ(json["stages"][0][0]["op"], "forward");
+  EXPECT_EQ(json["stages"][0][0]["micro_batch"], 0);
+  const Schedule back = scheduleFromJson(json);
+  EXPECT_EQ(scheduleToJson(back), json);
+  validate(back);
+  nlohmann::json broken = json;
+  broken["stages"][1][0]["op"] = "teleport";
+  EXPECT_THROW(scheduleFromJson(broken), ScheduleError);
+  EXPECT_THROW(scheduleFromJson(nlohmann::json::object()), ScheduleError);
+}
+
+TEST(ScheduleTest, ForwardOnlySchedule) {
+  const Schedule s = forwardOnlySchedule(2, 2, 3);
+  validate(s);
+  EXPECT_FALSE(s.training);
+  EXPECT_EQ(computeOrder(s, 1), "F0@1 F1@1 F2@1 F0@3 F1@3 F2@3");
+}
+
+TEST(ScheduleTest, PrintedTimelineShowsEveryRank) {
+  const Schedule s = oneFOneBSchedule(2, 2, CheckpointMode::kNever);
+  std::ostringstream out;
+  printSimulation(out, s, simulate(s, {StageCosts{}}), 18);
+  EXPECT_NE(out.str().find("bubble 33.3%"), std::string::npos) << out.str();
+  EXPECT_NE(out.str().find("0 |F0F1....B0==..B1==|"), std::string::npos)
+      << out.str();
+  EXPECT_NE(out.str().find("1 |..F0B0==F1B1==....|"), std::string::npos)
+      << out.str();
+}
+
+}  // namespace
+}  // namespace tpipe
