@@ -87,6 +87,11 @@ struct PipelineOptions {
 using LossFunction = std::function<torch::Tensor(const torch::Tensor& output,
                                                  const torch::Tensor& target)>;
 
+// True on a worker thread while it re-runs a checkpointed forward. Layers
+// that keep running statistics (batch norm) skip their update then, so a
+// recomputed micro-batch is not counted twice.
+bool isRecomputing();
+
 class Pipeline {
  public:
   // Throws c10::Error naming the offending option: unknown device, more
@@ -122,6 +127,11 @@ class Pipeline {
   const PipelineOptions& options() const;
   // The device each stage runs on, as named in the options.
   std::vector<std::string> stageDevices() const;
+
+  // Each stage's random generator state (dropout), for checkpoints: restoring
+  // them makes a resumed run draw the same masks as an uninterrupted one.
+  std::vector<torch::Tensor> generatorStates() const;
+  void setGeneratorStates(const std::vector<torch::Tensor>& states);
 
  private:
   struct Impl;

@@ -6,60 +6,60 @@
 
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
-#include <torch/torch.h>
+#include <c10/util/Exception.h>
 
+#include "tpipe/config.h"
 #include "tpipe/pipeline.h"
+#include "tpipe/trainer.h"
 #include "tpipe/schedule.h"
 
 namespace {
 
-// The built-in example: a 6-layer MLP learning a synthetic 4-class problem,
-// pipelined over two virtual CPU devices, checked against the
-// unpartitioned model's loss at the first step.
-int trainBuiltInExample(int steps) {
-  torch::manual_seed(0);
-  const int64_t samples = 2048, features = 16, classes = 4;
-  torch::Tensor x = torch::randn({samples, features});
-  torch::Tensor projection = torch::randn({features, classes});
-  torch::Tensor y = x.matmul(projection).argmax(1);
+// `tpipe train` without a config trains this one (configs/fashion_mnist_cnn.json).
+const char* const kDefaultConfig =
+#include "default_config.inc"
+    ;
 
-  torch::nn::Sequential net(
-      torch::nn::Linear(features, 64), torch::nn::ReLU(),
-      torch::nn::Linear(64, 64), torch::nn::ReLU(),
-      torch::nn::Linear(64, classes), torch::nn::Identity());
-  tpipe::PipelineOptions options;
-  options.devices = {"cpu:0", "cpu:1"};
-  options.microBatches = 4;
-  tpipe::Pipeline pipe(tpipe::layersOf(net), options);
-  torch::optim::SGD sgd(pipe.parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
-  auto loss = [](const torch::Tensor& out, const torch::Tensor& target) {
-    return torch::nn::functional::cross_entropy(out, target);
-  };
-  std::cout << "tpipe built-in example: 6-layer MLP, 2 stages on cpu:0, cpu:1, "
-               "4 micro-batches, gpipe, checkpoint except_last\n";
-  const int64_t batch = 128;
-  const auto start = std::chrono::steady_clock::now();
-  for (int step = 0; step < steps; ++step) {
-    const int64_t offset = (step * batch) % samples;
-    torch::Tensor xb = x.narrow(0, offset, batch);
-    torch::Tensor yb = y.narrow(0, offset, batch);
-    sgd.zero_grad();
-    const double value = pipe.trainStep(xb, yb, loss).item<double>();
-    if (step == 0) {
-      torch::NoGradGuard noGrad;
-      const double reference = loss(net->forward(xb), yb).item<double>();
-      std::printf("step 1: pipelined loss %.6f, unpartitioned loss %.6f\n",
-                  value, reference);
-    }
-    sgd.step();
-    if ((step + 1) % 50 == 0) std::printf("step %d: loss %.4f\n", step + 1, value);
+nlohmann::json configJson(const std::string& path, const std::vector<std::string>& overrides) {
+  if (!path.empty()) return tpipe::readConfigJson(path, overrides);
+  nlohmann::json json = nlohmann::json::parse(kDefaultConfig);
+  for (const auto& assignment : overrides) tpipe::applyOverride(json, assignment);
+  return json;
+}
+
+std::string shapeText(const std::vector<int64_t>& shape) {
+  std::string text = "[";
+  for (size_t i = 0; i < shape.size(); ++i) text += (i ? ", " : "") + std::to_string(shape[i]);
+  return text + "]";
+}
+
+// Every check short of training: config, shape inference, loss fit, data.
+int validateConfig(const std::string& path, const std::vector<std::string>& overrides) {
+  const tpipe::Config config = tpipe::parseConfig(configJson(path, overrides));
+  const tpipe::BuiltModel model = tpipe::buildModel(config.model, config.train.seed);
+  tpipe::checkLossFits(config, model);
+  std::printf("%-6s %-18s %-18s %s\n", "layer", "type", "output", "parameters");
+  std::printf("%-6s %-18s %-18s\n", "input", "", shapeText(model.shapes[0]).c_str());
+  for (size_t i = 0; i < model.layers.size(); ++i) {
+    int64_t count = 0;
+    for (const auto& p : model.layers[i].module.ptr()->parameters()) count += p.numel();
+    std::printf("%-6zu %-18s %-18s %lld\n", i, config.model.layers[i].type.c_str(),
+                shapeText(model.shapes[i + 1]).c_str(), static_cast<long long>(count));
   }
-  const double seconds = std::chrono::duration<double>(
-                             std::chrono::steady_clock::now() - start).count();
-  torch::Tensor predictions = pipe.forward(x).argmax(1);
-  const double accuracy = predictions.eq(y).to(torch::kDouble).mean().item<double>();
-  std::printf("trained %d steps in %.2f s; training accuracy %.3f\n", steps,
-              seconds, accuracy);
+  const tpipe::Dataset data = tpipe::loadDataset(config, model);
+  std::printf("%s\n", data.description.c_str());
+  tpipe::ScheduleSpec spec;
+  spec.name = config.pipeline.schedule;
+  spec.ranks = (config.pipeline.stages > 0 ? config.pipeline.stages
+                : !config.pipeline.balance.empty() ? static_cast<int>(config.pipeline.balance.size())
+                : static_cast<int>(config.pipeline.devices.size()) * config.pipeline.virtualStages) /
+               config.pipeline.virtualStages;
+  spec.microBatches = config.pipeline.microBatches;
+  spec.virtualStages = config.pipeline.virtualStages;
+  spec.checkpoint = tpipe::parseCheckpointMode(config.pipeline.checkpoint);
+  const tpipe::Schedule schedule = tpipe::makeSchedule(spec);
+  std::printf("config OK: %lld parameters, %d stages, schedule %s valid\n",
+              static_cast<long long>(model.parameterCount), schedule.stages(), schedule.name.c_str());
   return 0;
 }
 
@@ -85,9 +85,22 @@ int main(int argc, char** argv) {
   CLI::App app{"tpipe: pipeline-parallel training on LibTorch"};
   app.require_subcommand(1);
 
-  auto* train = app.add_subcommand("train", "train (now: the built-in example)");
-  int steps = 300;
-  train->add_option("--steps", steps, "optimizer steps")->check(CLI::PositiveNumber);
+  std::string configPath;
+  std::vector<std::string> overrides;
+  auto* train = app.add_subcommand(
+      "train", "train from a JSON config (default: the built-in Fashion-MNIST CNN config)");
+  tpipe::TrainOptions trainOptions;
+  train->add_option("config", configPath, "JSON config file")->check(CLI::ExistingFile);
+  train->add_option("--set", overrides, "override a config value: key.path=value (repeatable)");
+  train->add_option("--metrics", trainOptions.metricsPath, "write JSON lines, one per step");
+  train->add_option("--save", trainOptions.saveDir, "checkpoint directory");
+  train->add_option("--resume", trainOptions.resumeDir, "continue from this checkpoint directory");
+  train->add_option("--stop-after", trainOptions.stopAfter,
+                    "stop after this many steps (a preemption: the schedule still spans train.steps)");
+
+  auto* validate = app.add_subcommand("validate", "check a config without training");
+  validate->add_option("config", configPath, "JSON config file")->required()->check(CLI::ExistingFile);
+  validate->add_option("--set", overrides, "override a config value: key.path=value");
 
   auto* schedule = app.add_subcommand(
       "schedule", "print a schedule's instruction lists and simulated timeline");
@@ -96,25 +109,35 @@ int main(int argc, char** argv) {
   bool json = false;
   schedule->add_option("--stages", spec.ranks, "pipeline ranks (devices)")->required();
   schedule->add_option("--micro-batches", spec.microBatches, "micro-batches")->required();
-  schedule->add_option("--schedule", spec.name,
-                       "gpipe | 1f1b | interleaved-1f1b | zb-h1");
+  schedule->add_option("--schedule", spec.name, "gpipe | 1f1b | interleaved-1f1b | zb-h1");
   schedule->add_option("--virtual", spec.virtualStages, "stages per device");
   schedule->add_option("--checkpoint", checkpoint, "always | except_last | never");
   schedule->add_flag("--json", json, "print JSON");
 
   CLI11_PARSE(app, argc, argv);
   try {
-    if (*train) return trainBuiltInExample(steps);
+    if (*train) {
+      const tpipe::Config config = tpipe::parseConfig(configJson(configPath, overrides));
+      tpipe::train(config, trainOptions);
+      return 0;
+    }
+    if (*validate) return validateConfig(configPath, overrides);
     if (*schedule) {
       spec.checkpoint = tpipe::parseCheckpointMode(checkpoint);
       return printSchedule(spec, json);
     }
-  } catch (const c10::Error& error) {
-    std::cerr << "tpipe: error: " << error.what_without_backtrace() << '\n';
-    return 2;
-  } catch (const std::exception& error) {
+  } catch (const tpipe::ConfigError& error) {
     std::cerr << "tpipe: error: " << error.what() << '\n';
     return 2;
+  } catch (const std::invalid_argument& error) {  // schedule and partition errors
+    std::cerr << "tpipe: error: " << error.what() << '\n';
+    return 2;
+  } catch (const c10::Error& error) {
+    std::cerr << "tpipe: error: " << error.what_without_backtrace() << '\n';
+    return 1;
+  } catch (const std::exception& error) {
+    std::cerr << "tpipe: error: " << error.what() << '\n';
+    return 1;
   }
   return 0;
 }

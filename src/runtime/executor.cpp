@@ -13,6 +13,16 @@ namespace tpipe {
 namespace runtime {
 namespace {
 
+thread_local bool recomputing = false;
+
+class RecomputeScope {
+ public:
+  RecomputeScope() { recomputing = true; }
+  ~RecomputeScope() { recomputing = false; }
+  RecomputeScope(const RecomputeScope&) = delete;
+  RecomputeScope& operator=(const RecomputeScope&) = delete;
+};
+
 using Direction = Exchange::Direction;
 
 // LibTorch's dropout draws from the one process-wide CPU generator. A stage
@@ -91,6 +101,7 @@ class RankExecutor {
     StageRuntime& stage = stageAt(op.stage);
     Stash& stash = state_.at(op.stage, op.microBatch);
     at::AutoGradMode gradMode(true);
+    RecomputeScope recomputeScope;
     StageGeneratorScope generator(stage.stochastic, stash.rngState);
     at::Tensor output = runLayers(stage, stash.input);
     if (isLast(op.stage)) {
@@ -241,4 +252,7 @@ void runRank(StepState& state, int rank) {
 }
 
 }  // namespace runtime
+
+bool isRecomputing() { return runtime::recomputing; }
+
 }  // namespace tpipe

@@ -322,6 +322,23 @@ const std::vector<int>& Pipeline::boundaries() const {
 const Schedule& Pipeline::schedule() const { return impl_->schedule; }
 const PipelineOptions& Pipeline::options() const { return impl_->options; }
 
+std::vector<torch::Tensor> Pipeline::generatorStates() const {
+  std::vector<torch::Tensor> states;
+  for (const auto& stage : impl_->stages) states.push_back(stage.rngState.clone());
+  return states;
+}
+
+void Pipeline::setGeneratorStates(const std::vector<torch::Tensor>& states) {
+  TORCH_CHECK(states.size() == impl_->stages.size(), "expected ",
+              impl_->stages.size(), " stage generator states, got ",
+              states.size());
+  for (size_t s = 0; s < states.size(); ++s) {
+    auto probe = at::make_generator<at::CPUGeneratorImpl>(0);
+    probe.set_state(states[s]);  // rejects a malformed state
+    impl_->stages[s].rngState = states[s].clone();
+  }
+}
+
 std::vector<std::string> Pipeline::stageDevices() const {
   std::vector<std::string> names;
   for (const auto& stage : impl_->stages) names.push_back(stage.deviceName);

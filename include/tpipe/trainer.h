@@ -1,0 +1,73 @@
+// Config-driven training: build the layer list from a Config (with shape
+// inference), load its data, and train it through a Pipeline with metrics,
+// evaluation and atomic checkpoints.
+#pragma once
+
+#include <cstdint>
+#include <iosfwd>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "tpipe/config.h"
+#include "tpipe/pipeline.h"
+
+namespace tpipe {
+
+struct BuiltModel {
+  LayerList layers;
+  // shapes[0] is the input (per sample); shapes[i + 1] is layer i's output.
+  std::vector<std::vector<int64_t>> shapes;
+  bool integerInput = false;  // token ids (embedding first)
+  int64_t parameterCount = 0;
+};
+
+// Builds the layers, inferring each input size from model.input_shape.
+// Throws ConfigError naming the first layer whose input does not fit:
+// "model.layers[4] (linear): expects an input of rank >= 1 ...".
+// Weights are initialized from `seed`.
+BuiltModel buildModel(const ModelConfig& model, uint64_t seed);
+
+// A layer that tracks statistics over the whole batch while normalizing per
+// micro-batch (torchgpipe's deferred batch norm), named like PyTorch's
+// BatchNorm2d in state dicts. Created by buildModel for "batchnorm2d".
+void setBatchNormMicroBatches(const BuiltModel& model, int microBatches);
+
+struct Dataset {
+  at::Tensor trainInputs, trainTargets;
+  at::Tensor evalInputs, evalTargets;
+  std::string description;
+};
+
+// Loads config.data; throws ConfigError naming missing files and the Debian
+// package that provides them, or a model whose output cannot fit the loss.
+Dataset loadDataset(const Config& config, const BuiltModel& model);
+
+// Checks that the model's output shape fits the loss and the data's targets.
+void checkLossFits(const Config& config, const BuiltModel& model);
+
+struct TrainOptions {
+  std::string metricsPath;  // JSON lines; empty: none
+  std::string saveDir;      // checkpoints; empty: none
+  std::string resumeDir;    // continue from this checkpoint; empty: start
+  // Stop (and checkpoint, with saveDir) once this many steps are done, as a
+  // preempted job would; the schedule still spans train.steps. 0: run all.
+  int64_t stopAfter = 0;
+  std::ostream* log = nullptr;  // progress and summary; null: std::cout
+};
+
+struct TrainSummary {
+  int64_t startStep = 0;  // 0 unless resumed
+  int64_t steps = 0;      // optimizer steps taken in total
+  double seconds = 0.0;
+  double samplesPerSecond = 0.0;
+  double finalLoss = 0.0;
+  double evalLoss = 0.0;
+  double evalAccuracy = -1.0;  // < 0: not a classification loss
+  std::vector<double> losses;  // per step run in this call
+};
+
+TrainSummary train(const Config& config, const TrainOptions& options);
+
+}  // namespace tpipe

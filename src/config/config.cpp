@@ -1,0 +1,551 @@
+#include "tpipe/config.h"
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <map>
+#include <set>
+#include <sstream>
+
+#include "tpipe/schedule.h"
+
+namespace tpipe {
+
+const char* const kFashionMnistPath = "/usr/share/datasets/fashion-mnist";
+const char* const kDefaultTextPath = "/usr/share/common-licenses/GPL-3";
+
+namespace {
+
+using Json = nlohmann::json;
+
+[[noreturn]] void fail(const std::string& path, const std::string& what) {
+  throw ConfigError(path + ": " + what);
+}
+
+std::string shown(const Json& value) {
+  std::string text = value.dump();
+  if (text.size() > 60) text = text.substr(0, 57) + "...";
+  return text;
+}
+
+size_t editDistance(const std::string& a, const std::string& b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diagonal = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const size_t above = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1,
+                         diagonal + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diagonal = above;
+    }
+  }
+  return row[b.size()];
+}
+
+std::string didYouMean(const std::string& key,
+                       const std::vector<std::string>& known) {
+  std::string best;
+  size_t bestDistance = std::max<size_t>(3, key.size() / 2) + 1;
+  for (const auto& candidate : known) {
+    const size_t d = editDistance(key, candidate);
+    if (d < bestDistance) {
+      bestDistance = d;
+      best = candidate;
+    }
+  }
+  std::string hint;
+  if (!best.empty()) hint = " (did you mean '" + best + "'?)";
+  std::string list;
+  for (const auto& candidate : known) list += (list.empty() ? "" : ", ") + candidate;
+  return hint + "; known keys: " + list;
+}
+
+// Reads the keys of one JSON object, remembering which were asked for, so
+// that finish() can reject the rest as unknown.
+class ObjectReader {
+ public:
+  ObjectReader(const Json& json, std::string path)
+      : json_(json), path_(std::move(path)) {
+    if (!json_.is_object()) fail(path_, "expected an object, got " + shown(json_));
+  }
+
+  std::string at(const std::string& key) const {
+    return path_.empty() ? key : path_ + "." + key;
+  }
+
+  const Json* find(const std::string& key) {
+    known_.push_back(key);
+    auto it = json_.find(key);
+    return it == json_.end() ? nullptr : &*it;
+  }
+
+  const Json& require(const std::string& key) {
+    const Json* value = find(key);
+    if (value == nullptr) fail(at(key), "missing (required)");
+    return *value;
+  }
+
+  int64_t integer(const std::string& key, int64_t fallback, int64_t min,
+                  const char* expectation) {
+    const Json* value = find(key);
+    if (value == nullptr) return fallback;
+    return checkInteger(*value, at(key), min, expectation);
+  }
+
+  double number(const std::string& key, double fallback, double min,
+                double max, const char* expectation) {
+    const Json* value = find(key);
+    if (value == nullptr) return fallback;
+    if (!value->is_number() || value->get<double>() < min ||
+        value->get<double>() > max || !std::isfinite(value->get<double>())) {
+      fail(at(key), std::string("expected ") + expectation + ", got " + shown(*value));
+    }
+    return value->get<double>();
+  }
+
+  bool boolean(const std::string& key, bool fallback) {
+    const Json* value = find(key);
+    if (value == nullptr) return fallback;
+    if (!value->is_boolean()) fail(at(key), "expected true or false, got " + shown(*value));
+    return value->get<bool>();
+  }
+
+  std::string choice(const std::string& key, const std::string& fallback,
+                     const std::vector<std::string>& allowed) {
+    const Json* value = find(key);
+    if (value == nullptr) return fallback;
+    std::string list;
+    for (const auto& option : allowed) list += (list.empty() ? "" : ", ") + option;
+    if (!value->is_string()) fail(at(key), "expected one of " + list + ", got " + shown(*value));
+    const std::string text = value->get<std::string>();
+    if (std::find(allowed.begin(), allowed.end(), text) == allowed.end()) {
+      fail(at(key), "unknown value '" + text + "'; expected one of " + list);
+    }
+    return text;
+  }
+
+  std::string string(const std::string& key, const std::string& fallback) {
+    const Json* value = find(key);
+    if (value == nullptr) return fallback;
+    if (!value->is_string() || value->get<std::string>().empty()) {
+      fail(at(key), "expected a non-empty string, got " + shown(*value));
+    }
+    return value->get<std::string>();
+  }
+
+  void finish() const {
+    for (auto it = json_.begin(); it != json_.end(); ++it) {
+      if (std::find(known_.begin(), known_.end(), it.key()) == known_.end()) {
+        fail(at(it.key()), "unknown key '" + it.key() + "'" + didYouMean(it.key(), known_));
+      }
+    }
+  }
+
+  static int64_t checkInteger(const Json& value, const std::string& path,
+                              int64_t min, const char* expectation) {
+    if (!value.is_number_integer() || value.get<int64_t>() < min) {
+      fail(path, std::string("expected ") + expectation + ", got " + shown(value));
+    }
+    return value.get<int64_t>();
+  }
+
+ private:
+  const Json& json_;
+  std::string path_;
+  std::vector<std::string> known_;
+};
+
+// Layer parameters: each type's keys, their kind and default.
+enum class Kind { kPositive, kNonNegative, kSize2, kSize2NonNegative, kBool,
+                  kProbability, kPositiveNumber, kNumber };
+
+struct ParamRule {
+  const char* key;
+  Kind kind;
+  Json fallback;  // null: required
+};
+
+const std::map<std::string, std::vector<ParamRule>>& layerRules() {
+  static const std::map<std::string, std::vector<ParamRule>> rules = {
+      {"linear", {{"out_features", Kind::kPositive, nullptr},
+                  {"bias", Kind::kBool, true}}},
+      {"conv2d", {{"out_channels", Kind::kPositive, nullptr},
+                  {"kernel_size", Kind::kSize2, nullptr},
+                  {"stride", Kind::kSize2, 1},
+                  {"padding", Kind::kSize2NonNegative, 0},
+                  {"bias", Kind::kBool, true}}},
+      {"maxpool2d", {{"kernel_size", Kind::kSize2, nullptr},
+                     {"stride", Kind::kSize2, nullptr},
+                     {"padding", Kind::kSize2NonNegative, 0}}},
+      {"avgpool2d", {{"kernel_size", Kind::kSize2, nullptr},
+                     {"stride", Kind::kSize2, nullptr},
+                     {"padding", Kind::kSize2NonNegative, 0}}},
+      {"flatten", {}},
+      {"relu", {}},
+      {"gelu", {}},
+      {"tanh", {}},
+      {"sigmoid", {}},
+      {"dropout", {{"p", Kind::kProbability, 0.5}}},
+      {"layernorm", {{"eps", Kind::kPositiveNumber, 1e-5}}},
+      {"batchnorm2d", {{"eps", Kind::kPositiveNumber, 1e-5},
+                       {"momentum", Kind::kProbability, 0.1}}},
+      {"embedding", {{"num_embeddings", Kind::kPositive, nullptr},
+                     {"embedding_dim", Kind::kPositive, nullptr}}},
+      {"transformer_block", {{"heads", Kind::kPositive, nullptr},
+                             {"mlp_ratio", Kind::kPositive, 4},
+                             {"dropout", Kind::kProbability, 0.0}}},
+  };
+  return rules;
+}
+
+Json checkParam(const ParamRule& rule, const Json& value, const std::string& path) {
+  auto positivePair = [&](int64_t min, const char* expectation) {
+    if (value.is_array()) {
+      if (value.size() != 2) fail(path, std::string("expected ") + expectation + ", got " + shown(value));
+      return Json::array({ObjectReader::checkInteger(value[0], path + "[0]", min, expectation),
+                          ObjectReader::checkInteger(value[1], path + "[1]", min, expectation)});
+    }
+    const int64_t n = ObjectReader::checkInteger(value, path, min, expectation);
+    return Json::array({n, n});
+  };
+  switch (rule.kind) {
+    case Kind::kPositive:
+      return ObjectReader::checkInteger(value, path, 1, "a positive integer");
+    case Kind::kNonNegative:
+      return ObjectReader::checkInteger(value, path, 0, "a non-negative integer");
+    case Kind::kSize2:
+      return positivePair(1, "a positive integer or a pair of them");
+    case Kind::kSize2NonNegative:
+      return positivePair(0, "a non-negative integer or a pair of them");
+    case Kind::kBool:
+      if (!value.is_boolean()) fail(path, "expected true or false, got " + shown(value));
+      return value;
+    case Kind::kProbability:
+      if (!value.is_number() || value.get<double>() < 0 || value.get<double>() >= 1) {
+        fail(path, "expected a number in [0, 1), got " + shown(value));
+      }
+      return value;
+    case Kind::kPositiveNumber:
+      if (!value.is_number() || value.get<double>() <= 0) {
+        fail(path, "expected a positive number, got " + shown(value));
+      }
+      return value;
+    case Kind::kNumber:
+      if (!value.is_number()) fail(path, "expected a number, got " + shown(value));
+      return value;
+  }
+  return value;
+}
+
+LayerSpec parseLayer(const Json& json, const std::string& path) {
+  ObjectReader reader(json, path);
+  const Json& typeValue = reader.require("type");
+  std::vector<std::string> types;
+  for (const auto& entry : layerRules()) types.push_back(entry.first);
+  if (!typeValue.is_string()) fail(reader.at("type"), "expected a layer type string, got " + shown(typeValue));
+  const std::string type = typeValue.get<std::string>();
+  auto rules = layerRules().find(type);
+  if (rules == layerRules().end()) {
+    std::string hint = didYouMean(type, types);
+    hint.replace(hint.find("; known keys"), 12, "; known types");
+    fail(reader.at("type"), "unknown layer type '" + type + "'" + hint);
+  }
+  LayerSpec spec{type, Json::object()};
+  for (const ParamRule& rule : rules->second) {
+    const Json* value = reader.find(rule.key);
+    if (value != nullptr) {
+      spec.params[rule.key] = checkParam(rule, *value, reader.at(rule.key));
+    } else if (std::string(rule.key) == "stride" && rule.fallback.is_null()) {
+      spec.params["stride"] = spec.params["kernel_size"];  // pools: stride = kernel
+    } else if (rule.fallback.is_null()) {
+      fail(reader.at(rule.key), "missing (required for " + type + ")");
+    } else {
+      spec.params[rule.key] = checkParam(rule, rule.fallback, reader.at(rule.key));
+    }
+  }
+  reader.finish();
+  return spec;
+}
+
+std::vector<int64_t> parseShape(const Json& json, const std::string& path) {
+  if (!json.is_array() || json.empty()) {
+    fail(path, "expected a non-empty list of positive integers, got " + shown(json));
+  }
+  std::vector<int64_t> shape;
+  for (size_t i = 0; i < json.size(); ++i) {
+    shape.push_back(ObjectReader::checkInteger(json[i], path + "[" + std::to_string(i) + "]",
+                                               1, "a positive integer"));
+  }
+  return shape;
+}
+
+DeviceConfig parseDevice(const Json& json, const std::string& path) {
+  if (json.is_string()) return {json.get<std::string>(), 0, 1.0};
+  ObjectReader reader(json, path);
+  DeviceConfig device;
+  device.name = reader.string("name", "");
+  if (device.name.empty()) fail(reader.at("name"), "missing (required)");
+  if (const Json* memory = reader.find("memory")) {
+    device.memoryBytes = parseBytes(*memory, reader.at("memory"));
+  }
+  device.speed = reader.number("speed", 1.0, 1e-9, 1e9, "a positive number");
+  reader.finish();
+  return device;
+}
+
+}  // namespace
+
+int64_t parseBytes(const Json& value, const std::string& path) {
+  if (value.is_number_integer() && value.get<int64_t>() > 0) return value.get<int64_t>();
+  if (!value.is_string()) {
+    fail(path, "expected a size such as \"512MiB\" or a positive byte count, got " + shown(value));
+  }
+  const std::string text = value.get<std::string>();
+  size_t end = 0;
+  double number = 0;
+  try {
+    number = std::stod(text, &end);
+  } catch (const std::exception&) {
+    fail(path, "expected a size such as \"512MiB\", got " + shown(value));
+  }
+  std::string unit = text.substr(end);
+  unit.erase(std::remove(unit.begin(), unit.end(), ' '), unit.end());
+  static const std::map<std::string, double> units = {
+      {"", 1}, {"B", 1}, {"KB", 1e3}, {"MB", 1e6}, {"GB", 1e9}, {"TB", 1e12},
+      {"KiB", 1024.0}, {"MiB", 1048576.0}, {"GiB", 1073741824.0},
+      {"TiB", 1099511627776.0}};
+  auto it = units.find(unit);
+  if (it == units.end() || number <= 0) {
+    fail(path, "expected a size such as \"512MiB\" (units B, KB, MB, GB, KiB, MiB, GiB), got " +
+                   shown(value));
+  }
+  return static_cast<int64_t>(std::llround(number * it->second));
+}
+
+Config parseConfig(const Json& json) {
+  Config config;
+  ObjectReader root(json, "");
+
+  {
+    ObjectReader model(root.require("model"), "model");
+    if (const Json* shape = model.find("input_shape")) {
+      config.model.inputShape = parseShape(*shape, "model.input_shape");
+    }
+    const Json& layers = model.require("layers");
+    if (!layers.is_array() || layers.empty()) {
+      fail("model.layers", "expected a non-empty list of layers, got " + shown(layers));
+    }
+    for (size_t i = 0; i < layers.size(); ++i) {
+      config.model.layers.push_back(
+          parseLayer(layers[i], "model.layers[" + std::to_string(i) + "]"));
+    }
+    model.finish();
+  }
+
+  {
+    ObjectReader data(root.require("data"), "data");
+    auto& d = config.data;
+    d.dataset = data.choice("dataset", "", {"fashion-mnist", "text", "synthetic"});
+    if (d.dataset.empty()) fail("data.dataset", "missing (required)");
+    const std::string defaultPath = d.dataset == "fashion-mnist" ? kFashionMnistPath
+                                    : d.dataset == "text"        ? kDefaultTextPath
+                                                                 : "";
+    d.path = data.string("path", defaultPath);
+    d.shuffle = data.boolean("shuffle", true);
+    d.normalize = data.boolean("normalize", false);
+    d.seqLen = data.integer("seq_len", 64, 1, "a positive integer");
+    d.samples = data.integer("samples", 1024, 1, "a positive integer");
+    d.evalSamples = data.integer("eval_samples", 0, 0, "a non-negative integer");
+    data.finish();
+    if (d.dataset == "text") {
+      if (config.model.inputShape.empty()) config.model.inputShape = {d.seqLen};
+      if (config.model.inputShape != std::vector<int64_t>{d.seqLen}) {
+        fail("model.input_shape", "a text model's input is [seq_len] = [" +
+                                      std::to_string(d.seqLen) + "]");
+      }
+    }
+    if (d.dataset == "fashion-mnist") {
+      if (config.model.inputShape.empty()) config.model.inputShape = {1, 28, 28};
+      if (config.model.inputShape != std::vector<int64_t>{1, 28, 28}) {
+        fail("model.input_shape", "fashion-mnist images are [1, 28, 28]");
+      }
+    }
+    if (config.model.inputShape.empty()) fail("model.input_shape", "missing (required for synthetic data)");
+  }
+
+  {
+    ObjectReader pipeline(root.require("pipeline"), "pipeline");
+    auto& p = config.pipeline;
+    const Json& devices = pipeline.require("devices");
+    if (!devices.is_array() || devices.empty()) {
+      fail("pipeline.devices", "expected a non-empty list of devices such as \"cpu:0\", got " +
+                                   shown(devices));
+    }
+    std::set<std::string> seen;
+    for (size_t i = 0; i < devices.size(); ++i) {
+      const std::string path = "pipeline.devices[" + std::to_string(i) + "]";
+      p.devices.push_back(parseDevice(devices[i], path));
+      const std::string& name = p.devices.back().name;
+      const bool cpu = name.rfind("cpu", 0) == 0, cuda = name.rfind("cuda", 0) == 0;
+      const size_t colon = name.find(':');
+      const bool indexOk = colon == std::string::npos
+                               ? name == "cpu" || name == "cuda"
+                               : colon + 1 < name.size() &&
+                                     name.find_first_not_of("0123456789", colon + 1) == std::string::npos;
+      if (!(cpu || cuda) || !indexOk || (colon != std::string::npos && colon != (cpu ? 3u : 4u))) {
+        fail(path, "unknown device '" + name + "' (expected \"cpu:N\" or \"cuda:N\")");
+      }
+      if (!seen.insert(name).second) fail(path, "device '" + name + "' is listed twice");
+    }
+    p.stages = static_cast<int>(pipeline.integer("stages", 0, 1, "a positive integer"));
+    p.microBatches = static_cast<int>(pipeline.integer("micro_batches", 1, 1, "a positive integer"));
+    p.schedule = pipeline.choice("schedule", "gpipe", scheduleNames());
+    p.virtualStages = static_cast<int>(pipeline.integer("virtual_stages", 1, 1, "a positive integer"));
+    p.checkpoint = pipeline.choice("checkpoint", "except_last", {"always", "except_last", "never"});
+    p.partition = pipeline.choice("partition", "uniform", {"uniform", "parameters", "time", "balance"});
+    if (const Json* balance = pipeline.find("balance")) {
+      if (!balance->is_array() || balance->empty()) {
+        fail("pipeline.balance", "expected a list of layers per stage, got " + shown(*balance));
+      }
+      for (size_t i = 0; i < balance->size(); ++i) {
+        p.balance.push_back(static_cast<int>(ObjectReader::checkInteger(
+            (*balance)[i], "pipeline.balance[" + std::to_string(i) + "]", 1, "a positive integer")));
+      }
+      if (!pipeline.find("partition")) p.partition = "balance";
+    }
+    if (p.partition == "balance" && p.balance.empty()) {
+      fail("pipeline.balance", "missing (required by partition 'balance')");
+    }
+    p.threadsPerDevice = static_cast<int>(
+        pipeline.integer("threads_per_device", 0, 0, "a non-negative integer"));
+    pipeline.finish();
+    const int stages = p.stages > 0 ? p.stages
+                       : !p.balance.empty() ? static_cast<int>(p.balance.size())
+                       : static_cast<int>(p.devices.size()) * p.virtualStages;
+    if (!p.balance.empty() && static_cast<int>(p.balance.size()) != stages) {
+      fail("pipeline.balance", "has " + std::to_string(p.balance.size()) +
+                                   " entries for " + std::to_string(stages) + " stages");
+    }
+    int balanced = 0;
+    for (int layers : p.balance) balanced += layers;
+    if (!p.balance.empty() && balanced != static_cast<int>(config.model.layers.size())) {
+      fail("pipeline.balance", "sums to " + std::to_string(balanced) + " layers, but the model has " +
+                                   std::to_string(config.model.layers.size()));
+    }
+    if (stages > static_cast<int>(config.model.layers.size())) {
+      fail("pipeline.stages", "more stages (" + std::to_string(stages) + ") than layers (" +
+                                  std::to_string(config.model.layers.size()) + ")");
+    }
+    if (stages % p.virtualStages != 0 ||
+        stages / p.virtualStages > static_cast<int>(p.devices.size())) {
+      fail("pipeline.stages", std::to_string(stages) + " stages with " +
+                                  std::to_string(p.virtualStages) +
+                                  " virtual stage(s) per device need " +
+                                  std::to_string((stages + p.virtualStages - 1) / p.virtualStages) +
+                                  " devices, got " + std::to_string(p.devices.size()));
+    }
+  }
+
+  {
+    ObjectReader train(root.require("train"), "train");
+    auto& t = config.train;
+    t.batchSize = train.integer("batch_size", 64, 1, "a positive integer");
+    t.steps = train.integer("steps", 100, 0, "a non-negative integer");
+    t.loss = train.choice("loss", "cross_entropy", {"cross_entropy", "mse"});
+    t.seed = static_cast<uint64_t>(train.integer("seed", 0, 0, "a non-negative integer"));
+    t.evalEvery = train.integer("eval_every", 0, 0, "a non-negative integer");
+    t.checkpointEvery = train.integer("checkpoint_every", 0, 0, "a non-negative integer");
+    t.logEvery = train.integer("log_every", 0, 0, "a non-negative integer");
+    if (const Json* optimizer = train.find("optimizer")) {
+      ObjectReader o(*optimizer, "train.optimizer");
+      auto& opt = t.optimizer;
+      opt.type = o.choice("type", "sgd", {"sgd", "adam", "adamw"});
+      const bool adam = opt.type != "sgd";
+      opt.lr = o.number("lr", adam ? 1e-3 : 0.1, 0.0, 1e6, "a non-negative number");
+      opt.momentum = o.number("momentum", 0.0, 0.0, 1.0, "a number in [0, 1]");
+      opt.weightDecay = o.number("weight_decay", opt.type == "adamw" ? 0.01 : 0.0, 0.0, 1e6,
+                                 "a non-negative number");
+      opt.beta1 = o.number("beta1", 0.9, 0.0, 0.999999, "a number in [0, 1)");
+      opt.beta2 = o.number("beta2", 0.999, 0.0, 0.999999, "a number in [0, 1)");
+      opt.eps = o.number("eps", 1e-8, 1e-30, 1.0, "a small positive number");
+      opt.warmupSteps = o.integer("warmup_steps", 0, 0, "a non-negative integer");
+      opt.decay = o.choice("decay", "none", {"none", "cosine"});
+      opt.minLr = o.number("min_lr", 0.0, 0.0, 1e6, "a non-negative number");
+      if (!adam && (o.find("beta1") || o.find("beta2"))) {
+        fail("train.optimizer", "beta1/beta2 apply to adam and adamw, not sgd");
+      }
+      if (adam && optimizer->contains("momentum")) {
+        fail("train.optimizer.momentum", "applies to sgd; adam uses beta1");
+      }
+      o.finish();
+    }
+    train.finish();
+    if (t.batchSize < config.pipeline.microBatches) {
+      fail("train.batch_size", "batch size " + std::to_string(t.batchSize) +
+                                   " is smaller than pipeline.micro_batches (" +
+                                   std::to_string(config.pipeline.microBatches) + ")");
+    }
+  }
+  root.finish();
+  return config;
+}
+
+void applyOverride(Json& json, const std::string& assignment) {
+  const size_t equals = assignment.find('=');
+  if (equals == std::string::npos || equals == 0) {
+    throw ConfigError("--set '" + assignment + "': expected key.path=value");
+  }
+  const std::string path = assignment.substr(0, equals);
+  const std::string text = assignment.substr(equals + 1);
+  Json value;
+  try {
+    value = Json::parse(text);
+  } catch (const Json::parse_error&) {
+    value = text;  // a bare string such as cpu:0 or 1f1b
+  }
+  Json* node = &json;
+  std::stringstream parts(path);
+  std::string part, walked;
+  std::vector<std::string> keys;
+  while (std::getline(parts, part, '.')) keys.push_back(part);
+  for (size_t i = 0; i < keys.size(); ++i) {
+    const std::string& key = keys[i];
+    walked += (walked.empty() ? "" : ".") + key;
+    const bool last = i + 1 == keys.size();
+    if (node->is_array()) {
+      if (key.empty() || key.find_first_not_of("0123456789") != std::string::npos ||
+          std::stoul(key) >= node->size()) {
+        throw ConfigError("--set " + walked + ": no such list element (the list has " +
+                          std::to_string(node->size()) + ")");
+      }
+      node = &(*node)[std::stoul(key)];
+    } else if (node->is_object()) {
+      if (!last && !node->contains(key)) (*node)[key] = Json::object();
+      node = &(*node)[key];
+    } else {
+      throw ConfigError("--set " + walked + ": " + shown(*node) + " has no keys");
+    }
+  }
+  *node = value;
+}
+
+Json readConfigJson(const std::string& path, const std::vector<std::string>& overrides) {
+  std::ifstream file(path);
+  if (!file) throw ConfigError(path + ": cannot open the config file");
+  Json json;
+  try {
+    json = Json::parse(file, nullptr, true, /*ignore_comments=*/true);
+  } catch (const Json::parse_error& error) {
+    throw ConfigError(path + ": not valid JSON: " + error.what());
+  }
+  for (const auto& assignment : overrides) applyOverride(json, assignment);
+  return json;
+}
+
+Config loadConfig(const std::string& path, const std::vector<std::string>& overrides) {
+  return parseConfig(readConfigJson(path, overrides));
+}
+
+}  // namespace tpipe

@@ -1,0 +1,235 @@
+// Datasets named in configs: Fashion-MNIST (IDX .gz files), character-level
+// text, and synthetic data from a seeded random teacher.
+#include <sys/stat.h>
+#include <zlib.h>
+
+#include <array>
+#include <cmath>
+#include <fstream>
+#include <iterator>
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/nn/functional/activation.h>
+
+#include "tpipe/trainer.h"
+
+namespace tpipe {
+namespace {
+
+bool fileExists(const std::string& path) {
+  struct stat info {};
+  return ::stat(path.c_str(), &info) == 0 && S_ISREG(info.st_mode);
+}
+
+class GzipFile {
+ public:
+  explicit GzipFile(const std::string& path) : path_(path), file_(gzopen(path.c_str(), "rb")) {
+    if (file_ == nullptr) throw ConfigError("data.path: cannot open " + path);
+  }
+  ~GzipFile() { gzclose(file_); }
+  GzipFile(const GzipFile&) = delete;
+  GzipFile& operator=(const GzipFile&) = delete;
+
+  void read(void* buffer, size_t bytes) {
+    auto* out = static_cast<char*>(buffer);
+    while (bytes > 0) {
+      const unsigned chunk = static_cast<unsigned>(std::min<size_t>(bytes, 1u << 30));
+      const int got = gzread(file_, out, chunk);
+      if (got <= 0) throw ConfigError("data.path: " + path_ + " is truncated or not gzip");
+      out += got;
+      bytes -= static_cast<size_t>(got);
+    }
+  }
+
+  uint32_t bigEndian32() {
+    std::array<unsigned char, 4> b{};
+    read(b.data(), 4);
+    return (uint32_t{b[0]} << 24) | (uint32_t{b[1]} << 16) | (uint32_t{b[2]} << 8) | b[3];
+  }
+
+ private:
+  std::string path_;
+  gzFile file_;
+};
+
+// IDX format: magic (0x0803 images / 0x0801 labels), big-endian dims, bytes.
+at::Tensor readIdx(const std::string& path, uint32_t magic, int dims) {
+  GzipFile file(path);
+  const uint32_t found = file.bigEndian32();
+  if (found != magic) {
+    throw ConfigError("data.path: " + path + " is not an IDX file of the expected kind (magic " +
+                      std::to_string(found) + ")");
+  }
+  std::vector<int64_t> shape;
+  int64_t count = 1;
+  for (int d = 0; d < dims; ++d) {
+    shape.push_back(file.bigEndian32());
+    count *= shape.back();
+  }
+  at::Tensor bytes = at::empty(shape, at::kByte);
+  file.read(bytes.data_ptr<uint8_t>(), static_cast<size_t>(count));
+  return bytes;
+}
+
+Dataset fashionMnist(const Config& config) {
+  const std::string& dir = config.data.path;
+  const char* names[] = {"train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz",
+                         "t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"};
+  for (const char* name : names) {
+    const std::string path = dir + "/" + name;
+    if (!fileExists(path)) {
+      throw ConfigError("data.path: " + path +
+                        " not found (Debian's package dataset-fashion-mnist provides it: "
+                        "apt-get install dataset-fashion-mnist)");
+    }
+  }
+  auto images = [&](const char* name) {
+    at::Tensor x = readIdx(dir + "/" + name, 0x803, 3).to(at::kFloat).div_(255.0).unsqueeze(1);
+    if (config.data.normalize) x = (x - 0.2860) / 0.3530;
+    return x;
+  };
+  auto labels = [&](const char* name) { return readIdx(dir + "/" + name, 0x801, 1).to(at::kLong); };
+  Dataset data;
+  data.trainInputs = images(names[0]);
+  data.trainTargets = labels(names[1]);
+  data.evalInputs = images(names[2]);
+  data.evalTargets = labels(names[3]);
+  data.description = "fashion-mnist: " + std::to_string(data.trainInputs.size(0)) +
+                     " training and " + std::to_string(data.evalInputs.size(0)) + " test images";
+  return data;
+}
+
+// Next-byte prediction: non-overlapping windows of seq_len + 1 bytes; the
+// last tenth of the windows is held out for evaluation.
+Dataset text(const Config& config) {
+  const std::string& path = config.data.path;
+  if (!fileExists(path)) {
+    throw ConfigError("data.path: " + path + " not found" +
+                      (path == kDefaultTextPath ? " (Debian's package base-files provides it)" : ""));
+  }
+  std::ifstream file(path, std::ios::binary);
+  std::vector<char> bytes((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+  const int64_t window = config.data.seqLen + 1;
+  const int64_t windows = static_cast<int64_t>(bytes.size()) / window;
+  if (windows < 2) {
+    throw ConfigError("data.seq_len: " + path + " has " + std::to_string(bytes.size()) +
+                      " bytes, too few for two windows of " + std::to_string(window));
+  }
+  at::Tensor all = at::empty({windows, window}, at::kLong);
+  auto* out = all.data_ptr<int64_t>();
+  for (int64_t i = 0; i < windows * window; ++i) out[i] = static_cast<unsigned char>(bytes[i]);
+  const int64_t held = std::max<int64_t>(1, windows / 10);
+  const int64_t kept = windows - held;
+  Dataset data;
+  data.trainInputs = all.narrow(0, 0, kept).narrow(1, 0, window - 1).contiguous();
+  data.trainTargets = all.narrow(0, 0, kept).narrow(1, 1, window - 1).contiguous();
+  data.evalInputs = all.narrow(0, kept, held).narrow(1, 0, window - 1).contiguous();
+  data.evalTargets = all.narrow(0, kept, held).narrow(1, 1, window - 1).contiguous();
+  std::array<double, 256> counts{};
+  for (char c : bytes) counts[static_cast<unsigned char>(c)] += 1;
+  double entropy = 0.0;
+  for (double c : counts) {
+    if (c > 0) entropy -= c / bytes.size() * std::log(c / bytes.size());
+  }
+  data.description = "text " + path + ": " + std::to_string(bytes.size()) + " bytes, " +
+                     std::to_string(kept) + " training and " + std::to_string(held) +
+                     " held-out windows of " + std::to_string(window - 1) +
+                     "; unigram entropy " + std::to_string(entropy).substr(0, 5) + " nats";
+  return data;
+}
+
+// Inputs from N(0, 1); targets from a fixed random linear teacher: class
+// argmax for cross-entropy, tanh of the projection for mse. Learnable, so a
+// smoke run shows the loss falling.
+Dataset synthetic(const Config& config, const BuiltModel& model) {
+  at::Generator generator = at::make_generator<at::CPUGeneratorImpl>(config.train.seed + 12345);
+  const int64_t evalCount = config.data.evalSamples > 0 ? config.data.evalSamples
+                                                        : std::max<int64_t>(1, config.data.samples / 5);
+  const int64_t total = config.data.samples + evalCount;
+  const auto& inShape = model.shapes.front();
+  const auto& outShape = model.shapes.back();
+  std::vector<int64_t> shape{total};
+  shape.insert(shape.end(), inShape.begin(), inShape.end());
+  at::Tensor inputs;
+  if (model.integerInput) {
+    const int64_t vocab = config.model.layers.front().params["num_embeddings"].get<int64_t>();
+    inputs = at::randint(vocab, shape, generator, at::kLong);
+  } else {
+    inputs = at::randn(shape, generator, at::kFloat);
+  }
+  at::Tensor flat = inputs.reshape({total, -1}).to(at::kFloat);
+  int64_t outSize = 1;
+  for (int64_t d : outShape) outSize *= d;
+  at::Tensor targets;
+  if (config.train.loss == "cross_entropy") {
+    const int64_t classes = outShape.back();
+    std::vector<int64_t> targetShape{total};
+    targetShape.insert(targetShape.end(), outShape.begin(), outShape.end() - 1);
+    const int64_t positions = outSize / classes;
+    at::Tensor teacher = at::randn({flat.size(1), positions * classes}, generator, at::kFloat);
+    targets = flat.matmul(teacher).reshape({total, positions, classes}).argmax(2).reshape(targetShape);
+  } else {
+    at::Tensor teacher = at::randn({flat.size(1), outSize}, generator, at::kFloat) /
+                         std::sqrt(static_cast<double>(flat.size(1)));
+    std::vector<int64_t> targetShape{total};
+    targetShape.insert(targetShape.end(), outShape.begin(), outShape.end());
+    targets = at::tanh(flat.matmul(teacher)).reshape(targetShape);
+  }
+  Dataset data;
+  const int64_t n = config.data.samples;
+  data.trainInputs = inputs.narrow(0, 0, n);
+  data.trainTargets = targets.narrow(0, 0, n);
+  data.evalInputs = inputs.narrow(0, n, evalCount);
+  data.evalTargets = targets.narrow(0, n, evalCount);
+  data.description = "synthetic: " + std::to_string(n) + " training and " +
+                     std::to_string(evalCount) + " evaluation samples";
+  return data;
+}
+
+}  // namespace
+
+void checkLossFits(const Config& config, const BuiltModel& model) {
+  const auto& out = model.shapes.back();
+  const std::string& loss = config.train.loss;
+  const std::string& dataset = config.data.dataset;
+  auto shape = [](const std::vector<int64_t>& s) {
+    std::string text = "[";
+    for (size_t i = 0; i < s.size(); ++i) text += (i ? ", " : "") + std::to_string(s[i]);
+    return text + "]";
+  };
+  if (loss == "cross_entropy") {
+    if (out.size() != 1 && out.size() != 2) {
+      throw ConfigError("train.loss: cross_entropy needs an output of [classes] or [seq_len, classes] "
+                        "per sample; the model outputs " + shape(out));
+    }
+    if (dataset == "fashion-mnist" && (out.size() != 1 || out[0] < 10)) {
+      throw ConfigError("model.layers: fashion-mnist has 10 classes; the model outputs " + shape(out) +
+                        " per sample (end with a linear layer of out_features 10)");
+    }
+    if (dataset == "text" && (out.size() != 2 || out[0] != config.data.seqLen || out[1] < 256)) {
+      throw ConfigError("model.layers: a text model predicts 256 byte values at each of " +
+                        std::to_string(config.data.seqLen) + " positions, [" +
+                        std::to_string(config.data.seqLen) + ", 256]; the model outputs " + shape(out));
+    }
+  } else if (dataset != "synthetic") {
+    throw ConfigError("train.loss: mse needs regression targets; " + dataset +
+                      " has class labels (use cross_entropy)");
+  }
+}
+
+Dataset loadDataset(const Config& config, const BuiltModel& model) {
+  checkLossFits(config, model);
+  if (config.data.dataset == "fashion-mnist") {
+    Dataset data = fashionMnist(config);
+    if (config.data.evalSamples > 0 && config.data.evalSamples < data.evalInputs.size(0)) {
+      data.evalInputs = data.evalInputs.narrow(0, 0, config.data.evalSamples);
+      data.evalTargets = data.evalTargets.narrow(0, 0, config.data.evalSamples);
+    }
+    return data;
+  }
+  if (config.data.dataset == "text") return text(config);
+  return synthetic(config, model);
+}
+
+}  // namespace tpipe

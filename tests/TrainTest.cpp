@@ -1,0 +1,320 @@
+#include <gtest/gtest.h>
+
+#include <sys/stat.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include <torch/torch.h>
+
+#include "tpipe/trainer.h"
+
+namespace tpipe {
+namespace {
+
+namespace fs = std::filesystem;
+using Json = nlohmann::json;
+
+Json smokeConfig() {
+  return Json::parse(R"({
+    "model": {"input_shape": [12], "layers": [
+      {"type": "linear", "out_features": 16}, {"type": "tanh"},
+      {"type": "dropout", "p": 0.2},
+      {"type": "linear", "out_features": 16}, {"type": "gelu"},
+      {"type": "linear", "out_features": 4}]},
+    "data": {"dataset": "synthetic", "samples": 96},
+    "pipeline": {"devices": ["cpu:0", "cpu:1", "cpu:2"], "micro_batches": 3, "schedule": "1f1b"},
+    "train": {"batch_size": 24, "steps": 8, "loss": "cross_entropy", "seed": 3,
+              "optimizer": {"type": "adam", "lr": 0.01, "warmup_steps": 2, "decay": "cosine"},
+              "log_every": 100}
+  })");
+}
+
+Config withOverrides(Json json, const std::vector<std::string>& overrides) {
+  for (const auto& assignment : overrides) applyOverride(json, assignment);
+  return parseConfig(json);
+}
+
+TrainSummary quietTrain(const Config& config, TrainOptions options = {}) {
+  std::ostringstream sink;
+  options.log = &sink;
+  return train(config, options);
+}
+
+fs::path scratch(const std::string& name) {
+  const fs::path dir = fs::temp_directory_path() / ("tpipe-test-" + std::to_string(::getpid()) + "-" + name);
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  return dir;
+}
+
+std::string shapeError(const Json& layers, const std::vector<int64_t>& input) {
+  ModelConfig model;
+  model.inputShape = input;
+  Json config = smokeConfig();
+  config["model"]["layers"] = layers;
+  config["model"]["input_shape"] = input;
+  config["pipeline"]["devices"] = Json::array({"cpu:0"});
+  try {
+    buildModel(parseConfig(config).model, 0);
+  } catch (const ConfigError& error) {
+    return error.what();
+  }
+  return "";
+}
+
+TEST(TrainTest, ShapeInferenceSizesEveryLayer) {
+  Json json = smokeConfig();
+  json["model"] = Json::parse(R"({"input_shape": [1, 28, 28], "layers": [
+      {"type": "conv2d", "out_channels": 4, "kernel_size": 5, "stride": 2},
+      {"type": "batchnorm2d"}, {"type": "relu"},
+      {"type": "avgpool2d", "kernel_size": [2, 3]},
+      {"type": "maxpool2d", "kernel_size": 2, "padding": 1},
+      {"type": "flatten"}, {"type": "layernorm"}, {"type": "sigmoid"},
+      {"type": "linear", "out_features": 4}]})");
+  BuiltModel model = buildModel(parseConfig(json).model, 0);
+  const std::vector<std::vector<int64_t>> expected = {
+      {1, 28, 28}, {4, 12, 12}, {4, 12, 12}, {4, 12, 12}, {4, 6, 4}, {4, 4, 3}, {48}, {48}, {48}, {4}};
+  EXPECT_EQ(model.shapes, expected);
+  // The inferred shapes are the real ones.
+  torch::Tensor x = torch::randn({2, 1, 28, 28});
+  for (size_t i = 0; i < model.layers.size(); ++i) {
+    x = model.layers[i].module.forward(x);
+    std::vector<int64_t> want{2};
+    want.insert(want.end(), expected[i + 1].begin(), expected[i + 1].end());
+    EXPECT_EQ(x.sizes().vec(), want) << "layer " << i;
+  }
+}
+
+TEST(TrainTest, ShapeInferenceNamesTheFirstLayerThatDoesNotFit) {
+  EXPECT_EQ(shapeError(Json::parse(R"([{"type": "linear", "out_features": 4},
+                                      {"type": "conv2d", "out_channels": 2, "kernel_size": 3}])"),
+                       {12}),
+            "model.layers[1] (conv2d): expects [channels, height, width] per sample, got [4]");
+  EXPECT_EQ(shapeError(Json::parse(R"([{"type": "conv2d", "out_channels": 2, "kernel_size": 7}])"), {1, 5, 5}),
+            "model.layers[0] (conv2d): kernel 7 does not fit an input of shape [1, 5, 5] with padding 0");
+  EXPECT_EQ(shapeError(Json::parse(R"([{"type": "linear", "out_features": 6},
+                                      {"type": "embedding", "num_embeddings": 9, "embedding_dim": 2}])"),
+                       {12}),
+            "model.layers[1] (embedding): expects integer token ids, got a float input of shape [6]");
+  EXPECT_EQ(shapeError(Json::parse(R"([{"type": "embedding", "num_embeddings": 9, "embedding_dim": 6},
+                                      {"type": "transformer_block", "heads": 4}])"),
+                       {5}),
+            "model.layers[1] (transformer_block): dim 6 is not divisible by heads 4");
+}
+
+TEST(TrainTest, LossMustFitTheModelAndData) {
+  Json json = smokeConfig();
+  json["model"]["layers"].back()["out_features"] = 7;
+  Config config = parseConfig(json);
+  config.data.dataset = "fashion-mnist";
+  config.model.inputShape = {12};
+  try {
+    checkLossFits(config, buildModel(config.model, 0));
+    FAIL();
+  } catch (const ConfigError& error) {
+    EXPECT_NE(std::string(error.what()).find("fashion-mnist has 10 classes"), std::string::npos);
+  }
+}
+
+TEST(TrainTest, FashionMnistReaderReadsTheRealFiles) {
+  struct stat info {};
+  if (::stat((std::string(kFashionMnistPath) + "/t10k-labels-idx1-ubyte.gz").c_str(), &info) != 0) {
+    GTEST_SKIP() << "dataset-fashion-mnist is not installed";
+  }
+  Json json = smokeConfig();
+  json["model"] = Json::parse(R"({"layers": [{"type": "flatten"}, {"type": "linear", "out_features": 10}]})");
+  json["data"] = Json::parse(R"({"dataset": "fashion-mnist"})");
+  json["pipeline"]["devices"] = Json::array({"cpu:0"});
+  const Config config = parseConfig(json);
+  const Dataset data = loadDataset(config, buildModel(config.model, 0));
+  EXPECT_EQ(data.trainInputs.sizes().vec(), (std::vector<int64_t>{60000, 1, 28, 28}));
+  EXPECT_EQ(data.evalInputs.sizes().vec(), (std::vector<int64_t>{10000, 1, 28, 28}));
+  EXPECT_EQ(data.trainTargets.dtype(), torch::kLong);
+  EXPECT_GE(data.trainInputs.min().item<float>(), 0.0f);
+  EXPECT_LE(data.trainInputs.max().item<float>(), 1.0f);
+  // The dataset's documented facts: 6,000 images per class, mean ~0.286.
+  EXPECT_TRUE(torch::equal(data.trainTargets.bincount(), torch::full({10}, 6000, torch::kLong)));
+  EXPECT_NEAR(data.trainInputs.mean().item<double>(), 0.2860, 1e-3);
+  // First training label of the published file is 9 (ankle boot).
+  EXPECT_EQ(data.trainTargets[0].item<int64_t>(), 9);
+
+  Json missing = json;
+  missing["data"]["path"] = "/nonexistent/fashion";
+  const Config bad = parseConfig(missing);
+  try {
+    loadDataset(bad, buildModel(bad.model, 0));
+    FAIL();
+  } catch (const ConfigError& error) {
+    EXPECT_NE(std::string(error.what()).find("/nonexistent/fashion/train-images-idx3-ubyte.gz not found "
+                                             "(Debian's package dataset-fashion-mnist"),
+              std::string::npos)
+        << error.what();
+  }
+}
+
+TEST(TrainTest, TextDatasetPredictsTheNextByte) {
+  const fs::path dir = scratch("text");
+  {
+    std::ofstream out(dir / "tiny.txt");
+    for (int i = 0; i < 50; ++i) out << "abcdefghij";
+  }
+  Json json = smokeConfig();
+  json["model"] = Json::parse(R"({"layers": [{"type": "embedding", "num_embeddings": 256, "embedding_dim": 8},
+                                             {"type": "linear", "out_features": 256}]})");
+  json["data"] = {{"dataset", "text"}, {"path", (dir / "tiny.txt").string()}, {"seq_len", 9}};
+  json["pipeline"]["devices"] = Json::array({"cpu:0"});
+  const Config config = parseConfig(json);
+  const Dataset data = loadDataset(config, buildModel(config.model, 0));
+  EXPECT_EQ(data.trainInputs.size(1), 9);
+  EXPECT_EQ(data.trainInputs[0][0].item<int64_t>(), 'a');
+  EXPECT_EQ(data.trainTargets[0][0].item<int64_t>(), 'b');
+  EXPECT_EQ(data.trainInputs.size(0) + data.evalInputs.size(0), 500 / 10);
+  fs::remove_all(dir);
+}
+
+TEST(TrainTest, APipelinedRunEqualsTheSameRunOnOneStage) {
+  const auto piped = quietTrain(withOverrides(smokeConfig(), {}));
+  const auto single = quietTrain(withOverrides(smokeConfig(), {"pipeline.devices=[\"cpu:0\"]"}));
+  ASSERT_EQ(piped.losses.size(), 8u);
+  ASSERT_EQ(single.losses.size(), 8u);
+  // Dropout masks come from each stage's own generator, so compare without it.
+  const auto a = quietTrain(withOverrides(smokeConfig(), {"model.layers.2.p=0.0"}));
+  const auto b = quietTrain(withOverrides(smokeConfig(), {"model.layers.2.p=0.0", "pipeline.devices=[\"cpu:0\"]"}));
+  for (size_t i = 0; i < a.losses.size(); ++i) EXPECT_NEAR(a.losses[i], b.losses[i], 1e-5) << "step " << i;
+  EXPECT_LT(a.losses.back(), a.losses.front());
+}
+
+TEST(TrainTest, ResumeReproducesTheUninterruptedLosses) {
+  for (const char* optimizer : {"adam", "sgd"}) {
+    SCOPED_TRACE(optimizer);
+    const fs::path dir = scratch(std::string("resume-") + optimizer);
+    Json json = smokeConfig();
+    json["train"]["optimizer"] = {{"type", optimizer}, {"lr", 0.05}, {"decay", "cosine"}};
+    if (std::string(optimizer) == "sgd") json["train"]["optimizer"]["momentum"] = 0.9;
+    json["train"]["steps"] = 10;
+    const TrainSummary whole = quietTrain(parseConfig(json));
+
+    TrainOptions save;
+    save.saveDir = (dir / "ckpt").string();
+    save.metricsPath = (dir / "metrics.jsonl").string();
+    save.stopAfter = 4;
+    quietTrain(parseConfig(json), save);
+    TrainOptions resume = save;
+    resume.stopAfter = 0;
+    resume.resumeDir = save.saveDir;
+    const TrainSummary rest = quietTrain(parseConfig(json), resume);
+    EXPECT_EQ(rest.startStep, 4);
+    ASSERT_EQ(rest.losses.size(), 6u);
+    for (size_t i = 0; i < rest.losses.size(); ++i) {
+      EXPECT_EQ(rest.losses[i], whole.losses[i + 4]) << "step " << i + 5;  // bit-exact
+    }
+    // The metrics file continues: steps 1..10, 1-based, then the eval record.
+    std::ifstream metrics(save.metricsPath);
+    std::string line;
+    int64_t expectedStep = 1;
+    while (std::getline(metrics, line)) {
+      const Json record = Json::parse(line);
+      if (record.contains("loss")) {
+        EXPECT_EQ(record["step"], expectedStep++);
+      }
+      EXPECT_TRUE(record.contains("elapsed_s"));
+    }
+    EXPECT_EQ(expectedStep, 11);
+    fs::remove_all(dir);
+  }
+}
+
+TEST(TrainTest, CheckpointHoldsSequentialNamesAndSurvivesAFailedSave) {
+  const fs::path dir = scratch("ckpt");
+  Json json = smokeConfig();
+  json["train"]["steps"] = 0;
+  TrainOptions options;
+  options.saveDir = (dir / "ckpt").string();
+  quietTrain(parseConfig(json), options);
+  std::ifstream file(dir / "ckpt" / "model.pt", std::ios::binary);
+  std::vector<char> bytes((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+  const auto weights = torch::pickle_load(bytes).toGenericDict();
+  std::vector<std::string> names;
+  for (const auto& item : weights) names.push_back(item.key().toStringRef());
+  std::sort(names.begin(), names.end());
+  EXPECT_EQ(names, (std::vector<std::string>{"0.bias", "0.weight", "3.bias", "3.weight", "5.bias", "5.weight"}));
+  // Initial weights, as the same seed builds them.
+  const BuiltModel model = buildModel(parseConfig(json).model, parseConfig(json).train.seed);
+  EXPECT_TRUE(torch::equal(weights.at("3.weight").toTensor(),
+                           model.layers[3].module.ptr()->named_parameters()["weight"]));
+  // A crash mid-save leaves a staging directory behind; checkpoint.json still
+  // names the complete state, and resuming works.
+  fs::create_directories(dir / "ckpt" / "state-9.tmp");
+  std::ofstream(dir / "ckpt" / "state-9.tmp" / "model.pt") << "partial";
+  json["train"]["steps"] = 2;
+  TrainOptions resume;
+  resume.resumeDir = options.saveDir;
+  EXPECT_EQ(quietTrain(parseConfig(json), resume).losses.size(), 2u);
+
+  const char* python = "/usr/bin/python3";
+  struct stat info {};
+  if (::stat(python, &info) == 0 &&
+      std::system("/usr/bin/python3 -c 'import torch' >/dev/null 2>&1") == 0) {
+    const std::string command = std::string(python) + " -c \"import torch; d = torch.load('" +
+                                (dir / "ckpt" / "model.pt").string() +
+                                "'); assert sorted(d) == ['0.bias', '0.weight', '3.bias', '3.weight', "
+                                "'5.bias', '5.weight'], d.keys(); assert d['3.weight'].shape == (16, 16)\"";
+    EXPECT_EQ(std::system(command.c_str()), 0) << "Python's torch.load failed on model.pt";
+  }
+  fs::remove_all(dir);
+}
+
+TEST(TrainTest, DeferredBatchNormTracksTheWholeBatch) {
+  Json json = smokeConfig();
+  json["model"] = Json::parse(R"({"input_shape": [3, 4, 4], "layers": [
+      {"type": "batchnorm2d", "momentum": 0.5}, {"type": "flatten"}, {"type": "linear", "out_features": 4}]})");
+  const Config config = parseConfig(json);
+  BuiltModel model = buildModel(config.model, 0);
+  const int m = 4;
+  setBatchNormMicroBatches(model, m);
+  PipelineOptions options;
+  options.devices = {"cpu:0", "cpu:1"};
+  options.microBatches = m;
+  options.checkpoint = CheckpointMode::kAlways;  // recompute must not count twice
+  Pipeline pipe(model.layers, options);
+  torch::Tensor x = torch::randn({10, 3, 4, 4}) * 2 + 1;
+  torch::Tensor y = torch::randint(0, 4, {10}, torch::kLong);
+  pipe.trainStep(x, y, [](const torch::Tensor& out, const torch::Tensor& t) {
+    return torch::nn::functional::cross_entropy(out, t);
+  });
+  torch::nn::BatchNorm2d reference(torch::nn::BatchNorm2dOptions(3).momentum(0.5));
+  reference->forward(x);
+  const auto buffers = model.layers[0].module.ptr()->named_buffers();
+  EXPECT_TRUE(torch::allclose(buffers["running_mean"], reference->running_mean, 1e-5, 1e-6));
+  EXPECT_TRUE(torch::allclose(buffers["running_var"], reference->running_var, 1e-5, 1e-6));
+  EXPECT_EQ(buffers["num_batches_tracked"].item<int64_t>(), 1);
+}
+
+TEST(TrainTest, CharTransformerLearnsOnTinyText) {
+  const fs::path dir = scratch("char");
+  {
+    std::ofstream out(dir / "text.txt");
+    for (int i = 0; i < 80; ++i) out << "the quick brown fox jumps over the lazy dog. ";
+  }
+  Json json = Json::parse(R"({
+    "model": {"layers": [
+      {"type": "embedding", "num_embeddings": 256, "embedding_dim": 16},
+      {"type": "transformer_block", "heads": 2}, {"type": "transformer_block", "heads": 2},
+      {"type": "layernorm"}, {"type": "linear", "out_features": 256}]},
+    "data": {"dataset": "text", "seq_len": 16},
+    "pipeline": {"devices": ["cpu:0", "cpu:1"], "micro_batches": 2, "schedule": "zb-h1", "checkpoint": "always"},
+    "train": {"batch_size": 16, "steps": 60, "seed": 1, "optimizer": {"type": "adamw", "lr": 0.01}}
+  })");
+  json["data"]["path"] = (dir / "text.txt").string();
+  const TrainSummary summary = quietTrain(parseConfig(json));
+  // A repeated sentence is nearly deterministic after a few characters.
+  EXPECT_LT(summary.evalLoss, 1.0);
+  EXPECT_GT(summary.evalAccuracy, 0.6);
+  fs::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace tpipe
