@@ -1,6 +1,8 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
 #include <random>
 
 #include "tpipe/partition.h"
@@ -80,6 +82,141 @@ TEST(PartitionTest, MinMaxIsOptimalAgainstBruteForce) {
     }
     EXPECT_NEAR(bottleneck(w, found), best, 1e-9) << "trial " << trial;
   }
+}
+
+PartitionProblem randomProblem(std::mt19937& rng, int n, int k) {
+  std::uniform_real_distribution<double> time(0.1, 5.0);
+  std::uniform_int_distribution<int64_t> bytes(1, 1000);
+  PartitionProblem problem;
+  for (int i = 0; i < n; ++i) {
+    LayerCost layer;
+    layer.name = "l" + std::to_string(i);
+    layer.forwardMs = time(rng);
+    layer.backwardMs = 2 * time(rng);
+    layer.paramBytes = rng() % 3 == 0 ? 0 : bytes(rng);
+    layer.activationBytes = bytes(rng);
+    layer.stashBytes = bytes(rng);
+    problem.layers.push_back(layer);
+  }
+  const bool capped = rng() % 2 == 0, speeds = rng() % 2 == 0, links = rng() % 2 == 0;
+  for (int d = 0; d < k; ++d) {
+    DeviceSpec device;
+    device.name = "cpu:" + std::to_string(d);
+    if (speeds) device.speed = std::uniform_real_distribution<double>(0.5, 2.0)(rng);
+    if (capped) device.memoryBytes = std::uniform_int_distribution<int64_t>(1500, 9000)(rng);
+    if (links) device.linkBytesPerMs = std::uniform_real_distribution<double>(50, 2000)(rng);
+    problem.devices.push_back(device);
+  }
+  const char* schedules[] = {"gpipe", "1f1b", "zb-h1"};
+  const char* modes[] = {"always", "except_last", "never"};
+  problem.memory.schedule = schedules[rng() % 3];
+  problem.memory.checkpoint = modes[rng() % 3];
+  problem.memory.microBatches = 1 + static_cast<int>(rng() % 4);
+  problem.memory.optimizerFactor = static_cast<double>(rng() % 3);
+  problem.memory.inputBytes = bytes(rng);
+  problem.stages = k;
+  return problem;
+}
+
+bool fitsEverywhere(const PartitionPlan& plan) {
+  for (const auto& stage : plan.stages) {
+    if (stage.capacityBytes > 0 && stage.memoryBytes > stage.capacityBytes) return false;
+  }
+  return true;
+}
+
+TEST(PartitionTest, OptimalMatchesBruteForceWithMemorySpeedsAndLinks) {
+  std::mt19937 rng(2024);
+  int feasibleCases = 0, infeasibleCases = 0;
+  for (int trial = 0; trial < 600; ++trial) {
+    const int n = 1 + static_cast<int>(rng() % 10);
+    const int k = 1 + static_cast<int>(rng() % std::min(n, 5));
+    const PartitionProblem problem = randomProblem(rng, n, k);
+    double best = std::numeric_limits<double>::infinity();
+    for (const auto& split : allSplits(n, k)) {
+      const PartitionPlan plan = evaluatePartition(problem, split);
+      if (fitsEverywhere(plan)) best = std::min(best, plan.bottleneckMs);
+    }
+    SCOPED_TRACE("trial " + std::to_string(trial));
+    if (std::isinf(best)) {
+      EXPECT_THROW(optimalPartition(problem), PartitionError);
+      ++infeasibleCases;
+      continue;
+    }
+    const PartitionPlan plan = optimalPartition(problem);
+    EXPECT_TRUE(fitsEverywhere(plan));
+    EXPECT_NEAR(plan.bottleneckMs, best, 1e-9 * best);
+    EXPECT_EQ(optimalPartition(problem).boundaries, plan.boundaries);  // deterministic
+    ++feasibleCases;
+  }
+  EXPECT_GT(feasibleCases, 200);
+  EXPECT_GT(infeasibleCases, 20);
+}
+
+TEST(PartitionTest, ProfileOnlyPlanSumsForwardAndBackward) {
+  PartitionProblem problem;
+  for (double t : {1.0, 2.0, 3.0, 4.0, 5.0, 6.0}) problem.layers.push_back({"", t, t, 0, 0, 0});
+  problem.devices.assign(3, DeviceSpec{"cpu", 1.0, 0, 0.0});
+  problem.stages = 3;
+  const PartitionPlan plan = optimalPartition(problem);
+  // Stage times 2, 4, ..., 12: {2+4+6, 8+10, 12} beats {2+4+6+8, 10, 12}.
+  EXPECT_EQ(plan.boundaries, (std::vector<int>{0, 3, 5, 6}));
+  EXPECT_DOUBLE_EQ(plan.bottleneckMs, 18.0);
+}
+
+TEST(PartitionTest, AStageCountBelowTheDeviceCountWinsWhenADeviceIsSlow) {
+  PartitionProblem problem;
+  for (int i = 0; i < 6; ++i) problem.layers.push_back({"", 1.0, 2.0, 0, 0, 0});
+  problem.devices = {{"fast0", 1.0, 0, 0.0}, {"fast1", 1.0, 0, 0.0}, {"slow", 0.05, 0, 0.0}};
+  problem.memory.microBatches = 8;
+  const PartitionPlan plan = optimalPartition(problem);
+  EXPECT_EQ(plan.stages.size(), 2u);
+  EXPECT_EQ(plan.boundaries, (std::vector<int>{0, 3, 6}));
+}
+
+TEST(PartitionTest, InfeasibleRequestsAreExplained) {
+  PartitionProblem problem;
+  for (int i = 0; i < 4; ++i) problem.layers.push_back({"l" + std::to_string(i), 1, 1, 100, 10, 10});
+  problem.layers[2].paramBytes = 10000;
+  problem.layers[2].name = "huge";
+  problem.devices = {{"cpu:0", 1.0, 1000, 0.0}, {"cpu:1", 1.0, 2000, 0.0}};
+  problem.stages = 2;
+  try {
+    optimalPartition(problem);
+    FAIL();
+  } catch (const PartitionError& error) {
+    EXPECT_NE(std::string(error.what()).find("layer 2 ('huge') alone needs 19.54 KiB"), std::string::npos)
+        << error.what();
+    EXPECT_NE(std::string(error.what()).find("largest device's 1.95 KiB (cpu:1)"), std::string::npos)
+        << error.what();
+  }
+  problem.layers[2].paramBytes = 100;
+  problem.devices = {{"cpu:0", 1.0, 500, 0.0}};
+  problem.stages = 1;
+  try {
+    optimalPartition(problem);
+    FAIL();
+  } catch (const PartitionError& error) {
+    // Each layer: 2 x 100 parameter bytes + 10 activation bytes = 210.
+    EXPECT_NE(std::string(error.what()).find("the model needs 840 B on one device"), std::string::npos)
+        << error.what();
+    EXPECT_NE(std::string(error.what()).find("2 devices of this size would fit"), std::string::npos)
+        << error.what();
+  }
+}
+
+TEST(PartitionTest, InFlightMicroBatchesFollowTheSchedule) {
+  MemoryModel memory;
+  memory.microBatches = 8;
+  memory.schedule = "gpipe";
+  EXPECT_EQ(inFlightMicroBatches(memory, 0, 4), 8);
+  memory.schedule = "1f1b";
+  EXPECT_EQ(inFlightMicroBatches(memory, 0, 4), 4);
+  EXPECT_EQ(inFlightMicroBatches(memory, 3, 4), 1);
+  memory.microBatches = 2;
+  EXPECT_EQ(inFlightMicroBatches(memory, 0, 4), 2);
+  EXPECT_EQ(formatBytes(512LL << 20), "512.00 MiB");
+  EXPECT_EQ(formatBytes(12), "12 B");
 }
 
 }  // namespace

@@ -12,6 +12,7 @@
 
 #include "tpipe/config.h"
 #include "tpipe/pipeline.h"
+#include "tpipe/profile.h"
 
 namespace tpipe {
 
@@ -46,6 +47,14 @@ Dataset loadDataset(const Config& config, const BuiltModel& model);
 
 // Checks that the model's output shape fits the loss and the data's targets.
 void checkLossFits(const Config& config, const BuiltModel& model);
+
+// Profiles the config's model at its micro-batch size (batch / micro-batches)
+// on the first pipeline device's type.
+Profile profileModel(const Config& config, const BuiltModel& model, int repeats = 5);
+
+// The boundaries training will use: the configured method, planned from a
+// fresh profile when the method is `time`.
+PartitionPlan planModel(const Config& config, const BuiltModel& model, const Profile& profile);
 
 struct TrainOptions {
   std::string metricsPath;  // JSON lines; empty: none

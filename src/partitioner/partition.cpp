@@ -1,4 +1,6 @@
 #include <algorithm>
+#include <cmath>
+#include <cstdio>
 #include <limits>
 #include <numeric>
 
@@ -87,6 +89,344 @@ std::vector<int> balanceOf(const std::vector<int>& boundaries) {
     balance.push_back(boundaries[k] - boundaries[k - 1]);
   }
   return balance;
+}
+
+}  // namespace tpipe
+
+// ---------------------------------------------------------------------------
+// The optimal, memory-aware partitioner.
+
+namespace tpipe {
+
+std::string formatBytes(int64_t bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double value = static_cast<double>(bytes);
+  int unit = 0;
+  while (std::fabs(value) >= 1024.0 && unit < 4) {
+    value /= 1024.0;
+    ++unit;
+  }
+  char text[32];
+  if (unit == 0) {
+    std::snprintf(text, sizeof text, "%lld B", static_cast<long long>(bytes));
+  } else {
+    std::snprintf(text, sizeof text, "%.2f %s", value, units[unit]);
+  }
+  return text;
+}
+
+int inFlightMicroBatches(const MemoryModel& memory, int stage, int stages) {
+  const int m = std::max(1, memory.microBatches);
+  if (memory.schedule == "gpipe") return m;
+  if (memory.schedule == "zb-h1") return std::min(m, stages);  // W deferred
+  return std::min(m, stages - stage);                         // 1F1B family
+}
+
+namespace {
+
+// Prefix sums over the layers, so any stage's totals are two lookups.
+struct Prefix {
+  std::vector<double> time;  // forward + backward
+  std::vector<int64_t> params, stash;
+
+  explicit Prefix(const std::vector<LayerCost>& layers)
+      : time(layers.size() + 1, 0.0), params(layers.size() + 1, 0), stash(layers.size() + 1, 0) {
+    for (size_t i = 0; i < layers.size(); ++i) {
+      time[i + 1] = time[i] + layers[i].forwardMs + layers[i].backwardMs;
+      params[i + 1] = params[i] + layers[i].paramBytes;
+      stash[i + 1] = stash[i] + layers[i].stashBytes;
+    }
+  }
+};
+
+class Costs {
+ public:
+  Costs(const PartitionProblem& problem, int stages)
+      : problem_(problem), prefix_(problem.layers), stages_(stages) {}
+
+  int layers() const { return static_cast<int>(problem_.layers.size()); }
+  const DeviceSpec& device(int stage) const { return problem_.devices[stage]; }
+
+  double compute(int first, int end, int stage) const {
+    return (prefix_.time[end] - prefix_.time[first]) / device(stage).speed;
+  }
+
+  double transfer(int end, int stage) const {
+    if (stage == stages_ - 1 || device(stage).linkBytesPerMs <= 0.0) return 0.0;
+    return static_cast<double>(problem_.layers[end - 1].activationBytes) / device(stage).linkBytesPerMs;
+  }
+
+  int64_t inputBytes(int first) const {
+    return first == 0 ? problem_.memory.inputBytes : problem_.layers[first - 1].activationBytes;
+  }
+
+  int64_t activationMemory(int first, int end, int stage) const {
+    const int64_t inFlight = inFlightMicroBatches(problem_.memory, stage, stages_);
+    const int64_t stash = prefix_.stash[end] - prefix_.stash[first];
+    const std::string& mode = problem_.memory.checkpoint;
+    if (mode == "always") return inFlight * inputBytes(first) + stash;
+    if (mode == "except_last") return (inFlight - 1) * inputBytes(first) + stash;
+    return inFlight * stash;
+  }
+
+  int64_t memory(int first, int end, int stage) const {
+    const double factor = 2.0 + problem_.memory.optimizerFactor;  // weights, grads, state
+    const int64_t params = prefix_.params[end] - prefix_.params[first];
+    return static_cast<int64_t>(std::llround(factor * static_cast<double>(params))) +
+           activationMemory(first, end, stage);
+  }
+
+  bool fits(int first, int end, int stage) const {
+    const int64_t capacity = device(stage).memoryBytes;
+    return capacity <= 0 || memory(first, end, stage) <= capacity;
+  }
+
+  // Largest end such that [first, end) fits the stage's memory (memory
+  // grows with end); first when not even one layer fits.
+  int memoryEnd(int first, int stage) const {
+    if (device(stage).memoryBytes <= 0) return layers();
+    int lo = first, hi = layers();
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (fits(first, mid, stage)) lo = mid; else hi = mid - 1;
+    }
+    return lo;
+  }
+
+  bool hasLinks() const {
+    for (int k = 0; k < stages_; ++k) {
+      if (device(k).linkBytesPerMs > 0.0) return true;
+    }
+    return false;
+  }
+
+ private:
+  const PartitionProblem& problem_;
+  Prefix prefix_;
+  int stages_;
+};
+
+// Can the layers be split into `stages` stages, each within time `limit`
+// and its device's memory? Fills reach[k][j]: j layers coverable by k stages.
+bool feasible(const Costs& costs, int stages, double limit, const std::vector<std::vector<int>>& memoryEnd,
+              std::vector<std::vector<char>>& reach) {
+  const int n = costs.layers();
+  const bool links = costs.hasLinks();
+  reach.assign(stages + 1, std::vector<char>(n + 1, 0));
+  reach[0][0] = 1;
+  std::vector<int> cover(n + 2);
+  for (int k = 0; k < stages; ++k) {
+    const auto& from = reach[k];
+    auto& to = reach[k + 1];
+    if (!links) {
+      // Each reachable start i covers ends (i, min(time end, memory end)];
+      // the time end only grows with i, so one pointer walks it.
+      std::fill(cover.begin(), cover.end(), 0);
+      int timeEnd = 0;
+      for (int i = 0; i < n; ++i) {
+        timeEnd = std::max(timeEnd, i);
+        while (timeEnd < n && costs.compute(i, timeEnd + 1, k) <= limit) ++timeEnd;
+        if (!from[i]) continue;
+        const int end = std::min(timeEnd, memoryEnd[k][i]);
+        if (end > i) {
+          cover[i + 1] += 1;
+          cover[end + 1] -= 1;
+        }
+      }
+      int running = 0;
+      for (int j = 1; j <= n; ++j) {
+        running += cover[j];
+        to[j] = running > 0;
+      }
+    } else {
+      // A transfer cost depends on where the stage ends, so ends are tried
+      // one by one (quadratic; link costs come with modest layer counts).
+      for (int i = 0; i < n; ++i) {
+        if (!from[i]) continue;
+        for (int j = i + 1; j <= memoryEnd[k][i]; ++j) {
+          if (costs.compute(i, j, k) > limit) break;
+          if (costs.compute(i, j, k) + costs.transfer(j, k) <= limit) to[j] = 1;
+        }
+      }
+    }
+  }
+  return reach[stages][n] != 0;
+}
+
+std::vector<int> reconstruct(const Costs& costs, int stages, double limit,
+                             const std::vector<std::vector<char>>& reach) {
+  const int n = costs.layers();
+  std::vector<int> boundaries(stages + 1, 0);
+  boundaries[stages] = n;
+  for (int k = stages - 1; k >= 0; --k) {
+    const int end = boundaries[k + 1];
+    for (int i = k; i < end; ++i) {
+      if (reach[k][i] && costs.fits(i, end, k) &&
+          costs.compute(i, end, k) + costs.transfer(end, k) <= limit) {
+        boundaries[k] = i;
+        break;
+      }
+    }
+  }
+  return boundaries;
+}
+
+std::string explainInfeasible(const PartitionProblem& problem, int stages) {
+  const Costs costs(problem, stages);
+  int64_t largest = 0;
+  std::string largestName;
+  for (int k = 0; k < stages; ++k) {
+    if (problem.devices[k].memoryBytes <= 0) return "no partition found";  // unlimited device
+    if (problem.devices[k].memoryBytes > largest) {
+      largest = problem.devices[k].memoryBytes;
+      largestName = problem.devices[k].name;
+    }
+  }
+  for (int l = 0; l < costs.layers(); ++l) {
+    int64_t smallest = std::numeric_limits<int64_t>::max();
+    for (int k = 0; k < stages; ++k) smallest = std::min(smallest, costs.memory(l, l + 1, k));
+    if (smallest > largest) {
+      return "layer " + std::to_string(l) + " ('" + problem.layers[l].name + "') alone needs " +
+             formatBytes(smallest) + " (parameters, gradients, optimizer state and activations), more than "
+             "the largest device's " + formatBytes(largest) + " (" + largestName + ")";
+    }
+  }
+  const PartitionPlan whole = evaluatePartition(problem, {0, costs.layers()});
+  std::string message = "the model needs " + formatBytes(whole.stages[0].memoryBytes) +
+                        " on one device; it does not fit in " + std::to_string(stages) + " stage(s) on " +
+                        std::to_string(stages) + " device(s) of " + formatBytes(problem.devices[0].memoryBytes);
+  PartitionProblem more = problem;
+  for (int count = stages + 1; count <= costs.layers(); ++count) {
+    more.devices.assign(count, problem.devices[0]);
+    for (auto& device : more.devices) device.linkBytesPerMs = 0.0;
+    const Costs moreCosts(more, count);
+    std::vector<std::vector<int>> memoryEnd(count, std::vector<int>(costs.layers()));
+    for (int k = 0; k < count; ++k) {
+      for (int i = 0; i < costs.layers(); ++i) memoryEnd[k][i] = moreCosts.memoryEnd(i, k);
+    }
+    std::vector<std::vector<char>> reach;
+    if (feasible(moreCosts, count, std::numeric_limits<double>::infinity(), memoryEnd, reach)) {
+      return message + "; " + std::to_string(count) + " devices of this size would fit";
+    }
+  }
+  return message + "; no number of devices of this size fits (" + std::to_string(costs.layers()) +
+         " layers at most)";
+}
+
+PartitionPlan optimalForStages(const PartitionProblem& problem, int stages) {
+  const Costs costs(problem, stages);
+  const int n = costs.layers();
+  std::vector<std::vector<int>> memoryEnd(stages, std::vector<int>(n));
+  for (int k = 0; k < stages; ++k) {
+    for (int i = 0; i < n; ++i) memoryEnd[k][i] = costs.memoryEnd(i, k);
+  }
+  std::vector<std::vector<char>> reach;
+  double hi = 0.0;  // no stage can take longer than all layers plus the worst transfer
+  for (int k = 0; k < stages; ++k) {
+    double worstTransfer = 0.0;
+    for (int j = 1; j <= n; ++j) worstTransfer = std::max(worstTransfer, costs.transfer(j, k));
+    hi = std::max(hi, costs.compute(0, n, k) + worstTransfer);
+  }
+  hi = hi * (1 + 1e-9) + 1e-12;
+  if (!feasible(costs, stages, hi, memoryEnd, reach)) throw PartitionError(explainInfeasible(problem, stages));
+  double lo = 0.0;
+  for (int iteration = 0; iteration < 200 && hi - lo > 1e-13 * std::max(1.0, hi); ++iteration) {
+    const double mid = 0.5 * (lo + hi);
+    if (feasible(costs, stages, mid, memoryEnd, reach)) hi = mid; else lo = mid;
+  }
+  feasible(costs, stages, hi, memoryEnd, reach);
+  return evaluatePartition(problem, reconstruct(costs, stages, hi, reach));
+}
+
+}  // namespace
+
+PartitionPlan evaluatePartition(const PartitionProblem& problem, const std::vector<int>& boundaries) {
+  const int stages = static_cast<int>(boundaries.size()) - 1;
+  if (stages < 1 || static_cast<int>(problem.devices.size()) < stages) {
+    throw PartitionError("a partition into " + std::to_string(stages) + " stages needs as many devices, got " +
+                         std::to_string(problem.devices.size()));
+  }
+  const Costs costs(problem, stages);
+  PartitionPlan plan;
+  plan.boundaries = boundaries;
+  for (int k = 0; k < stages; ++k) {
+    StageReport report;
+    report.firstLayer = boundaries[k];
+    report.endLayer = boundaries[k + 1];
+    if (report.endLayer <= report.firstLayer) {
+      throw PartitionError("stage " + std::to_string(k) + " has no layers");
+    }
+    report.device = problem.devices[k].name;
+    report.computeMs = costs.compute(report.firstLayer, report.endLayer, k);
+    report.transferMs = costs.transfer(report.endLayer, k);
+    report.timeMs = report.computeMs + report.transferMs;
+    for (int l = report.firstLayer; l < report.endLayer; ++l) report.paramBytes += problem.layers[l].paramBytes;
+    report.memoryBytes = costs.memory(report.firstLayer, report.endLayer, k);
+    report.activationBytes = costs.activationMemory(report.firstLayer, report.endLayer, k);
+    report.capacityBytes = problem.devices[k].memoryBytes;
+    report.inFlight = inFlightMicroBatches(problem.memory, k, stages);
+    plan.bottleneckMs = std::max(plan.bottleneckMs, report.timeMs);
+    plan.stages.push_back(report);
+  }
+  return plan;
+}
+
+std::vector<StageCosts> stageCostsOf(const PartitionProblem& problem, const PartitionPlan& plan) {
+  std::vector<StageCosts> costs;
+  for (size_t k = 0; k < plan.stages.size(); ++k) {
+    const StageReport& stage = plan.stages[k];
+    double forward = 0.0, backward = 0.0;
+    for (int l = stage.firstLayer; l < stage.endLayer; ++l) {
+      forward += problem.layers[l].forwardMs;
+      backward += problem.layers[l].backwardMs;
+    }
+    const double speed = problem.devices[k].speed;
+    StageCosts c;
+    c.forward = forward / speed;
+    c.backward = backward / speed;
+    c.backwardInput = c.backward / 2;
+    c.backwardWeight = c.backward / 2;
+    c.recompute = c.forward;
+    c.transfer = stage.transferMs;
+    costs.push_back(c);
+  }
+  return costs;
+}
+
+PartitionPlan optimalPartition(const PartitionProblem& problem) {
+  const int n = static_cast<int>(problem.layers.size());
+  const int devices = static_cast<int>(problem.devices.size());
+  if (n == 0) throw PartitionError("no layers to partition");
+  if (devices == 0) throw PartitionError("no devices to partition over");
+  for (const auto& device : problem.devices) {
+    if (!(device.speed > 0.0)) throw PartitionError("device '" + device.name + "' has a non-positive speed");
+  }
+  if (problem.stages > 0) {
+    requireSplittable(n, problem.stages);
+    if (problem.stages > devices) {
+      throw PartitionError(std::to_string(problem.stages) + " stages need " + std::to_string(problem.stages) +
+                           " devices, got " + std::to_string(devices));
+    }
+    return optimalForStages(problem, problem.stages);
+  }
+  // Choose the stage count: the fill-drain step is (m + p - 1) bottlenecks.
+  PartitionPlan best;
+  double bestStep = std::numeric_limits<double>::infinity();
+  std::string lastError;
+  for (int stages = 1; stages <= std::min(n, devices); ++stages) {
+    try {
+      PartitionPlan plan = optimalForStages(problem, stages);
+      const double step = plan.bottleneckMs * (std::max(1, problem.memory.microBatches) + stages - 1);
+      if (step < bestStep * (1 - 1e-12)) {
+        bestStep = step;
+        best = std::move(plan);
+      }
+    } catch (const PartitionError& error) {
+      lastError = error.what();
+    }
+  }
+  if (best.boundaries.empty()) throw PartitionError(lastError);
+  return best;
 }
 
 }  // namespace tpipe

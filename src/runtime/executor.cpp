@@ -149,9 +149,11 @@ class RankExecutor {
 
   void operator()(const SendActivation& op) {
     Stash& stash = state_.at(op.stage, op.microBatch);
-    const c10::Device to = stageAt(op.stage + 1).device;
+    // Built in a statement of its own: every temporary sharing the tensor
+    // dies before another thread can own it.
+    at::Tensor sent = stash.output.detach().to(stageAt(op.stage + 1).device);
     state_.exchange->put(Direction::kActivation, op.stage, op.microBatch,
-                         stash.output.detach().to(to));
+                         std::move(sent));
     if (stash.checkpointed || !state_.schedule->training) {
       stash.output = at::Tensor();  // recompute rebuilds it
     }
@@ -168,11 +170,11 @@ class RankExecutor {
 
   void operator()(const SendGrad& op) {
     Stash& stash = state_.at(op.stage, op.microBatch);
-    const c10::Device to = stageAt(op.stage - 1).device;
-    state_.exchange->put(Direction::kGradient, op.stage - 1, op.microBatch,
-                         stash.inputGrad.to(to));
+    at::Tensor sent = stash.inputGrad.to(stageAt(op.stage - 1).device);
     stash.inputGrad = at::Tensor();
-    stash.input = at::Tensor();
+    stash.input = at::Tensor();  // its .grad() may be `sent`: drop it first
+    state_.exchange->put(Direction::kGradient, op.stage - 1, op.microBatch,
+                         std::move(sent));
   }
 
   void operator()(const RecvGrad& op) {

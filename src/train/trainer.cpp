@@ -231,7 +231,7 @@ int64_t loadCheckpoint(const fs::path& dir, Pipeline& pipe, torch::optim::Optimi
   return step;
 }
 
-PipelineOptions pipelineOptions(const Config& config) {
+PipelineOptions pipelineOptions(const Config& config, const BuiltModel& model) {
   const auto& p = config.pipeline;
   PipelineOptions options;
   options.devices.clear();
@@ -245,6 +245,11 @@ PipelineOptions pipelineOptions(const Config& config) {
   options.checkpoint = parseCheckpointMode(p.checkpoint);
   options.threadsPerDevice = p.threadsPerDevice;
   options.seed = config.train.seed;
+  if (p.partition == "time") {
+    const PartitionPlan plan = planModel(config, model, profileModel(config, model));
+    options.balance = balanceOf(plan.boundaries);
+    options.stages = static_cast<int>(options.balance.size());
+  }
   return options;
 }
 
@@ -258,13 +263,48 @@ std::string duration(double seconds) {
 
 }  // namespace
 
+Profile profileModel(const Config& config, const BuiltModel& model, int repeats) {
+  ProfileOptions options;
+  const int64_t m = config.pipeline.microBatches;
+  options.microBatchSize = (config.train.batchSize + m - 1) / m;
+  options.repeats = repeats;
+  const std::string& first = config.pipeline.devices.front().name;
+  options.device = first.rfind("cuda", 0) == 0 ? first : "cpu";
+  torch::manual_seed(config.train.seed);
+  const std::vector<int64_t>& shape = model.shapes.front();
+  auto sample = [&](int64_t n) {
+    std::vector<int64_t> sizes{n};
+    sizes.insert(sizes.end(), shape.begin(), shape.end());
+    if (!model.integerInput) return torch::randn(sizes);
+    const int64_t vocab = config.model.layers.front().params["num_embeddings"].get<int64_t>();
+    return torch::randint(vocab, sizes, torch::kLong);
+  };
+  return profileLayers(model.layers, sample, options);
+}
+
+PartitionPlan planModel(const Config& config, const BuiltModel& model, const Profile& profile) {
+  std::vector<int64_t> parameters;
+  for (const auto& layer : model.layers) {
+    int64_t count = 0;
+    for (const auto& p : layer.module.ptr()->parameters()) count += p.numel();
+    parameters.push_back(count);
+  }
+  const PartitionProblem problem = partitionProblem(config, profile.costsAt(profile.microBatchSize),
+                                                    profile.inputBytes);
+  try {
+    return planFor(config, problem, parameters);
+  } catch (const PartitionError& error) {
+    throw ConfigError(std::string("pipeline: ") + error.what());
+  }
+}
+
 TrainSummary train(const Config& config, const TrainOptions& options) {
   std::ostream& log = options.log ? *options.log : std::cout;
   const bool live = options.log == nullptr && ::isatty(STDOUT_FILENO);
   BuiltModel model = buildModel(config.model, config.train.seed);
   setBatchNormMicroBatches(model, config.pipeline.microBatches);
   const Dataset data = loadDataset(config, model);
-  Pipeline pipe(model.layers, pipelineOptions(config));
+  Pipeline pipe(model.layers, pipelineOptions(config, model));
   auto optimizer = makeOptimizer(config.train.optimizer, pipe.parameters());
   const LossFunction lossFn = makeLoss(config.train.loss);
   const bool classification = config.train.loss == "cross_entropy";

@@ -1,0 +1,45 @@
+// Per-device accounting of CPU memory: a wrapping CPU allocator charges each
+// allocation to the device whose worker thread allocates it (a thread-local
+// index), and frees to the device that was charged. Installed on demand
+// (profiling, memory reports, capacities); without it nothing is counted.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace tpipe {
+namespace memory {
+
+constexpr int kMaxDevices = 64;
+constexpr int kUnattributed = -1;
+
+// Wraps LibTorch's CPU allocator; idempotent and permanent for the process.
+void install();
+bool installed();
+
+// The device charged for allocations on this thread (kUnattributed: none).
+void setThreadDevice(int device);
+int threadDevice();
+
+// A capacity per device (0: none). An allocation that would exceed it
+// throws c10::Error naming `label`, the bytes in use and the capacity.
+void setCapacity(int device, int64_t bytes, const std::string& label);
+
+int64_t liveBytes(int device);
+int64_t peakBytes(int device);
+void resetPeak(int device);  // peak := live
+
+// Charges the current thread's allocations to `device` for a scope.
+class DeviceScope {
+ public:
+  explicit DeviceScope(int device) : previous_(threadDevice()) { setThreadDevice(device); }
+  ~DeviceScope() { setThreadDevice(previous_); }
+  DeviceScope(const DeviceScope&) = delete;
+  DeviceScope& operator=(const DeviceScope&) = delete;
+
+ private:
+  int previous_;
+};
+
+}  // namespace memory
+}  // namespace tpipe

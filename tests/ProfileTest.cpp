@@ -1,0 +1,92 @@
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include "runtime/memory.h"
+#include "tpipe/profile.h"
+
+namespace tpipe {
+namespace {
+
+LayerList stack() {
+  torch::manual_seed(0);
+  return layersOf(torch::nn::Sequential(torch::nn::Linear(256, 512), torch::nn::ReLU(),
+                                        torch::nn::Flatten(), torch::nn::Linear(512, 64)));
+}
+
+at::Tensor sample(int64_t n) { return torch::randn({n, 256}); }
+
+TEST(ProfileTest, RecordsBytesOfParametersOutputsAndStash) {
+  ProfileOptions options;
+  options.microBatchSize = 16;
+  options.repeats = 3;
+  const Profile profile = profileLayers(stack(), sample, options);
+  ASSERT_EQ(profile.layers.size(), 4u);
+  EXPECT_EQ(profile.inputBytes, 16 * 256 * 4);
+  const auto& linear = profile.layers[0].cost;
+  EXPECT_EQ(linear.paramBytes, (256 * 512 + 512) * 4);
+  EXPECT_EQ(linear.activationBytes, 16 * 512 * 4);
+  EXPECT_GE(linear.stashBytes, linear.activationBytes);  // at least its output
+  EXPECT_EQ(profile.layers[1].cost.paramBytes, 0);
+  EXPECT_EQ(profile.layers[2].cost.stashBytes, 0);  // flatten of a 2-D input is a view
+  for (const auto& layer : profile.layers) {
+    EXPECT_GT(layer.cost.forwardMs, 0.0);
+    EXPECT_GE(layer.cost.backwardMs, 0.0);
+  }
+  EXPECT_EQ(profile.fitSizes, (std::vector<int64_t>{8, 16, 32}));
+}
+
+TEST(ProfileTest, TheFitPredictsAHeldOutMicroBatchSize) {
+  torch::manual_seed(1);
+  LayerList heavy = layersOf(torch::nn::Sequential(torch::nn::Linear(1024, 1024)));
+  auto input = [](int64_t n) { return torch::randn({n, 1024}); };
+  ProfileOptions options;
+  options.microBatchSize = 64;
+  options.repeats = 7;
+  const Profile profile = profileLayers(heavy, input, options);
+  // Held out: 96 samples was never measured; time it the same way.
+  ProfileOptions heldOut = options;
+  heldOut.microBatchSize = 96;
+  const Profile measured = profileLayers(heavy, input, heldOut);
+  const double predicted = profile.layers[0].forward.at(96) + profile.layers[0].backward.at(96);
+  const double actual = measured.layers[0].cost.forwardMs + measured.layers[0].cost.backwardMs;
+  EXPECT_NEAR(predicted / actual, 1.0, 0.35) << "predicted " << predicted << " ms, measured " << actual << " ms";
+  EXPECT_GT(profile.layers[0].forward.slope, 0.0);
+}
+
+TEST(ProfileTest, JsonRoundTripAndScaling) {
+  ProfileOptions options;
+  options.microBatchSize = 4;
+  options.repeats = 1;
+  const Profile profile = profileLayers(stack(), sample, options);
+  const Profile back = profileFromJson(profileToJson(profile));
+  ASSERT_EQ(back.layers.size(), profile.layers.size());
+  EXPECT_EQ(back.layers[0].cost.paramBytes, profile.layers[0].cost.paramBytes);
+  EXPECT_DOUBLE_EQ(back.layers[3].backward.slope, profile.layers[3].backward.slope);
+  const auto doubled = back.costsAt(8);
+  EXPECT_EQ(doubled[0].activationBytes, 2 * profile.layers[0].cost.activationBytes);
+  EXPECT_THROW(profileFromJson(nlohmann::json::parse(R"({"layers": [{"name": "x"}]})")), ConfigError);
+  EXPECT_THROW(profileFromJson(nlohmann::json::parse(R"({"layers": [{"forward_ms": -1, "backward_ms": 1}]})")),
+               ConfigError);
+}
+
+TEST(ProfileTest, AllocatorChargesTheThreadsDevice) {
+  memory::install();
+  const int64_t before = memory::liveBytes(3);
+  at::Tensor t;
+  {
+    memory::DeviceScope scope(3);
+    t = torch::empty({1000}, torch::kFloat);
+  }
+  EXPECT_EQ(memory::liveBytes(3) - before, 4000);
+  EXPECT_GE(memory::peakBytes(3), memory::liveBytes(3));
+  t = at::Tensor();
+  EXPECT_EQ(memory::liveBytes(3), before);
+  // Allocations on other threads without a device are not charged.
+  std::thread([&] { t = torch::empty({1000}); }).join();
+  EXPECT_EQ(memory::liveBytes(3), before);
+}
+
+}  // namespace
+}  // namespace tpipe
