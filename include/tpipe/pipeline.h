@@ -48,6 +48,7 @@
 #include <torch/nn/modules/container/sequential.h>
 
 #include "tpipe/schedule.h"
+#include "tpipe/trace.h"
 
 namespace tpipe {
 
@@ -80,6 +81,10 @@ struct PipelineOptions {
   // Intra-op threads of each device's worker; 0 shares the cores fairly.
   int threadsPerDevice = 0;
   uint64_t seed = 0;  // seeds each stage's random generator
+  // Record every executed instruction's start and end (see trace()); off,
+  // it costs one branch per instruction. The last `keepSteps` are kept.
+  bool record = false;
+  int keepSteps = 8;
 };
 
 // Must return the mean loss over the micro-batch (a scalar); the pipeline
@@ -127,6 +132,12 @@ class Pipeline {
   const PipelineOptions& options() const;
   // The device each stage runs on, as named in the options.
   std::vector<std::string> stageDevices() const;
+
+  // The recorded training steps (PipelineOptions::record); inference steps
+  // are not recorded. setRecording switches recording for later steps.
+  const Trace& trace() const;
+  void setRecording(bool on);
+  void clearTrace();
 
   // Each stage's random generator state (dropout), for checkpoints: restoring
   // them makes a resumed run draw the same masks as an uninterrupted one.

@@ -64,6 +64,11 @@ struct TrainOptions {
   // preempted job would; the schedule still spans train.steps. 0: run all.
   int64_t stopAfter = 0;
   std::ostream* log = nullptr;  // progress and summary; null: std::cout
+  // The last recordSteps steps are recorded for the bubble report, and
+  // written as a Chrome trace, an SVG timeline and a JSON report when asked.
+  int recordSteps = 5;
+  std::string tracePath, timelinePath, reportPath;
+  bool evaluate = true;  // evaluate at eval_every and at the end
 };
 
 struct TrainSummary {
@@ -75,6 +80,7 @@ struct TrainSummary {
   double evalLoss = 0.0;
   double evalAccuracy = -1.0;  // < 0: not a classification loss
   std::vector<double> losses;  // per step run in this call
+  BubbleReport bubble;         // over the recorded steps
 };
 
 TrainSummary train(const Config& config, const TrainOptions& options);

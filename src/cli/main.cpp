@@ -283,6 +283,10 @@ int main(int argc, char** argv) {
   train->add_option("--metrics", trainOptions.metricsPath, "write JSON lines, one per step");
   train->add_option("--save", trainOptions.saveDir, "checkpoint directory");
   train->add_option("--resume", trainOptions.resumeDir, "continue from this checkpoint directory");
+  train->add_option("--trace", trainOptions.tracePath, "write a Chrome trace (Perfetto) of the recorded steps");
+  train->add_option("--timeline", trainOptions.timelinePath, "draw the last recorded step as an SVG Gantt chart");
+  train->add_option("--report", trainOptions.reportPath, "write the bubble report as JSON");
+  train->add_option("--record-steps", trainOptions.recordSteps, "how many final steps to record (default 5)");
   train->add_option("--stop-after", trainOptions.stopAfter,
                     "stop after this many steps (a preemption: the schedule still spans train.steps)");
 
@@ -306,6 +310,11 @@ int main(int argc, char** argv) {
   profile->add_option("config", configPath, "JSON config file")->required()->check(CLI::ExistingFile);
   profile->add_option("--set", overrides, "override a config value: key.path=value");
   profile->add_option("--out", profileOut, "write the profile as JSON");
+  int profileSteps = 0;
+  profile->add_option("--steps", profileSteps, "also run this many pipelined steps and report the bubble");
+  profile->add_option("--trace", trainOptions.tracePath, "with --steps: write a Chrome trace");
+  profile->add_option("--timeline", trainOptions.timelinePath, "with --steps: write an SVG timeline");
+  profile->add_option("--report", trainOptions.reportPath, "with --steps: write the bubble report as JSON");
 
   auto* schedule = app.add_subcommand(
       "schedule", "print a schedule's instruction lists and simulated timeline");
@@ -331,7 +340,19 @@ int main(int argc, char** argv) {
       if (configPath.empty() && profilePath.empty()) throw tpipe::ConfigError("plan: give a CONFIG or --profile FILE");
       return planCommand(configPath, overrides, profilePath, planStages, planJson);
     }
-    if (*profile) return profileCommand(configPath, overrides, profileOut);
+    if (*profile) {
+      profileCommand(configPath, overrides, profileOut);
+      if (profileSteps > 0) {
+        tpipe::Config config = tpipe::parseConfig(configJson(configPath, overrides));
+        config.train.steps = profileSteps + 2;  // two warm-up steps
+        config.train.evalEvery = 0;
+        trainOptions.recordSteps = profileSteps;
+        trainOptions.evaluate = false;
+        std::cout << "\nrunning " << profileSteps << " recorded steps (after 2 warm-up steps)\n";
+        tpipe::train(config, trainOptions);
+      }
+      return 0;
+    }
     if (*schedule) {
       spec.checkpoint = tpipe::parseCheckpointMode(checkpoint);
       return printSchedule(spec, json);

@@ -193,6 +193,19 @@ class Costs {
     return lo;
   }
 
+  // Whether every sub-range of a feasible stage is feasible too and all
+  // devices are alike: then packing stages greedily decides feasibility
+  // exactly (the greedy cover stays ahead of any other).
+  bool greedyExact() const {
+    if (hasLinks()) return false;
+    for (int k = 1; k < stages_; ++k) {
+      if (device(k).speed != device(0).speed || device(k).memoryBytes != device(0).memoryBytes) return false;
+    }
+    // Rematerialization charges the stage input, which a shorter stage may
+    // have larger: sub-ranges are not always cheaper then.
+    return device(0).memoryBytes <= 0 || problem_.memory.checkpoint == "never";
+  }
+
   bool hasLinks() const {
     for (int k = 0; k < stages_; ++k) {
       if (device(k).linkBytesPerMs > 0.0) return true;
@@ -251,6 +264,21 @@ bool feasible(const Costs& costs, int stages, double limit, const std::vector<st
     }
   }
   return reach[stages][n] != 0;
+}
+
+// Stages packed as long as time and memory allow; feasible iff they cover
+// every layer within `stages` stages. Exact when Costs::greedyExact().
+bool greedyFeasible(const Costs& costs, int stages, double limit, const std::vector<std::vector<int>>& memoryEnd) {
+  const int n = costs.layers();
+  int start = 0;
+  for (int k = 0; k < stages && start < n; ++k) {
+    int end = start;
+    const int cap = memoryEnd[k][start];
+    while (end < cap && costs.compute(start, end + 1, k) <= limit) ++end;
+    if (end == start) return false;
+    start = end;
+  }
+  return start == n;
 }
 
 std::vector<int> reconstruct(const Costs& costs, int stages, double limit,
@@ -330,9 +358,12 @@ PartitionPlan optimalForStages(const PartitionProblem& problem, int stages) {
   hi = hi * (1 + 1e-9) + 1e-12;
   if (!feasible(costs, stages, hi, memoryEnd, reach)) throw PartitionError(explainInfeasible(problem, stages));
   double lo = 0.0;
+  const bool greedy = costs.greedyExact();
   for (int iteration = 0; iteration < 200 && hi - lo > 1e-13 * std::max(1.0, hi); ++iteration) {
     const double mid = 0.5 * (lo + hi);
-    if (feasible(costs, stages, mid, memoryEnd, reach)) hi = mid; else lo = mid;
+    const bool ok = greedy ? greedyFeasible(costs, stages, mid, memoryEnd)
+                           : feasible(costs, stages, mid, memoryEnd, reach);
+    if (ok) hi = mid; else lo = mid;
   }
   feasible(costs, stages, hi, memoryEnd, reach);
   return evaluatePartition(problem, reconstruct(costs, stages, hi, reach));

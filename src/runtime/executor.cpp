@@ -152,6 +152,7 @@ class RankExecutor {
     // Built in a statement of its own: every temporary sharing the tensor
     // dies before another thread can own it.
     at::Tensor sent = stash.output.detach().to(stageAt(op.stage + 1).device);
+    transferred = static_cast<int64_t>(sent.nbytes());
     state_.exchange->put(Direction::kActivation, op.stage, op.microBatch,
                          std::move(sent));
     if (stash.checkpointed || !state_.schedule->training) {
@@ -162,6 +163,7 @@ class RankExecutor {
   void operator()(const RecvActivation& op) {
     at::Tensor input = state_.exchange->take(Direction::kActivation,
                                              op.stage - 1, op.microBatch);
+    transferred = static_cast<int64_t>(input.nbytes());
     if (state_.schedule->training && input.is_floating_point()) {
       input.requires_grad_(true);
     }
@@ -173,14 +175,19 @@ class RankExecutor {
     at::Tensor sent = stash.inputGrad.to(stageAt(op.stage - 1).device);
     stash.inputGrad = at::Tensor();
     stash.input = at::Tensor();  // its .grad() may be `sent`: drop it first
+    transferred = static_cast<int64_t>(sent.nbytes());
     state_.exchange->put(Direction::kGradient, op.stage - 1, op.microBatch,
                          std::move(sent));
   }
 
   void operator()(const RecvGrad& op) {
-    state_.at(op.stage, op.microBatch).gradOutput =
+    Stash& stash = state_.at(op.stage, op.microBatch);
+    stash.gradOutput =
         state_.exchange->take(Direction::kGradient, op.stage, op.microBatch);
+    transferred = static_cast<int64_t>(stash.gradOutput.nbytes());
   }
+
+  int64_t transferred = 0;  // bytes moved by the last transfer instruction
 
  private:
   StageRuntime& stageAt(int stage) { return (*state_.stages)[stage]; }
@@ -232,7 +239,22 @@ void runRank(StepState& state, int rank) {
   RankExecutor executor(state, rank);
   size_t i = 0;
   try {
-    for (; i < list.size(); ++i) std::visit(executor, list[i]);
+    if (!state.record) {
+      for (; i < list.size(); ++i) std::visit(executor, list[i]);
+    } else {
+      auto& events = state.events[rank];
+      auto since = [&](std::chrono::steady_clock::time_point t) {
+        return std::chrono::duration<double, std::micro>(t - state.start).count();
+      };
+      for (; i < list.size(); ++i) {
+        const auto begin = std::chrono::steady_clock::now();
+        executor.transferred = 0;
+        std::visit(executor, list[i]);
+        const auto end = std::chrono::steady_clock::now();
+        events.push_back({rank, static_cast<int>(i), since(begin), since(end),
+                          executor.transferred});
+      }
+    }
   } catch (const StepAborted&) {
     // Another rank failed first and has recorded why.
   } catch (const std::exception& error) {

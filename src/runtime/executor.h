@@ -4,6 +4,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -51,6 +52,10 @@ struct StepState {
   std::vector<Stash> stash;             // [stage * m + micro-batch]
   std::vector<at::Tensor> losses;       // weighted, detached, per micro-batch
   std::vector<at::Tensor> outputs;      // inference outputs per micro-batch
+
+  bool record = false;
+  std::chrono::steady_clock::time_point start;
+  std::vector<std::vector<TraceEvent>> events;  // per rank, when recording
 
   std::mutex errorMutex;
   std::string error;  // first failure, with its context; empty when none

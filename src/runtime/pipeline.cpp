@@ -1,6 +1,7 @@
 #include "tpipe/pipeline.h"
 
 #include <algorithm>
+#include <chrono>
 #include <set>
 #include <thread>
 
@@ -94,6 +95,8 @@ struct Pipeline::Impl {
   std::vector<runtime::StageRuntime> stages;
   runtime::Exchange exchange;
   std::vector<std::unique_ptr<runtime::DeviceWorker>> workers;
+  Trace trace;
+  int steps = 0;
 
   void resolve();
   void place();
@@ -232,6 +235,9 @@ void Pipeline::Impl::run(runtime::StepState& state, const Schedule& plan) {
   state.stash.assign(static_cast<size_t>(plan.stages()) * m, {});
   state.losses.assign(m, {});
   state.outputs.assign(m, {});
+  state.record = options.record && plan.training;
+  if (state.record) state.events.assign(plan.ranks, {});
+  state.start = std::chrono::steady_clock::now();
   runtime::Latch latch(plan.ranks);
   for (int rank = 0; rank < plan.ranks; ++rank) {
     const bool training = plan.training;
@@ -242,8 +248,26 @@ void Pipeline::Impl::run(runtime::StepState& state, const Schedule& plan) {
     });
   }
   latch.wait();
+  const double wallUs = std::chrono::duration<double, std::micro>(
+                            std::chrono::steady_clock::now() - state.start)
+                            .count();
   state.stash.clear();  // frees activations of a failed step too
   TORCH_CHECK(state.error.empty(), state.error);
+  if (plan.training) ++steps;
+  if (state.record) {
+    StepTrace step;
+    step.step = steps;
+    step.wallUs = wallUs;
+    for (auto& events : state.events) {
+      step.events.insert(step.events.end(), events.begin(), events.end());
+    }
+    trace.steps.push_back(std::move(step));
+    const size_t keep = static_cast<size_t>(std::max(1, options.keepSteps));
+    if (trace.steps.size() > keep) {
+      trace.steps.erase(trace.steps.begin(),
+                        trace.steps.end() - static_cast<std::ptrdiff_t>(keep));
+    }
+  }
 }
 
 Pipeline::Pipeline(LayerList layers, PipelineOptions options)
@@ -252,6 +276,9 @@ Pipeline::Pipeline(LayerList layers, PipelineOptions options)
   impl_->options = std::move(options);
   impl_->resolve();
   impl_->place();
+  impl_->trace.schedule = impl_->schedule;
+  impl_->trace.devices.assign(impl_->options.devices.begin(),
+                              impl_->options.devices.begin() + impl_->schedule.ranks);
 }
 
 Pipeline::~Pipeline() = default;
@@ -321,6 +348,10 @@ const std::vector<int>& Pipeline::boundaries() const {
 }
 const Schedule& Pipeline::schedule() const { return impl_->schedule; }
 const PipelineOptions& Pipeline::options() const { return impl_->options; }
+
+const Trace& Pipeline::trace() const { return impl_->trace; }
+void Pipeline::setRecording(bool on) { impl_->options.record = on; }
+void Pipeline::clearTrace() { impl_->trace.steps.clear(); }
 
 std::vector<torch::Tensor> Pipeline::generatorStates() const {
   std::vector<torch::Tensor> states;

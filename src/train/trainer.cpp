@@ -261,6 +261,27 @@ std::string duration(double seconds) {
   return out.str();
 }
 
+void writeTraceOutputs(const Trace& trace, const TrainOptions& options, TrainSummary& summary,
+                       std::ostream& log) {
+  if (trace.steps.empty()) return;
+  summary.bubble = bubbleReport(trace);
+  printBubbleReport(log, summary.bubble);
+  auto write = [](const std::string& path, const std::string& text) {
+    if (path.empty()) return;
+    writeAtomically(path, [&](const fs::path& temporary) {
+      std::ofstream out(temporary);
+      out << text;
+      if (!out) throw std::runtime_error("cannot write " + path);
+    });
+  };
+  write(options.tracePath, chromeTrace(trace).dump() + "\n");
+  write(options.timelinePath, timelineSvg(trace));
+  write(options.reportPath, bubbleReportToJson(summary.bubble).dump(1) + "\n");
+  for (const auto* path : {&options.tracePath, &options.timelinePath, &options.reportPath}) {
+    if (!path->empty()) log << "wrote " << *path << "\n";
+  }
+}
+
 }  // namespace
 
 Profile profileModel(const Config& config, const BuiltModel& model, int repeats) {
@@ -355,7 +376,9 @@ TrainSummary train(const Config& config, const TrainOptions& options) {
   };
 
   if (!options.saveDir.empty() && total == 0) saveCheckpoint(options.saveDir, 0, pipe, *optimizer);
+  const int64_t recordFrom = std::max<int64_t>(summary.startStep, last - std::max(0, options.recordSteps));
   for (int64_t step = summary.startStep; step < last; ++step) {
+    if (step == recordFrom && options.recordSteps > 0) pipe.setRecording(true);
     const double lr = learningRate(config.train, step);
     for (auto& group : optimizer->param_groups()) group.options().set_lr(lr);
     auto [x, y] = batches.batch(step);
@@ -385,7 +408,9 @@ TrainSummary train(const Config& config, const TrainOptions& options) {
       log << "step " << done << "/" << total << " loss " << std::fixed << std::setprecision(4) << loss << " "
           << std::setprecision(0) << rate << " samples/s ETA " << duration(eta) << std::defaultfloat << "\n";
     }
-    if (config.train.evalEvery > 0 && done % config.train.evalEvery == 0 && done != total) runEvaluation(done);
+    if (options.evaluate && config.train.evalEvery > 0 && done % config.train.evalEvery == 0 && done != total) {
+      runEvaluation(done);
+    }
     if (!options.saveDir.empty() &&
         (done == last || (config.train.checkpointEvery > 0 && done % config.train.checkpointEvery == 0))) {
       saveCheckpoint(options.saveDir, done, pipe, *optimizer);
@@ -396,6 +421,9 @@ TrainSummary train(const Config& config, const TrainOptions& options) {
   summary.seconds = elapsed();
   summary.samplesPerSecond =
       static_cast<double>((last - summary.startStep) * config.train.batchSize) / std::max(summary.seconds, 1e-9);
+  pipe.setRecording(false);
+  writeTraceOutputs(pipe.trace(), options, summary, log);
+  if (!options.evaluate) return summary;
   runEvaluation(last);
   log << "done: " << last << " steps in " << std::fixed << std::setprecision(1) << summary.seconds << " s, "
       << std::setprecision(0) << summary.samplesPerSecond << " samples/s, final loss " << std::setprecision(4)

@@ -1,0 +1,75 @@
+// What a pipeline did, instruction by instruction, and what it tells about
+// the bubble. A trace is a plain value: recorded by the runtime when asked
+// (PipelineOptions::record), then printed, reported, drawn or saved.
+#pragma once
+
+#include <cstdint>
+#include <iosfwd>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json_fwd.hpp>
+
+#include "tpipe/schedule.h"
+
+namespace tpipe {
+
+struct TraceEvent {
+  int rank = 0;
+  int index = 0;  // position in the schedule's list for this rank
+  double startUs = 0.0;  // since the step began (steady clock)
+  double endUs = 0.0;
+  int64_t bytes = 0;  // transfers: tensor bytes sent or received
+};
+
+struct StepTrace {
+  int step = 0;          // the pipeline's step counter (1-based)
+  double wallUs = 0.0;   // the step's wall time, first dispatch to last end
+  std::vector<TraceEvent> events;  // every executed instruction
+};
+
+struct Trace {
+  Schedule schedule;                 // what the events index into
+  std::vector<std::string> devices;  // per rank
+  std::vector<StepTrace> steps;
+};
+
+// Bubble accounting of one step per rank. busy = compute (forward,
+// backward, recompute) + communication (sends); idle = wall - busy, which
+// includes the time receives wait. busy + idle = wall exactly.
+struct RankBubble {
+  std::string device;
+  double wallMs = 0.0;
+  double computeMs = 0.0;
+  double recomputeMs = 0.0;  // part of computeMs
+  double communicationMs = 0.0;
+  double busyMs = 0.0;
+  double idleMs = 0.0;
+};
+
+struct BubbleReport {
+  int steps = 0;                // averaged over
+  std::vector<RankBubble> ranks;
+  double stepMs = 0.0;          // mean measured step
+  double measuredBubble = 0.0;  // sum idle / (ranks * wall)
+  double theoreticalBubble = 0.0;  // (p - 1) / (m + p - 1)
+  double simulatedBubble = 0.0;    // simulator on the measured mean times
+  double simulatedStepMs = 0.0;
+  std::vector<StageCosts> measuredCosts;  // per stage, ms
+};
+
+// Averages the steps of a trace (all of them; skip warm-up steps before).
+BubbleReport bubbleReport(const Trace& trace);
+void printBubbleReport(std::ostream& out, const BubbleReport& report);
+nlohmann::json bubbleReportToJson(const BubbleReport& report);
+
+// Chrome trace event format (Perfetto, chrome://tracing): one track per
+// device, complete events named F3 / B3 / R3 / "send act 3 -> stage 2",
+// args with micro-batch and stage, step boundaries as instant events.
+nlohmann::json chromeTrace(const Trace& trace);
+
+// A Gantt chart of one step as SVG: a row per device, a colour per kind,
+// idle time blank, a legend and the bubble in the title.
+std::string timelineSvg(const Trace& trace, int stepIndex = -1);
+
+}  // namespace tpipe

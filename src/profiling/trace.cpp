@@ -1,0 +1,292 @@
+// Bubble reports, Chrome traces and SVG timelines from recorded steps.
+#include "tpipe/trace.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <iomanip>
+#include <map>
+#include <ostream>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "overloaded.h"
+
+namespace tpipe {
+namespace {
+
+const Instruction& instructionOf(const Trace& trace, const TraceEvent& event) {
+  return trace.schedule.perRank.at(event.rank).at(event.index);
+}
+
+bool isSend(const Instruction& instruction) {
+  return std::holds_alternative<SendActivation>(instruction) || std::holds_alternative<SendGrad>(instruction);
+}
+
+// Mean duration per (stage, kind), in ms, over every step.
+std::vector<StageCosts> meanCosts(const Trace& trace) {
+  const int stages = trace.schedule.stages();
+  struct Sum {
+    double total = 0.0;
+    int count = 0;
+    double mean() const { return count ? total / count : 0.0; }
+  };
+  std::vector<std::map<std::string, Sum>> sums(stages);
+  for (const auto& step : trace.steps) {
+    for (const auto& event : step.events) {
+      const Instruction& instruction = instructionOf(trace, event);
+      Sum& sum = sums[stageOf(instruction)][opName(instruction)];
+      sum.total += (event.endUs - event.startUs) / 1000.0;
+      ++sum.count;
+    }
+  }
+  std::vector<StageCosts> costs(stages);
+  for (int s = 0; s < stages; ++s) {
+    auto& c = costs[s];
+    auto mean = [&](const char* op) { return sums[s][op].mean(); };
+    c.forward = mean("forward");
+    c.backward = mean("backward");
+    c.backwardInput = mean("backward_input");
+    c.backwardWeight = mean("backward_weight");
+    c.recompute = mean("recompute");
+    c.transfer = std::max(mean("send_activation"), mean("send_grad"));
+  }
+  return costs;
+}
+
+double theoryFor(const Schedule& schedule) {
+  const int p = schedule.ranks;
+  const int m = schedule.microBatches * schedule.virtualStages;
+  return static_cast<double>(p - 1) / (m + p - 1);
+}
+
+}  // namespace
+
+BubbleReport bubbleReport(const Trace& trace) {
+  BubbleReport report;
+  const int ranks = trace.schedule.ranks;
+  report.steps = static_cast<int>(trace.steps.size());
+  report.ranks.resize(ranks);
+  for (int r = 0; r < ranks; ++r) report.ranks[r].device = r < static_cast<int>(trace.devices.size()) ? trace.devices[r] : "";
+  report.theoreticalBubble = theoryFor(trace.schedule);
+  if (trace.steps.empty()) return report;
+  for (const auto& step : trace.steps) {
+    report.stepMs += step.wallUs / 1000.0;
+    for (int r = 0; r < ranks; ++r) report.ranks[r].wallMs += step.wallUs / 1000.0;
+    for (const auto& event : step.events) {
+      const Instruction& instruction = instructionOf(trace, event);
+      const double ms = (event.endUs - event.startUs) / 1000.0;
+      RankBubble& rank = report.ranks[event.rank];
+      if (isCompute(instruction)) {
+        rank.computeMs += ms;
+        if (std::holds_alternative<Recompute>(instruction)) rank.recomputeMs += ms;
+      } else if (isSend(instruction)) {
+        rank.communicationMs += ms;
+      }
+    }
+  }
+  const double n = static_cast<double>(trace.steps.size());
+  report.stepMs /= n;
+  double idle = 0.0, wall = 0.0;
+  for (auto& rank : report.ranks) {
+    rank.wallMs /= n;
+    rank.computeMs /= n;
+    rank.recomputeMs /= n;
+    rank.communicationMs /= n;
+    rank.busyMs = rank.computeMs + rank.communicationMs;
+    rank.idleMs = rank.wallMs - rank.busyMs;
+    idle += rank.idleMs;
+    wall += rank.wallMs;
+  }
+  report.measuredBubble = wall > 0 ? idle / wall : 0.0;
+  report.measuredCosts = meanCosts(trace);
+  const Simulation simulation = simulate(trace.schedule, report.measuredCosts);
+  report.simulatedBubble = simulation.bubbleFraction;
+  report.simulatedStepMs = simulation.makespan;
+  return report;
+}
+
+void printBubbleReport(std::ostream& out, const BubbleReport& report) {
+  const auto flags = out.flags();
+  out << std::fixed << std::setprecision(3);
+  out << "bubble report (mean of " << report.steps << " recorded step(s), step " << report.stepMs << " ms)\n";
+  out << "rank device      wall ms  compute ms  recompute ms  comm ms   idle ms\n";
+  for (size_t r = 0; r < report.ranks.size(); ++r) {
+    const auto& rank = report.ranks[r];
+    out << std::setw(4) << r << ' ' << std::left << std::setw(9) << rank.device << std::right << std::setw(10)
+        << rank.wallMs << std::setw(12) << rank.computeMs << std::setw(14) << rank.recomputeMs << std::setw(9)
+        << rank.communicationMs << std::setw(10) << rank.idleMs << '\n';
+  }
+  out << std::setprecision(1);
+  out << "bubble: measured " << 100 * report.measuredBubble << "%  (sum idle / (ranks x wall); idle includes "
+      << "waiting in receives)\n";
+  out << "        simulated " << 100 * report.simulatedBubble << "%  (the schedule replayed with the measured mean "
+      << "instruction times: step " << std::setprecision(3) << report.simulatedStepMs << " ms)\n";
+  out << std::setprecision(1) << "        theory " << 100 * report.theoreticalBubble
+      << "%  ((p - 1) / (m + p - 1), fill-drain and 1F1B with equal stages)\n";
+  out.flags(flags);
+}
+
+nlohmann::json bubbleReportToJson(const BubbleReport& report) {
+  nlohmann::json ranks = nlohmann::json::array();
+  for (const auto& rank : report.ranks) {
+    ranks.push_back({{"device", rank.device},
+                     {"wall_ms", rank.wallMs},
+                     {"compute_ms", rank.computeMs},
+                     {"recompute_ms", rank.recomputeMs},
+                     {"communication_ms", rank.communicationMs},
+                     {"busy_ms", rank.busyMs},
+                     {"idle_ms", rank.idleMs}});
+  }
+  nlohmann::json costs = nlohmann::json::array();
+  for (const auto& c : report.measuredCosts) {
+    costs.push_back({{"forward_ms", c.forward},
+                     {"backward_ms", c.backward},
+                     {"backward_input_ms", c.backwardInput},
+                     {"backward_weight_ms", c.backwardWeight},
+                     {"recompute_ms", c.recompute},
+                     {"transfer_ms", c.transfer}});
+  }
+  return {{"steps", report.steps},
+          {"step_ms", report.stepMs},
+          {"ranks", ranks},
+          {"measured_bubble", report.measuredBubble},
+          {"simulated_bubble", report.simulatedBubble},
+          {"simulated_step_ms", report.simulatedStepMs},
+          {"theoretical_bubble", report.theoreticalBubble},
+          {"definitions",
+           {{"measured_bubble", "sum over ranks of idle / (ranks x wall); idle = wall - compute - sends"},
+            {"simulated_bubble", "the same, from the schedule simulated with the measured mean times"},
+            {"theoretical_bubble", "(p - 1) / (m + p - 1)"}}},
+          {"stage_costs", costs}};
+}
+
+nlohmann::json chromeTrace(const Trace& trace) {
+  nlohmann::json events = nlohmann::json::array();
+  events.push_back({{"name", "process_name"}, {"ph", "M"}, {"pid", 0}, {"args", {{"name", "tpipe pipeline"}}}});
+  for (int r = 0; r < trace.schedule.ranks; ++r) {
+    std::string stages;
+    for (int s = r; s < trace.schedule.stages(); s += trace.schedule.ranks) {
+      stages += (stages.empty() ? "" : ",") + std::to_string(s);
+    }
+    const std::string device = r < static_cast<int>(trace.devices.size()) ? trace.devices[r] : "rank";
+    events.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", 0}, {"tid", r},
+                      {"args", {{"name", device + " (stage " + stages + ")"}}}});
+  }
+  double offset = 0.0;
+  for (const auto& step : trace.steps) {
+    events.push_back({{"name", "step " + std::to_string(step.step)}, {"ph", "i"}, {"s", "g"}, {"ts", offset},
+                      {"pid", 0}, {"tid", 0}});
+    for (const auto& event : step.events) {
+      const Instruction& instruction = instructionOf(trace, event);
+      nlohmann::json args = {{"micro_batch", microBatchOf(instruction)},
+                             {"stage", stageOf(instruction)},
+                             {"step", step.step}};
+      if (event.bytes > 0) args["bytes"] = event.bytes;
+      events.push_back({{"name", shortLabel(instruction)},
+                        {"cat", opName(instruction)},
+                        {"ph", "X"},
+                        {"ts", offset + event.startUs},
+                        {"dur", event.endUs - event.startUs},
+                        {"pid", 0},
+                        {"tid", event.rank},
+                        {"args", args}});
+    }
+    offset += step.wallUs * 1.02;  // a small gap between steps
+  }
+  events.push_back({{"name", "end"}, {"ph", "i"}, {"s", "g"}, {"ts", offset}, {"pid", 0}, {"tid", 0}});
+  return {{"traceEvents", events}, {"displayTimeUnit", "ms"}};
+}
+
+std::string timelineSvg(const Trace& trace, int stepIndex) {
+  if (trace.steps.empty()) {
+    return "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"400\" height=\"40\"><text x=\"10\" y=\"25\">"
+           "no recorded steps</text></svg>\n";
+  }
+  const int index = stepIndex < 0 ? static_cast<int>(trace.steps.size()) - 1 : stepIndex;
+  const StepTrace& step = trace.steps.at(index);
+  Trace one = trace;
+  one.steps = {step};
+  const BubbleReport report = bubbleReport(one);
+  const int ranks = trace.schedule.ranks;
+  const double left = 120, top = 56, rowHeight = 34, width = 1100, right = 20;
+  const double height = top + ranks * rowHeight + 70;
+  const double scale = width / std::max(step.wallUs, 1e-9);
+  struct Style {
+    const char* op;
+    const char* colour;
+    const char* label;
+  };
+  const Style styles[] = {{"forward", "#4e79a7", "forward"},
+                          {"backward", "#e15759", "backward"},
+                          {"backward_input", "#f28e2b", "backward input (B)"},
+                          {"backward_weight", "#b07aa1", "backward weight (W)"},
+                          {"recompute", "#59a14f", "recompute"},
+                          {"send_activation", "#9c9c9c", "send"},
+                          {"send_grad", "#9c9c9c", "send"}};
+  auto colourOf = [&](const std::string& op) -> const char* {
+    for (const auto& style : styles) {
+      if (op == style.op) return style.colour;
+    }
+    return nullptr;
+  };
+  std::ostringstream svg;
+  svg << std::fixed << std::setprecision(2);
+  svg << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << left + width + right << "\" height=\"" << height
+      << "\" font-family=\"sans-serif\" font-size=\"12\">\n";
+  svg << "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n";
+  svg << "<text x=\"" << left << "\" y=\"22\" font-size=\"15\" font-weight=\"bold\">" << trace.schedule.name << ", "
+      << trace.schedule.stages() << " stages, " << trace.schedule.microBatches << " micro-batches: step "
+      << step.step << " took " << step.wallUs / 1000.0 << " ms, bubble " << std::setprecision(1)
+      << 100 * report.measuredBubble << "% (theory " << 100 * report.theoreticalBubble << "%)</text>\n";
+  svg << std::setprecision(2);
+  svg << "<text x=\"" << left << "\" y=\"40\" fill=\"#555\">idle time is blank; bubble = idle / (devices x step)"
+      << "</text>\n";
+  for (int r = 0; r < ranks; ++r) {
+    const double y = top + r * rowHeight;
+    svg << "<rect x=\"" << left << "\" y=\"" << y << "\" width=\"" << width << "\" height=\"" << rowHeight - 6
+        << "\" fill=\"#f4f4f4\" stroke=\"#ddd\"/>\n";
+    const std::string device = r < static_cast<int>(trace.devices.size()) ? trace.devices[r] : "rank";
+    svg << "<text x=\"8\" y=\"" << y + rowHeight / 2 << "\">" << device << "</text>\n";
+  }
+  for (const auto& event : step.events) {
+    const Instruction& instruction = instructionOf(trace, event);
+    const char* colour = colourOf(opName(instruction));
+    if (colour == nullptr) continue;  // receives: waiting shows as blank
+    const double x = left + event.startUs * scale;
+    const double w = std::max(0.5, (event.endUs - event.startUs) * scale);
+    const double y = top + event.rank * rowHeight;
+    const bool send = isSend(instruction);
+    svg << "<rect x=\"" << x << "\" y=\"" << y + (send ? rowHeight - 12 : 0) << "\" width=\"" << w
+        << "\" height=\"" << (send ? 6 : rowHeight - 6) << "\" fill=\"" << colour
+        << "\" stroke=\"white\" stroke-width=\"0.5\"><title>" << shortLabel(instruction) << " (stage "
+        << stageOf(instruction) << "): " << (event.endUs - event.startUs) / 1000.0 << " ms</title></rect>\n";
+    const std::string label = shortLabel(instruction);
+    if (!send && w > 8.0 * label.size()) {
+      svg << "<text x=\"" << x + w / 2 << "\" y=\"" << y + rowHeight / 2 + 1
+          << "\" text-anchor=\"middle\" fill=\"white\" font-size=\"11\">" << label << "</text>\n";
+    }
+  }
+  const double axis = top + ranks * rowHeight + 4;
+  for (int tick = 0; tick <= 10; ++tick) {
+    const double x = left + width * tick / 10.0;
+    svg << "<line x1=\"" << x << "\" y1=\"" << axis - 4 << "\" x2=\"" << x << "\" y2=\"" << axis + 2
+        << "\" stroke=\"#333\"/><text x=\"" << x << "\" y=\"" << axis + 15 << "\" text-anchor=\"middle\">"
+        << step.wallUs / 1000.0 * tick / 10.0 << "</text>\n";
+  }
+  svg << "<text x=\"" << left + width << "\" y=\"" << axis + 29 << "\" text-anchor=\"end\">ms</text>\n";
+  double x = left;
+  const double legend = axis + 45;
+  for (size_t i = 0; i + 1 < sizeof(styles) / sizeof(styles[0]); ++i) {
+    const auto& style = styles[i];
+    svg << "<rect x=\"" << x << "\" y=\"" << legend - 10 << "\" width=\"12\" height=\"12\" fill=\""
+        << style.colour << "\"/><text x=\"" << x + 16 << "\" y=\"" << legend << "\">" << style.label
+        << "</text>\n";
+    x += 30 + 7.0 * std::string(style.label).size();
+  }
+  svg << "</svg>\n";
+  return svg.str();
+}
+
+}  // namespace tpipe

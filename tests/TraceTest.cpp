@@ -1,0 +1,165 @@
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+#include <regex>
+#include <torch/torch.h>
+
+#include "tpipe/pipeline.h"
+#include "tpipe/trace.h"
+
+namespace tpipe {
+namespace {
+
+torch::nn::Sequential net() {
+  torch::manual_seed(0);
+  return torch::nn::Sequential(torch::nn::Linear(16, 32), torch::nn::Tanh(), torch::nn::Linear(32, 32),
+                               torch::nn::ReLU(), torch::nn::Linear(32, 4));
+}
+
+torch::Tensor loss(const torch::Tensor& out, const torch::Tensor& y) {
+  return torch::nn::functional::cross_entropy(out, y);
+}
+
+struct Recorded {
+  std::vector<torch::Tensor> grads;
+  double loss = 0;
+  Trace trace;
+};
+
+Recorded run(const std::string& schedule, bool record, int steps = 3) {
+  torch::nn::Sequential model = net();
+  PipelineOptions options;
+  options.devices = {"cpu:0", "cpu:1", "cpu:2"};
+  options.microBatches = 4;
+  options.schedule = schedule;
+  options.record = record;
+  Pipeline pipe(layersOf(model), options);
+  torch::manual_seed(1);
+  torch::Tensor x = torch::randn({16, 16});
+  torch::Tensor y = torch::randint(0, 4, {16}, torch::kLong);
+  Recorded result;
+  for (int s = 0; s < steps; ++s) result.loss = pipe.trainStep(x, y, loss).item<double>();
+  pipe.forward(x);  // inference is not recorded
+  for (const auto& p : pipe.parameters()) result.grads.push_back(p.grad().clone());
+  result.trace = pipe.trace();
+  return result;
+}
+
+int computeInstructions(const Schedule& schedule) {
+  int count = 0;
+  for (const auto& list : schedule.perRank) {
+    for (const auto& instruction : list) count += isCompute(instruction);
+  }
+  return count;
+}
+
+TEST(TraceTest, ChromeTraceHasOneEventPerComputeInstruction) {
+  for (const char* schedule : {"gpipe", "zb-h1"}) {
+    const Recorded r = run(schedule, true);
+    ASSERT_EQ(r.trace.steps.size(), 3u);
+    const nlohmann::json json = nlohmann::json::parse(chromeTrace(r.trace).dump());
+    int compute = 0, instants = 0, threads = 0;
+    for (const auto& event : json["traceEvents"]) {
+      ASSERT_TRUE(event.contains("ph"));
+      if (event["ph"] == "X") {
+        ASSERT_GE(event["dur"].get<double>(), 0.0);
+        const std::string cat = event["cat"];
+        if (cat == "forward" || cat == "backward" || cat == "recompute" || cat == "backward_input" ||
+            cat == "backward_weight") {
+          ++compute;
+          EXPECT_TRUE(std::regex_match(event["name"].get<std::string>(), std::regex("[FBRbw][0-9]+")));
+          EXPECT_TRUE(event["args"].contains("micro_batch"));
+          EXPECT_TRUE(event["args"].contains("stage"));
+        }
+      }
+      if (event["ph"] == "i") ++instants;
+      if (event["ph"] == "M" && event["name"] == "thread_name") ++threads;
+    }
+    EXPECT_EQ(compute, 3 * computeInstructions(r.trace.schedule)) << schedule;
+    EXPECT_EQ(instants, 4);  // three step starts and the end
+    EXPECT_EQ(threads, 3);
+  }
+}
+
+TEST(TraceTest, TransfersCarryTheirBytes) {
+  const Recorded r = run("1f1b", true, 1);
+  int transfers = 0;
+  for (const auto& event : r.trace.steps[0].events) {
+    const Instruction& instruction = r.trace.schedule.perRank[event.rank][event.index];
+    if (!isCompute(instruction)) {
+      ++transfers;
+      EXPECT_EQ(event.bytes, 4 * 32 * 4) << shortLabel(instruction);  // 4 samples x 32 floats
+    }
+  }
+  EXPECT_EQ(transfers, 2 * 2 * 2 * 4);  // 2 boundaries x (act + grad) x (send + recv) x 4
+}
+
+TEST(TraceTest, ReportAddsUp) {
+  const Recorded r = run("1f1b", true);
+  const BubbleReport report = bubbleReport(r.trace);
+  ASSERT_EQ(report.ranks.size(), 3u);
+  for (const auto& rank : report.ranks) {
+    EXPECT_NEAR(rank.busyMs + rank.idleMs, rank.wallMs, 1e-9);
+    EXPECT_NEAR(rank.busyMs, rank.computeMs + rank.communicationMs, 1e-9);
+    EXPECT_GE(rank.idleMs, 0.0);
+    EXPECT_GT(rank.computeMs, 0.0);
+  }
+  EXPECT_GT(report.measuredBubble, 0.0);
+  EXPECT_LT(report.measuredBubble, 1.0);
+  EXPECT_NEAR(report.theoreticalBubble, 2.0 / 6.0, 1e-12);
+  EXPECT_GT(report.simulatedStepMs, 0.0);
+  const auto json = bubbleReportToJson(report);
+  EXPECT_EQ(json["ranks"].size(), 3u);
+  EXPECT_TRUE(json["definitions"].contains("measured_bubble"));
+}
+
+// Minimal XML well-formedness: every tag closes in order, attributes quoted.
+bool wellFormed(const std::string& xml, std::string& why) {
+  std::vector<std::string> open;
+  const std::regex tag(R"(<(/?)([a-zA-Z]+)((?:\s+[a-zA-Z0-9:-]+="[^"<]*")*)\s*(/?)>)");
+  size_t position = 0;
+  for (auto it = std::sregex_iterator(xml.begin(), xml.end(), tag); it != std::sregex_iterator(); ++it) {
+    const auto& m = *it;
+    const std::string between = xml.substr(position, m.position() - position);
+    if (between.find('<') != std::string::npos) {
+      why = "stray '<' near " + between.substr(0, 40);
+      return false;
+    }
+    position = m.position() + m.length();
+    if (m[1] == "/") {
+      if (open.empty() || open.back() != m[2]) {
+        why = "unbalanced </" + m[2].str() + ">";
+        return false;
+      }
+      open.pop_back();
+    } else if (m[4] != "/") {
+      open.push_back(m[2]);
+    }
+  }
+  why = open.empty() ? "" : "unclosed <" + open.back() + ">";
+  return open.empty();
+}
+
+TEST(TraceTest, TimelineSvgIsWellFormed) {
+  const Recorded r = run("zb-h1", true);
+  const std::string svg = timelineSvg(r.trace);
+  std::string why;
+  EXPECT_TRUE(wellFormed(svg, why)) << why;
+  EXPECT_EQ(svg.rfind("<svg", 0), 0u);
+  EXPECT_NE(svg.find("bubble"), std::string::npos);
+  EXPECT_NE(svg.find("backward weight (W)"), std::string::npos);  // legend
+  EXPECT_NE(svg.find("cpu:2"), std::string::npos);                // a row per device
+}
+
+TEST(TraceTest, RecordingChangesNothingInResults) {
+  for (const char* schedule : {"gpipe", "1f1b"}) {
+    const Recorded off = run(schedule, false);
+    const Recorded on = run(schedule, true);
+    EXPECT_TRUE(off.trace.steps.empty());
+    EXPECT_EQ(off.loss, on.loss);
+    for (size_t i = 0; i < off.grads.size(); ++i) EXPECT_TRUE(torch::equal(off.grads[i], on.grads[i]));
+  }
+}
+
+}  // namespace
+}  // namespace tpipe
