@@ -85,6 +85,20 @@ struct PipelineOptions {
   // it costs one branch per instruction. The last `keepSteps` are kept.
   bool record = false;
   int keepSteps = 8;
+  // Per-device memory accounting (CPU: a counting allocator charges each
+  // allocation to the worker's device). deviceMemory caps, per device, what
+  // its worker may hold from allocations made during steps (activations,
+  // gradients, workspace); exceeding it fails the step with an out-of-memory
+  // error naming stage and device. Non-empty deviceMemory implies tracking.
+  bool trackMemory = false;
+  std::vector<int64_t> deviceMemory;
+};
+
+struct DeviceMemory {
+  std::string device;
+  int64_t liveBytes = 0;  // allocated by its worker and still alive
+  int64_t peakBytes = 0;  // since the last resetPeakMemory()
+  int64_t capacityBytes = 0;
 };
 
 // Must return the mean loss over the micro-batch (a scalar); the pipeline
@@ -136,6 +150,12 @@ class Pipeline {
   // The recorded training steps (PipelineOptions::record); inference steps
   // are not recorded. setRecording switches recording for later steps.
   const Trace& trace() const;
+  // Per device, when PipelineOptions::trackMemory.
+  std::vector<DeviceMemory> memory() const;
+  void resetPeakMemory();
+  // Changes device `rank`'s cap on step allocations (0: none); needs
+  // tracking on.
+  void setMemoryCapacity(int rank, int64_t bytes);
   void setRecording(bool on);
   void clearTrace();
 

@@ -69,6 +69,24 @@ struct TrainOptions {
   int recordSteps = 5;
   std::string tracePath, timelinePath, reportPath;
   bool evaluate = true;  // evaluate at eval_every and at the end
+  // Measure memory per device and print it next to the partitioner's
+  // prediction (always on when a device declares a memory capacity).
+  bool memoryReport = false;
+};
+
+// One device's memory: sized parts (parameters, optimizer state) plus what
+// the allocator saw its worker hold at peak (gradients, activations,
+// workspace), next to the partitioner's prediction.
+struct MemoryRow {
+  std::string device;
+  int64_t parameterBytes = 0;
+  int64_t gradientBytes = 0;
+  int64_t optimizerBytes = 0;
+  int64_t workerPeakBytes = 0;  // allocator peak of the worker's allocations
+  int64_t activationPeakBytes = 0;  // workerPeak - gradients
+  int64_t measuredPeakBytes = 0;    // parameters + optimizer + workerPeak
+  int64_t predictedBytes = 0;
+  int64_t capacityBytes = 0;
 };
 
 struct TrainSummary {
@@ -81,6 +99,7 @@ struct TrainSummary {
   double evalAccuracy = -1.0;  // < 0: not a classification loss
   std::vector<double> losses;  // per step run in this call
   BubbleReport bubble;         // over the recorded steps
+  std::vector<MemoryRow> memory;  // when measured
 };
 
 TrainSummary train(const Config& config, const TrainOptions& options);

@@ -286,6 +286,8 @@ int main(int argc, char** argv) {
   train->add_option("--trace", trainOptions.tracePath, "write a Chrome trace (Perfetto) of the recorded steps");
   train->add_option("--timeline", trainOptions.timelinePath, "draw the last recorded step as an SVG Gantt chart");
   train->add_option("--report", trainOptions.reportPath, "write the bubble report as JSON");
+  train->add_flag("--memory-report", trainOptions.memoryReport,
+                  "measure memory per device next to the partitioner's prediction");
   train->add_option("--record-steps", trainOptions.recordSteps, "how many final steps to record (default 5)");
   train->add_option("--stop-after", trainOptions.stopAfter,
                     "stop after this many steps (a preemption: the schedule still spans train.steps)");

@@ -139,10 +139,41 @@ struct Prefix {
   }
 };
 
+// Range maximum in O(1) after an O(n log n) build.
+class RangeMax {
+ public:
+  explicit RangeMax(std::vector<int64_t> values) {
+    table_.push_back(std::move(values));
+    const size_t n = table_[0].size();
+    for (size_t width = 2; width <= n; width *= 2) {
+      const auto& previous = table_.back();
+      std::vector<int64_t> next(n - width + 1);
+      for (size_t i = 0; i + width <= n; ++i) next[i] = std::max(previous[i], previous[i + width / 2]);
+      table_.push_back(std::move(next));
+    }
+  }
+  int64_t over(int first, int end) const {  // max of [first, end), end > first
+    int level = 0;
+    while ((2 << level) <= end - first) ++level;
+    return std::max(table_[level][first], table_[level][end - (1 << level)]);
+  }
+
+ private:
+  std::vector<std::vector<int64_t>> table_;
+};
+
+std::vector<int64_t> field(const std::vector<LayerCost>& layers, int64_t LayerCost::*member) {
+  std::vector<int64_t> values;
+  for (const auto& layer : layers) values.push_back(layer.*member);
+  return values;
+}
+
 class Costs {
  public:
   Costs(const PartitionProblem& problem, int stages)
-      : problem_(problem), prefix_(problem.layers), stages_(stages) {}
+      : problem_(problem), prefix_(problem.layers), stages_(stages),
+        largestParams_(field(problem.layers, &LayerCost::paramBytes)),
+        largestOutput_(field(problem.layers, &LayerCost::activationBytes)) {}
 
   int layers() const { return static_cast<int>(problem_.layers.size()); }
   const DeviceSpec& device(int stage) const { return problem_.devices[stage]; }
@@ -160,13 +191,17 @@ class Costs {
     return first == 0 ? problem_.memory.inputBytes : problem_.layers[first - 1].activationBytes;
   }
 
+  // Stashed activations of the micro-batches in flight, plus the backward's
+  // workspace: one layer's weight gradient before it is accumulated and the
+  // gradients of one layer's input and output.
   int64_t activationMemory(int first, int end, int stage) const {
     const int64_t inFlight = inFlightMicroBatches(problem_.memory, stage, stages_);
     const int64_t stash = prefix_.stash[end] - prefix_.stash[first];
+    const int64_t workspace = largestParams_.over(first, end) + 2 * largestOutput_.over(first, end);
     const std::string& mode = problem_.memory.checkpoint;
-    if (mode == "always") return inFlight * inputBytes(first) + stash;
-    if (mode == "except_last") return (inFlight - 1) * inputBytes(first) + stash;
-    return inFlight * stash;
+    if (mode == "always") return inFlight * inputBytes(first) + stash + workspace;
+    if (mode == "except_last") return (inFlight - 1) * inputBytes(first) + stash + workspace;
+    return inFlight * stash + workspace;
   }
 
   int64_t memory(int first, int end, int stage) const {
@@ -217,6 +252,7 @@ class Costs {
   const PartitionProblem& problem_;
   Prefix prefix_;
   int stages_;
+  RangeMax largestParams_, largestOutput_;
 };
 
 // Can the layers be split into `stages` stages, each within time `limit`

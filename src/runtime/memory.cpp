@@ -106,7 +106,31 @@ class CountingAllocator final : public c10::Allocator {
 
 std::atomic<bool> isInstalled{false};
 
+std::mutex slotMutex;
+std::array<bool, kMaxDevices> slotTaken{};
+
 }  // namespace
+
+int acquireSlot() {
+  std::lock_guard<std::mutex> lock(slotMutex);
+  for (int slot = 0; slot < kMaxDevices - 1; ++slot) {  // the last is the profiler's
+    if (slotTaken[slot]) continue;
+    slotTaken[slot] = true;
+    DeviceCounters& c = counters()[slot];
+    c.capacity = 0;
+    c.peak = c.live.load();
+    return slot;
+  }
+  TORCH_CHECK(false, "memory accounting: more than ", kMaxDevices - 1, " devices in live pipelines");
+}
+
+void releaseSlot(int slot) {
+  std::lock_guard<std::mutex> lock(slotMutex);
+  if (slot >= 0 && slot < kMaxDevices) {
+    slotTaken[slot] = false;
+    counters()[slot].capacity = 0;
+  }
+}
 
 void install() {
   static std::once_flag once;

@@ -13,6 +13,11 @@ namespace memory {
 constexpr int kMaxDevices = 64;
 constexpr int kUnattributed = -1;
 
+// Accounting slots: one per device of a live pipeline. acquireSlot resets
+// the slot's counters and capacity; throws when all are taken.
+int acquireSlot();
+void releaseSlot(int slot);
+
 // Wraps LibTorch's CPU allocator; idempotent and permanent for the process.
 void install();
 bool installed();

@@ -14,6 +14,7 @@
 #include <torch/cuda.h>
 
 #include "runtime/executor.h"
+#include "runtime/memory.h"
 #include "runtime/worker.h"
 #include "tpipe/partition.h"
 
@@ -97,6 +98,12 @@ struct Pipeline::Impl {
   std::vector<std::unique_ptr<runtime::DeviceWorker>> workers;
   Trace trace;
   int steps = 0;
+  std::vector<int> memorySlots;  // per rank, when tracking memory
+
+  ~Impl() {
+    workers.clear();  // join before the slots go back
+    for (int slot : memorySlots) memory::releaseSlot(slot);
+  }
 
   void resolve();
   void place();
@@ -208,11 +215,32 @@ void Pipeline::Impl::place() {
   const int threads = options.threadsPerDevice > 0
                           ? options.threadsPerDevice
                           : std::max(1, cores / ranks);
+  const bool tracking = options.trackMemory || !options.deviceMemory.empty();
+  TORCH_CHECK(options.deviceMemory.empty() ||
+                  options.deviceMemory.size() >= static_cast<size_t>(ranks),
+              "deviceMemory has ", options.deviceMemory.size(),
+              " entries for ", ranks, " devices");
+  if (tracking) memory::install();
   for (int rank = 0; rank < ranks; ++rank) {
+    const int slot = tracking ? memory::acquireSlot() : memory::kUnattributed;
+    if (tracking) {
+      memorySlots.push_back(slot);
+      std::string stageList;
+      for (int s = rank; s < schedule.stages(); s += ranks) {
+        stageList += (stageList.empty() ? "" : ", ") + std::to_string(s);
+      }
+      const int64_t capacity = options.deviceMemory.empty() ? 0 : options.deviceMemory[rank];
+      TORCH_CHECK(capacity >= 0, "deviceMemory[", rank, "] is negative");
+      memory::setCapacity(slot, capacity,
+                          "stage " + stageList + " (" + options.devices[rank] + ")");
+    }
     // OpenMP's thread count is per thread, and a new thread inherits the
-    // last value set anywhere: set it once in each worker.
-    workers.push_back(std::make_unique<runtime::DeviceWorker>(
-        [threads] { at::set_num_threads(threads); }));
+    // last value set anywhere: set it once in each worker. Allocations on
+    // the worker are charged to its device's slot.
+    workers.push_back(std::make_unique<runtime::DeviceWorker>([threads, slot] {
+      at::set_num_threads(threads);
+      memory::setThreadDevice(slot);
+    }));
   }
 }
 
@@ -350,6 +378,38 @@ const Schedule& Pipeline::schedule() const { return impl_->schedule; }
 const PipelineOptions& Pipeline::options() const { return impl_->options; }
 
 const Trace& Pipeline::trace() const { return impl_->trace; }
+
+std::vector<DeviceMemory> Pipeline::memory() const {
+  std::vector<DeviceMemory> all;
+  for (size_t rank = 0; rank < impl_->memorySlots.size(); ++rank) {
+    const int slot = impl_->memorySlots[rank];
+    DeviceMemory m;
+    m.device = impl_->options.devices[rank];
+    m.liveBytes = memory::liveBytes(slot);
+    m.peakBytes = memory::peakBytes(slot);
+    m.capacityBytes = impl_->options.deviceMemory.empty() ? 0 : impl_->options.deviceMemory[rank];
+    all.push_back(m);
+  }
+  return all;
+}
+
+void Pipeline::setMemoryCapacity(int rank, int64_t bytes) {
+  TORCH_CHECK(!impl_->memorySlots.empty(), "setMemoryCapacity: memory tracking is off (PipelineOptions::trackMemory)");
+  TORCH_CHECK(rank >= 0 && rank < static_cast<int>(impl_->memorySlots.size()), "setMemoryCapacity: no device ", rank);
+  TORCH_CHECK(bytes >= 0, "setMemoryCapacity: negative capacity");
+  if (impl_->options.deviceMemory.empty()) impl_->options.deviceMemory.assign(impl_->memorySlots.size(), 0);
+  impl_->options.deviceMemory[rank] = bytes;
+  std::string stageList;
+  for (int s = rank; s < impl_->schedule.stages(); s += impl_->schedule.ranks) {
+    stageList += (stageList.empty() ? "" : ", ") + std::to_string(s);
+  }
+  memory::setCapacity(impl_->memorySlots[rank], bytes,
+                      "stage " + stageList + " (" + impl_->options.devices[rank] + ")");
+}
+
+void Pipeline::resetPeakMemory() {
+  for (int slot : impl_->memorySlots) memory::resetPeak(slot);
+}
 void Pipeline::setRecording(bool on) { impl_->options.record = on; }
 void Pipeline::clearTrace() { impl_->trace.steps.clear(); }
 

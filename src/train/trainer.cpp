@@ -261,6 +261,79 @@ std::string duration(double seconds) {
   return out.str();
 }
 
+// Sized parts per device and the caps on what workers may allocate: the
+// declared capacity less the parameters and optimizer state living there.
+std::vector<MemoryRow> prepareMemory(const Config& config, const BuiltModel& model, Pipeline& pipe) {
+  const auto& o = config.train.optimizer;
+  const double factor = o.type == "sgd" ? (o.momentum > 0 ? 1.0 : 0.0) : 2.0;
+  const Profile profile = profileModel(config, model, 1);
+  const PartitionProblem problem = partitionProblem(config, profile.costsAt(profile.microBatchSize),
+                                                    profile.inputBytes);
+  const PartitionPlan predicted = evaluatePartition(problem, pipe.boundaries());
+  const int ranks = pipe.schedule().ranks;
+  std::vector<MemoryRow> rows(ranks);
+  const auto& boundaries = pipe.boundaries();
+  for (int s = 0; s < pipe.schedule().stages(); ++s) {
+    MemoryRow& row = rows[s % ranks];
+    row.device = config.pipeline.devices[s % ranks].name;
+    row.capacityBytes = config.pipeline.devices[s % ranks].memoryBytes;
+    row.predictedBytes += predicted.stages[s].memoryBytes;
+    for (int l = boundaries[s]; l < boundaries[s + 1]; ++l) {
+      for (const auto& p : pipe.layers()[l].module.ptr()->parameters()) {
+        const auto bytes = static_cast<int64_t>(p.nbytes());
+        row.parameterBytes += bytes;
+        if (p.requires_grad()) row.gradientBytes += bytes;
+      }
+    }
+  }
+  for (int r = 0; r < ranks; ++r) {
+    MemoryRow& row = rows[r];
+    row.optimizerBytes = static_cast<int64_t>(factor * static_cast<double>(row.gradientBytes));
+    if (row.capacityBytes > 0) {
+      const int64_t fixed = row.parameterBytes + row.optimizerBytes;
+      if (fixed >= row.capacityBytes) {
+        throw ConfigError("pipeline.devices[" + std::to_string(r) + "].memory: " + row.device + " holds " +
+                          formatBytes(fixed) + " of parameters and optimizer state, more than its capacity of " +
+                          formatBytes(row.capacityBytes) + " (see `tpipe plan`)");
+      }
+      pipe.setMemoryCapacity(r, row.capacityBytes - fixed);
+    }
+  }
+  pipe.resetPeakMemory();
+  return rows;
+}
+
+std::vector<MemoryRow> finishMemory(const Pipeline& pipe, std::vector<MemoryRow> rows) {
+  const auto measured = pipe.memory();
+  for (size_t r = 0; r < rows.size() && r < measured.size(); ++r) {
+    MemoryRow& row = rows[r];
+    row.workerPeakBytes = measured[r].peakBytes;
+    row.activationPeakBytes = std::max<int64_t>(0, row.workerPeakBytes - row.gradientBytes);
+    row.measuredPeakBytes = row.parameterBytes + row.optimizerBytes + row.workerPeakBytes;
+  }
+  return rows;
+}
+
+void printMemory(std::ostream& log, const std::vector<MemoryRow>& rows) {
+  log << "memory per device (measured peak = parameters + optimizer state + the worker's allocator peak)\n";
+  char line[256];
+  std::snprintf(line, sizeof line, "%-8s %11s %11s %11s %12s %12s %12s %7s %11s\n", "device", "params", "grads",
+                "optimizer", "activations", "measured", "predicted", "error", "capacity");
+  log << line;
+  for (const auto& row : rows) {
+    const double error = row.predictedBytes > 0
+                             ? 100.0 * (static_cast<double>(row.predictedBytes) - row.measuredPeakBytes) /
+                                   static_cast<double>(row.measuredPeakBytes)
+                             : 0.0;
+    std::snprintf(line, sizeof line, "%-8s %11s %11s %11s %12s %12s %12s %+6.1f%% %11s\n", row.device.c_str(),
+                  formatBytes(row.parameterBytes).c_str(), formatBytes(row.gradientBytes).c_str(),
+                  formatBytes(row.optimizerBytes).c_str(), formatBytes(row.activationPeakBytes).c_str(),
+                  formatBytes(row.measuredPeakBytes).c_str(), formatBytes(row.predictedBytes).c_str(), error,
+                  row.capacityBytes > 0 ? formatBytes(row.capacityBytes).c_str() : "-");
+    log << line;
+  }
+}
+
 void writeTraceOutputs(const Trace& trace, const TrainOptions& options, TrainSummary& summary,
                        std::ostream& log) {
   if (trace.steps.empty()) return;
@@ -325,7 +398,14 @@ TrainSummary train(const Config& config, const TrainOptions& options) {
   BuiltModel model = buildModel(config.model, config.train.seed);
   setBatchNormMicroBatches(model, config.pipeline.microBatches);
   const Dataset data = loadDataset(config, model);
-  Pipeline pipe(model.layers, pipelineOptions(config, model));
+  PipelineOptions pipeOptions = pipelineOptions(config, model);
+  bool capped = false;
+  for (const auto& device : config.pipeline.devices) capped = capped || device.memoryBytes > 0;
+  const bool measureMemory = capped || options.memoryReport;
+  pipeOptions.trackMemory = measureMemory;
+  Pipeline pipe(model.layers, pipeOptions);
+  std::vector<MemoryRow> memoryRows;
+  if (measureMemory) memoryRows = prepareMemory(config, model, pipe);
   auto optimizer = makeOptimizer(config.train.optimizer, pipe.parameters());
   const LossFunction lossFn = makeLoss(config.train.loss);
   const bool classification = config.train.loss == "cross_entropy";
@@ -423,6 +503,10 @@ TrainSummary train(const Config& config, const TrainOptions& options) {
       static_cast<double>((last - summary.startStep) * config.train.batchSize) / std::max(summary.seconds, 1e-9);
   pipe.setRecording(false);
   writeTraceOutputs(pipe.trace(), options, summary, log);
+  if (measureMemory) {
+    summary.memory = finishMemory(pipe, memoryRows);
+    printMemory(log, summary.memory);
+  }
   if (!options.evaluate) return summary;
   runEvaluation(last);
   log << "done: " << last << " steps in " << std::fixed << std::setprecision(1) << summary.seconds << " s, "
