@@ -191,7 +191,8 @@ class Costs {
     return first == 0 ? problem_.memory.inputBytes : problem_.layers[first - 1].activationBytes;
   }
 
-  // Stashed activations of the micro-batches in flight, plus the backward's
+  // Stage inputs and stashed activations of the micro-batches in flight (with
+  // remat, inputs only and one micro-batch recomputed), plus the backward's
   // workspace: one layer's weight gradient before it is accumulated and the
   // gradients of one layer's input and output.
   int64_t activationMemory(int first, int end, int stage) const {
@@ -199,9 +200,10 @@ class Costs {
     const int64_t stash = prefix_.stash[end] - prefix_.stash[first];
     const int64_t workspace = largestParams_.over(first, end) + 2 * largestOutput_.over(first, end);
     const std::string& mode = problem_.memory.checkpoint;
-    if (mode == "always") return inFlight * inputBytes(first) + stash + workspace;
-    if (mode == "except_last") return (inFlight - 1) * inputBytes(first) + stash + workspace;
-    return inFlight * stash + workspace;
+    const int64_t input = inputBytes(first);  // each micro-batch's stage input
+    if (mode == "always") return inFlight * input + stash + workspace;
+    if (mode == "except_last") return inFlight * input + stash + workspace;
+    return inFlight * (input + stash) + workspace;
   }
 
   int64_t memory(int first, int end, int stage) const {

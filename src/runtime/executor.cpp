@@ -163,6 +163,7 @@ class RankExecutor {
   void operator()(const RecvActivation& op) {
     at::Tensor input = state_.exchange->take(Direction::kActivation,
                                              op.stage - 1, op.microBatch);
+    if (state_.copyOnReceive) input = input.clone();
     transferred = static_cast<int64_t>(input.nbytes());
     if (state_.schedule->training && input.is_floating_point()) {
       input.requires_grad_(true);
@@ -184,6 +185,7 @@ class RankExecutor {
     Stash& stash = state_.at(op.stage, op.microBatch);
     stash.gradOutput =
         state_.exchange->take(Direction::kGradient, op.stage, op.microBatch);
+    if (state_.copyOnReceive) stash.gradOutput = stash.gradOutput.clone();
     transferred = static_cast<int64_t>(stash.gradOutput.nbytes());
   }
 

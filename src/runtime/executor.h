@@ -54,6 +54,9 @@ struct StepState {
   std::vector<at::Tensor> outputs;      // inference outputs per micro-batch
 
   bool record = false;
+  // Copy received tensors, so each virtual CPU device holds (and is charged
+  // for) its own copy as separate devices would; on when tracking memory.
+  bool copyOnReceive = false;
   std::chrono::steady_clock::time_point start;
   std::vector<std::vector<TraceEvent>> events;  // per rank, when recording
 

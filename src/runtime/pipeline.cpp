@@ -264,6 +264,7 @@ void Pipeline::Impl::run(runtime::StepState& state, const Schedule& plan) {
   state.losses.assign(m, {});
   state.outputs.assign(m, {});
   state.record = options.record && plan.training;
+  state.copyOnReceive = !memorySlots.empty();
   if (state.record) state.events.assign(plan.ranks, {});
   state.start = std::chrono::steady_clock::now();
   runtime::Latch latch(plan.ranks);

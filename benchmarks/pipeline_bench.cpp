@@ -1,0 +1,347 @@
+// Pipeline benchmark: stages x micro-batches x schedules x checkpoint modes
+// on a balanced stack, against the 1-stage pipeline (same threads per stage)
+// and plain LibTorch training with every core, all in one run; plus the
+// per-instruction dispatch overhead, the recompute overhead, the example
+// configs, and peak memory per stage by schedule against theory.
+// Prints tables; writes JSON to argv[1] (default pipeline.json).
+#include <ATen/Parallel.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <thread>
+
+#include <nlohmann/json.hpp>
+
+#include "tpipe/pipeline.h"
+#include "tpipe/trainer.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using tpipe::CheckpointMode;
+
+const int kCores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+
+double median(std::vector<double> values) {
+  std::sort(values.begin(), values.end());
+  return values[values.size() / 2];
+}
+
+torch::Tensor crossEntropy(const torch::Tensor& out, const torch::Tensor& y) {
+  return torch::nn::functional::cross_entropy(out, y);
+}
+
+torch::nn::Sequential balancedStack(int blocks, int width) {
+  torch::manual_seed(0);
+  torch::nn::Sequential net;
+  for (int b = 0; b < blocks; ++b) {
+    net->push_back(torch::nn::Linear(width, width));
+    net->push_back(torch::nn::Tanh());
+  }
+  return net;
+}
+
+struct Measured {
+  double stepMs = 0.0;
+  tpipe::BubbleReport bubble;
+  int64_t peakBytes = 0;  // largest device's worker peak
+  std::vector<int64_t> peaks;
+};
+
+Measured timePipeline(const tpipe::LayerList& layers, tpipe::PipelineOptions options, const torch::Tensor& x,
+                      const torch::Tensor& y, int warmup, int steps, bool memory = true) {
+  options.record = false;
+  options.trackMemory = memory;
+  options.keepSteps = steps;
+  tpipe::Pipeline pipe(layers, options);
+  for (int s = 0; s < warmup; ++s) pipe.trainStep(x, y, crossEntropy);
+  pipe.resetPeakMemory();
+  std::vector<double> times;
+  for (int s = 0; s < steps; ++s) {
+    const auto start = Clock::now();
+    pipe.trainStep(x, y, crossEntropy);
+    times.push_back(std::chrono::duration<double, std::milli>(Clock::now() - start).count());
+  }
+  Measured m;
+  m.stepMs = median(times);
+  for (const auto& device : pipe.memory()) {
+    m.peaks.push_back(device.peakBytes);
+    m.peakBytes = std::max(m.peakBytes, device.peakBytes);
+  }
+  // The bubble from separately recorded steps, so timing above is clean.
+  pipe.setRecording(true);
+  for (int s = 0; s < 3; ++s) pipe.trainStep(x, y, crossEntropy);
+  m.bubble = tpipe::bubbleReport(pipe.trace());
+  for (auto& p : pipe.parameters()) p.mutable_grad() = torch::Tensor();
+  return m;
+}
+
+double timePlain(torch::nn::Sequential& net, const torch::Tensor& x, const torch::Tensor& y, int warmup,
+                 int steps) {
+  at::set_num_threads(kCores);
+  std::vector<double> times;
+  for (int s = 0; s < warmup + steps; ++s) {
+    const auto start = Clock::now();
+    crossEntropy(net->forward(x), y).backward();
+    if (s >= warmup) times.push_back(std::chrono::duration<double, std::milli>(Clock::now() - start).count());
+  }
+  for (auto& p : net->parameters()) p.mutable_grad() = torch::Tensor();
+  return median(times);
+}
+
+std::vector<std::string> cpus(int n) {
+  std::vector<std::string> devices;
+  for (int i = 0; i < n; ++i) devices.push_back("cpu:" + std::to_string(i));
+  return devices;
+}
+
+nlohmann::json sweep() {
+  const int blocks = 8, width = 384, batch = 256;
+  torch::nn::Sequential net = balancedStack(blocks, width);
+  const tpipe::LayerList layers = tpipe::layersOf(net);
+  torch::manual_seed(1);
+  const torch::Tensor x = torch::randn({batch, width});
+  const torch::Tensor y = torch::randint(0, width, {batch}, torch::kLong);
+  const double plainMs = timePlain(net, x, y, 2, 7);
+  std::printf("balanced stack: %d x (linear %d + tanh), batch %d, 1 intra-op thread per stage; plain LibTorch "
+              "(%d threads): %.2f ms/step = %.0f samples/s\n",
+              blocks, width, batch, kCores, plainMs, batch * 1000.0 / plainMs);
+  std::printf("%-3s %-3s %-17s %-12s %9s %8s %8s %7s %6s %8s %8s %8s %9s %10s\n", "p", "m", "schedule", "checkpoint",
+              "step ms", "samp/s", "vs 1stg", "ideal", "eff", "vs plain", "bubble", "theory", "simulated",
+              "overhead");
+  nlohmann::json rows = nlohmann::json::array();
+  std::map<std::pair<int, int>, double> oneStage;  // (m, checkpoint) -> step ms
+  for (int p : {1, 2, 4}) {
+    for (int m : {2, 8, 16}) {
+      for (const char* schedule : {"gpipe", "1f1b", "zb-h1", "interleaved-1f1b"}) {
+        const bool interleaved = std::string(schedule) == "interleaved-1f1b";
+        if (p == 1 && std::string(schedule) != "gpipe") continue;
+        if (interleaved && m % p != 0) continue;
+        for (auto mode : {CheckpointMode::kNever, CheckpointMode::kAlways}) {
+          tpipe::PipelineOptions options;
+          options.devices = cpus(p);
+          options.microBatches = m;
+          options.schedule = schedule;
+          options.virtualStages = interleaved ? 2 : 1;
+          options.checkpoint = mode;
+          options.threadsPerDevice = 1;
+          const Measured r = timePipeline(layers, options, x, y, 2, 7);
+          if (p == 1) oneStage[{m, static_cast<int>(mode)}] = r.stepMs;
+          const double base = oneStage[{m, static_cast<int>(mode)}];
+          const double speedup = base / r.stepMs;
+          const double ideal = static_cast<double>(m) * p / (m + p - 1);
+          const double overhead = r.stepMs / std::max(r.bubble.simulatedStepMs, 1e-9);
+          std::printf("%-3d %-3d %-17s %-12s %9.2f %8.0f %7.2fx %6.2fx %5.0f%% %7.2fx %7.1f%% %7.1f%% %8.1f%% %9.3f\n",
+                      p, m, schedule, tpipe::checkpointModeName(mode), r.stepMs, batch * 1000.0 / r.stepMs, speedup,
+                      ideal, 100 * speedup / ideal, plainMs / r.stepMs, 100 * r.bubble.measuredBubble,
+                      100 * r.bubble.theoreticalBubble, 100 * r.bubble.simulatedBubble, overhead);
+          rows.push_back({{"stages", p},
+                          {"micro_batches", m},
+                          {"schedule", schedule},
+                          {"checkpoint", tpipe::checkpointModeName(mode)},
+                          {"step_ms", r.stepMs},
+                          {"samples_per_s", batch * 1000.0 / r.stepMs},
+                          {"speedup_vs_1_stage", speedup},
+                          {"ideal_speedup", ideal},
+                          {"speedup_vs_plain_libtorch", plainMs / r.stepMs},
+                          {"measured_bubble", r.bubble.measuredBubble},
+                          {"theoretical_bubble", r.bubble.theoreticalBubble},
+                          {"simulated_bubble", r.bubble.simulatedBubble},
+                          {"overhead_measured_over_simulated", overhead},
+                          {"peak_worker_bytes", r.peaks}});
+        }
+      }
+    }
+  }
+  return {{"plain_libtorch_ms", plainMs}, {"threads_plain", kCores}, {"rows", rows}};
+}
+
+// Identity layers: a step is nothing but dispatch, transfers and bookkeeping.
+// Per instruction: the step's time outside compute instructions (from a
+// recorded trace) over the rank's instruction count; on 1 stage that is the
+// executor's own cost, on 2 it also holds the waits of the pipeline fill.
+nlohmann::json dispatchOverhead() {
+  torch::nn::Sequential net;
+  for (int i = 0; i < 4; ++i) net->push_back(torch::nn::Identity());
+  net->push_back(torch::nn::Linear(4, 2));  // something for the loss to reach
+  const tpipe::LayerList layers = tpipe::layersOf(net);
+  const int m = 64;
+  const torch::Tensor x = torch::randn({m, 4});
+  const torch::Tensor y = torch::randint(0, 2, {m}, torch::kLong);
+  nlohmann::json rows = nlohmann::json::array();
+  std::printf("\ndispatch overhead (identity layers, %d micro-batches of 1 sample)\n", m);
+  std::printf("%-3s %-8s %10s %12s %18s %18s\n", "p", "schedule", "step ms", "instr/rank", "step us/instr",
+              "non-compute us/instr");
+  for (int p : {1, 2}) {
+    for (const char* schedule : {"gpipe", "1f1b"}) {
+      tpipe::PipelineOptions options;
+      options.devices = cpus(p);
+      options.microBatches = m;
+      options.schedule = schedule;
+      options.checkpoint = CheckpointMode::kNever;
+      options.threadsPerDevice = 1;
+      const Measured r = timePipeline(layers, options, x, y, 3, 15, false);
+      tpipe::Pipeline probe(layers, options);
+      size_t instructions = 0;
+      for (const auto& list : probe.schedule().perRank) instructions = std::max(instructions, list.size());
+      double nonCompute = 0.0;
+      for (const auto& rank : r.bubble.ranks) {
+        nonCompute = std::max(nonCompute, 1000.0 * (rank.wallMs - rank.computeMs) / static_cast<double>(instructions));
+      }
+      const double perInstruction = 1000.0 * r.stepMs / static_cast<double>(instructions);
+      std::printf("%-3d %-8s %10.3f %12zu %18.2f %18.2f\n", p, schedule, r.stepMs, instructions, perInstruction,
+                  nonCompute);
+      rows.push_back({{"stages", p}, {"schedule", schedule}, {"step_ms", r.stepMs},
+                      {"instructions_per_rank", instructions}, {"step_us_per_instruction", perInstruction},
+                      {"non_compute_us_per_instruction", nonCompute}});
+    }
+  }
+  return rows;
+}
+
+nlohmann::json exampleConfigs() {
+  std::printf("\nexample configs (synthetic inputs of each config's shape; steps timed without data loading)\n");
+  std::printf("%-20s %-9s %10s %10s %10s %9s %9s %9s\n", "config", "stages", "pipe ms", "1-stage ms", "plain ms",
+              "vs 1stg", "vs plain", "bubble");
+  nlohmann::json rows = nlohmann::json::array();
+  for (const char* name : {"fashion_mnist_cnn", "char_transformer", "mlp_synthetic"}) {
+    tpipe::Config config = tpipe::loadConfig(std::string(TPIPE_SOURCE_DIR) + "/configs/" + name + ".json");
+    tpipe::BuiltModel model = tpipe::buildModel(config.model, 0);
+    const auto& shape = model.shapes.front();
+    std::vector<int64_t> sizes{config.train.batchSize};
+    sizes.insert(sizes.end(), shape.begin(), shape.end());
+    torch::manual_seed(2);
+    const torch::Tensor x = model.integerInput ? torch::randint(256, sizes, torch::kLong) : torch::randn(sizes);
+    const auto& out = model.shapes.back();
+    std::vector<int64_t> targetSizes{config.train.batchSize};
+    if (out.size() == 2) targetSizes.push_back(out[0]);
+    const torch::Tensor y = torch::randint(out.back(), targetSizes, torch::kLong);
+    auto lossFn = [](const torch::Tensor& o, const torch::Tensor& t) {
+      return torch::nn::functional::cross_entropy(o.reshape({-1, o.size(-1)}), t.reshape({-1}));
+    };
+    auto timeOf = [&](tpipe::PipelineOptions options) {
+      tpipe::Pipeline pipe(model.layers, options);
+      std::vector<double> times;
+      for (int s = 0; s < 8; ++s) {
+        const auto start = Clock::now();
+        pipe.trainStep(x, y, lossFn);
+        if (s >= 2) times.push_back(std::chrono::duration<double, std::milli>(Clock::now() - start).count());
+      }
+      pipe.setRecording(true);
+      for (int s = 0; s < 3; ++s) pipe.trainStep(x, y, lossFn);
+      return std::make_pair(median(times), tpipe::bubbleReport(pipe.trace()));
+    };
+    tpipe::PipelineOptions options;
+    options.devices.clear();
+    for (const auto& d : config.pipeline.devices) options.devices.push_back(d.name);
+    options.microBatches = config.pipeline.microBatches;
+    options.schedule = config.pipeline.schedule;
+    options.checkpoint = tpipe::parseCheckpointMode(config.pipeline.checkpoint);
+    options.balance = config.pipeline.balance;
+    if (config.pipeline.partition == "time") {
+      options.balance = tpipe::balanceOf(
+          tpipe::planModel(config, model, tpipe::profileModel(config, model)).boundaries);
+    }
+    const auto piped = timeOf(options);
+    tpipe::PipelineOptions single = options;
+    single.devices = {"cpu:0"};
+    single.balance.clear();
+    single.stages = 1;
+    single.threadsPerDevice = 1;
+    const auto one = timeOf(single);
+    at::set_num_threads(kCores);
+    std::vector<double> plain;
+    for (int s = 0; s < 8; ++s) {
+      const auto start = Clock::now();
+      torch::Tensor h = x;
+      for (auto& layer : model.layers) h = layer.module.forward(h);
+      lossFn(h, y).backward();
+      if (s >= 2) plain.push_back(std::chrono::duration<double, std::milli>(Clock::now() - start).count());
+    }
+    const double plainMs = median(plain);
+    std::printf("%-20s %-9zu %10.2f %10.2f %10.2f %8.2fx %8.2fx %8.1f%%\n", name, options.devices.size(),
+                piped.first, one.first, plainMs, one.first / piped.first, plainMs / piped.first,
+                100 * piped.second.measuredBubble);
+    rows.push_back({{"config", name}, {"pipeline_ms", piped.first}, {"one_stage_ms", one.first},
+                    {"plain_libtorch_ms", plainMs}, {"measured_bubble", piped.second.measuredBubble},
+                    {"simulated_bubble", piped.second.simulatedBubble},
+                    {"theoretical_bubble", piped.second.theoreticalBubble}});
+  }
+  return rows;
+}
+
+// Peak activation memory per stage by schedule and checkpoint mode, in
+// units of one micro-batch of a stage's stashed activations, against theory.
+nlohmann::json memoryBySchedule() {
+  const int p = 4, m = 8, width = 256, batch = 2048;
+  torch::nn::Sequential net = balancedStack(4, width);
+  const tpipe::LayerList layers = tpipe::layersOf(net);
+  const torch::Tensor x = torch::randn({batch, width});
+  const torch::Tensor y = torch::randint(0, width, {batch}, torch::kLong);
+  // A stage is (linear, tanh): per micro-batch it keeps the linear's output
+  // and the tanh's output, [batch / m, width] floats each.
+  const double unit = 2.0 * (batch / m) * width * 4;
+  const double gradients = (width * width + width) * 4.0;  // one linear per stage
+  std::printf("\npeak activations per stage (p=%d, m=%d), in units of one micro-batch of a stage's stashed "
+              "activations (%.0f KiB): (worker peak - weight gradients) / unit\n", p, m, unit / 1024);
+  std::printf("%-8s %-12s %-30s %-30s\n", "schedule", "checkpoint", "measured units (stage 0..3)",
+              "theory (stage 0..3)");
+  nlohmann::json rows = nlohmann::json::array();
+  for (const char* schedule : {"gpipe", "1f1b", "zb-h1"}) {
+    for (auto mode : {CheckpointMode::kNever, CheckpointMode::kExceptLast, CheckpointMode::kAlways}) {
+      tpipe::PipelineOptions options;
+      options.devices = cpus(p);
+      options.microBatches = m;
+      options.schedule = schedule;
+      options.checkpoint = mode;
+      options.threadsPerDevice = 1;
+      const Measured r = timePipeline(layers, options, x, y, 1, 2);
+      std::string measured, theory;
+      std::vector<double> units;
+      for (int s = 0; s < p; ++s) {
+        char cell[32];
+        const double u = (static_cast<double>(r.peaks[s]) - gradients) / unit;
+        std::snprintf(cell, sizeof cell, "%6.2f ", u);
+        measured += cell;
+        units.push_back(u);
+        tpipe::MemoryModel model;
+        model.schedule = schedule;
+        model.microBatches = m;
+        const int held = tpipe::inFlightMicroBatches(model, s, p);
+        // A unit is a stage input plus the tanh output; stage 0's input is
+        // the caller's batch, not the worker's. Remat keeps inputs only, and
+        // one micro-batch is recomputed at a time.
+        const double input = s == 0 ? 0.0 : 0.5;
+        const double expected = mode == CheckpointMode::kNever ? held * (input + 0.5) : held * input + 0.5;
+        std::snprintf(cell, sizeof cell, "%6.2f ", expected);
+        theory += cell;
+      }
+      std::printf("%-8s %-12s %-30s %-30s\n", schedule, tpipe::checkpointModeName(mode), measured.c_str(),
+                  theory.c_str());
+      rows.push_back({{"schedule", schedule}, {"checkpoint", tpipe::checkpointModeName(mode)},
+                      {"measured_units_per_stage", units}, {"theory", theory}, {"unit_bytes", unit}});
+    }
+  }
+  std::printf("(theory: never = micro-batches held x (stage input + stashed output); remat = held stage inputs + "
+              "the one micro-batch recomputed; the backward's workspace comes on top)\n");
+  return rows;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::string out = argc > 1 ? argv[1] : "pipeline.json";
+  const std::string only = argc > 2 ? argv[2] : "all";
+  nlohmann::json json;
+  json["cores"] = kCores;
+  if (only == "all" || only == "sweep") json["sweep"] = sweep();
+  if (only == "all" || only == "dispatch") json["dispatch"] = dispatchOverhead();
+  if (only == "all" || only == "configs") json["configs"] = exampleConfigs();
+  if (only == "all" || only == "memory") json["memory"] = memoryBySchedule();
+  std::ofstream(out) << json.dump(1) << '\n';
+  std::printf("\nwrote %s\n", out.c_str());
+  return 0;
+}
