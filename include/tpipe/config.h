@@ -56,6 +56,8 @@ struct PipelineConfig {
   std::string partition = "uniform";  // uniform | parameters | time | balance
   std::vector<int> balance;
   int threadsPerDevice = 0;
+  int dataParallel = 1;    // replicas of the pipeline, one process per rank
+  double timeoutS = 60.0;  // across processes: give up on a silent peer
 };
 
 struct OptimizerConfig {

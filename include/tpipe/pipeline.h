@@ -47,6 +47,7 @@
 #include <torch/nn/modules/container/any.h>
 #include <torch/nn/modules/container/sequential.h>
 
+#include "tpipe/distributed.h"
 #include "tpipe/schedule.h"
 #include "tpipe/trace.h"
 
@@ -92,6 +93,15 @@ struct PipelineOptions {
   // error naming stage and device. Non-empty deviceMemory implies tracking.
   bool trackMemory = false;
   std::vector<int64_t> deviceMemory;
+  // Across processes: this process runs only pipeline rank
+  // communicator->stageRank() of replica communicator->replica(); the others
+  // are reached over c10d. trainStep then returns the mean loss over all
+  // replicas, with gradients averaged across replicas before it returns;
+  // forward returns the output on the last stage's process only.
+  std::shared_ptr<Communicator> communicator;
+  // Per-sample shape of the activation after each stage but the last (from
+  // shape inference): received activations are checked against it.
+  std::vector<std::vector<int64_t>> boundaryShapes;
 };
 
 struct DeviceMemory {

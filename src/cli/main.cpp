@@ -10,6 +10,7 @@
 #include <c10/util/Exception.h>
 
 #include "tpipe/config.h"
+#include "tpipe/distributed.h"
 #include "tpipe/partition.h"
 #include "tpipe/profile.h"
 #include "tpipe/pipeline.h"
@@ -292,6 +293,13 @@ int main(int argc, char** argv) {
   train->add_option("--stop-after", trainOptions.stopAfter,
                     "stop after this many steps (a preemption: the schedule still spans train.steps)");
 
+  auto* launch = app.add_subcommand(
+      "launch", "run `tpipe train` as N local processes (one pipeline rank each) over c10d");
+  int processes = 1;
+  launch->add_option("--nproc", processes, "processes: pipeline ranks x data-parallel replicas")->required();
+  launch->prefix_command();  // CONFIG and the train options follow, passed on as they are
+  launch->footer("Everything after --nproc N is handed to `tpipe train` in every rank.");
+
   auto* validate = app.add_subcommand("validate", "check a config without training");
   validate->add_option("config", configPath, "JSON config file")->required()->check(CLI::ExistingFile);
   validate->add_option("--set", overrides, "override a config value: key.path=value");
@@ -336,6 +344,11 @@ int main(int argc, char** argv) {
       const tpipe::Config config = tpipe::parseConfig(configJson(configPath, overrides));
       tpipe::train(config, trainOptions);
       return 0;
+    }
+    if (*launch) {
+      const std::vector<std::string> arguments = launch->remaining();
+      if (arguments.empty()) throw tpipe::ConfigError("launch: give a CONFIG after --nproc N");
+      return tpipe::launchLocal("/proc/self/exe", processes, arguments);
     }
     if (*validate) return validateConfig(configPath, overrides);
     if (*plan) {

@@ -420,6 +420,8 @@ Config parseConfig(const Json& json) {
     }
     p.threadsPerDevice = static_cast<int>(
         pipeline.integer("threads_per_device", 0, 0, "a non-negative integer"));
+    p.dataParallel = static_cast<int>(pipeline.integer("data_parallel", 1, 1, "a positive integer"));
+    p.timeoutS = pipeline.number("timeout_s", 60.0, 0.1, 86400.0, "a number of seconds in [0.1, 86400]");
     pipeline.finish();
     const int stages = p.stages > 0 ? p.stages
                        : !p.balance.empty() ? static_cast<int>(p.balance.size())
@@ -482,9 +484,13 @@ Config parseConfig(const Json& json) {
       o.finish();
     }
     train.finish();
-    if (t.batchSize < config.pipeline.microBatches) {
-      fail("train.batch_size", "batch size " + std::to_string(t.batchSize) +
-                                   " is smaller than pipeline.micro_batches (" +
+    if (t.batchSize % config.pipeline.dataParallel != 0) {
+      fail("train.batch_size", "batch size " + std::to_string(t.batchSize) + " does not split evenly over " +
+                                   std::to_string(config.pipeline.dataParallel) + " data-parallel replicas");
+    }
+    if (t.batchSize / config.pipeline.dataParallel < config.pipeline.microBatches) {
+      fail("train.batch_size", "batch size " + std::to_string(t.batchSize / config.pipeline.dataParallel) +
+                                   " per replica is smaller than pipeline.micro_batches (" +
                                    std::to_string(config.pipeline.microBatches) + ")");
     }
   }

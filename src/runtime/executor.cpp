@@ -23,8 +23,6 @@ class RecomputeScope {
   RecomputeScope& operator=(const RecomputeScope&) = delete;
 };
 
-using Direction = Exchange::Direction;
-
 // LibTorch's dropout draws from the one process-wide CPU generator. A stage
 // with a random layer swaps its own state in while it runs, under this lock,
 // so masks depend only on the stage's own stream and replay exactly.
@@ -153,7 +151,7 @@ class RankExecutor {
     // dies before another thread can own it.
     at::Tensor sent = stash.output.detach().to(stageAt(op.stage + 1).device);
     transferred = static_cast<int64_t>(sent.nbytes());
-    state_.exchange->put(Direction::kActivation, op.stage, op.microBatch,
+    state_.transport->send(Direction::kActivation, op.stage, op.microBatch,
                          std::move(sent));
     if (stash.checkpointed || !state_.schedule->training) {
       stash.output = at::Tensor();  // recompute rebuilds it
@@ -161,9 +159,10 @@ class RankExecutor {
   }
 
   void operator()(const RecvActivation& op) {
-    at::Tensor input = state_.exchange->take(Direction::kActivation,
+    at::Tensor input = state_.transport->receive(Direction::kActivation,
                                              op.stage - 1, op.microBatch);
     if (state_.copyOnReceive) input = input.clone();
+    checkActivation(input, op);
     transferred = static_cast<int64_t>(input.nbytes());
     if (state_.schedule->training && input.is_floating_point()) {
       input.requires_grad_(true);
@@ -177,15 +176,22 @@ class RankExecutor {
     stash.inputGrad = at::Tensor();
     stash.input = at::Tensor();  // its .grad() may be `sent`: drop it first
     transferred = static_cast<int64_t>(sent.nbytes());
-    state_.exchange->put(Direction::kGradient, op.stage - 1, op.microBatch,
+    state_.transport->send(Direction::kGradient, op.stage - 1, op.microBatch,
                          std::move(sent));
   }
 
   void operator()(const RecvGrad& op) {
     Stash& stash = state_.at(op.stage, op.microBatch);
     stash.gradOutput =
-        state_.exchange->take(Direction::kGradient, op.stage, op.microBatch);
+        state_.transport->receive(Direction::kGradient, op.stage, op.microBatch);
     if (state_.copyOnReceive) stash.gradOutput = stash.gradOutput.clone();
+    // The gradient must match the output this stage sent.
+    const at::Tensor& output = stash.output;
+    TORCH_CHECK(!output.defined() || (stash.gradOutput.sizes() == output.sizes() &&
+                                      stash.gradOutput.scalar_type() == output.scalar_type()),
+                "received a gradient of shape ", stash.gradOutput.sizes(), " (",
+                stash.gradOutput.scalar_type(), ") from stage ", op.stage + 1,
+                " for an output of shape ", output.sizes(), " (", output.scalar_type(), ")");
     transferred = static_cast<int64_t>(stash.gradOutput.nbytes());
   }
 
@@ -194,6 +200,20 @@ class RankExecutor {
  private:
   StageRuntime& stageAt(int stage) { return (*state_.stages)[stage]; }
   bool isLast(int stage) const { return stage == state_.schedule->stages() - 1; }
+
+  // Against shape inference, when the pipeline was given it: the batch
+  // dimension is the micro-batch's size, the rest the boundary's shape.
+  void checkActivation(const at::Tensor& input, const RecvActivation& op) const {
+    const auto* shapes = state_.boundaryShapes;
+    const int boundary = op.stage - 1;
+    if (shapes == nullptr || boundary >= static_cast<int>(shapes->size())) return;
+    std::vector<int64_t> expected{state_.microBatchSizes.empty() ? input.size(0)
+                                                                 : state_.microBatchSizes[op.microBatch]};
+    const auto& sample = (*shapes)[boundary];
+    expected.insert(expected.end(), sample.begin(), sample.end());
+    TORCH_CHECK(input.sizes().vec() == expected, "received an activation of shape ", input.sizes(),
+                " from stage ", boundary, ", expected ", c10::IntArrayRef(expected));
+  }
 
   static at::Tensor runLayers(StageRuntime& stage, at::Tensor x) {
     for (auto& layer : stage.layers) x = layer.forward(x);
@@ -273,7 +293,7 @@ void runRank(StepState& state, int rank) {
       std::lock_guard<std::mutex> lock(state.errorMutex);
       if (state.error.empty()) state.error = std::move(message);
     }
-    state.exchange->abort();
+    state.transport->abort();
   }
 }
 

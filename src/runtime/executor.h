@@ -13,7 +13,7 @@
 #include <c10/core/Device.h>
 #include <torch/nn/modules/container/any.h>
 
-#include "runtime/worker.h"
+#include "runtime/transport.h"
 #include "tpipe/pipeline.h"
 #include "tpipe/schedule.h"
 
@@ -44,10 +44,11 @@ struct Stash {
 struct StepState {
   const Schedule* schedule = nullptr;
   std::vector<StageRuntime>* stages = nullptr;
-  Exchange* exchange = nullptr;
+  Transport* transport = nullptr;
   std::vector<at::Tensor> inputs;   // per micro-batch, on stage 0's device
   std::vector<at::Tensor> targets;  // per micro-batch, on the last device
   std::vector<double> weights;      // micro-batch size / batch size
+  std::vector<int64_t> microBatchSizes;
   const LossFunction* lossFn = nullptr;
   std::vector<Stash> stash;             // [stage * m + micro-batch]
   std::vector<at::Tensor> losses;       // weighted, detached, per micro-batch
@@ -57,6 +58,7 @@ struct StepState {
   // Copy received tensors, so each virtual CPU device holds (and is charged
   // for) its own copy as separate devices would; on when tracking memory.
   bool copyOnReceive = false;
+  const std::vector<std::vector<int64_t>>* boundaryShapes = nullptr;
   std::chrono::steady_clock::time_point start;
   std::vector<std::vector<TraceEvent>> events;  // per rank, when recording
 

@@ -12,9 +12,12 @@
 #include <ATen/ops/stack.h>
 #include <c10/util/Exception.h>
 #include <torch/cuda.h>
+#include <torch/types.h>
 
+#include "runtime/c10d_transport.h"
 #include "runtime/executor.h"
 #include "runtime/memory.h"
+#include "runtime/transport.h"
 #include "runtime/worker.h"
 #include "tpipe/partition.h"
 
@@ -94,7 +97,15 @@ struct Pipeline::Impl {
   std::vector<int> boundaries;
   Schedule schedule;
   std::vector<runtime::StageRuntime> stages;
-  runtime::Exchange exchange;
+  runtime::LocalTransport localTransport;
+  std::unique_ptr<runtime::Transport> remoteTransport;
+  runtime::Transport* transport = &localTransport;
+  std::vector<int> localRanks;  // the ranks this process runs
+
+  bool isLocalStage(int stage) const {
+    const int rank = schedule.rankOfStage(stage);
+    return std::find(localRanks.begin(), localRanks.end(), rank) != localRanks.end();
+  }
   std::vector<std::unique_ptr<runtime::DeviceWorker>> workers;
   Trace trace;
   int steps = 0;
@@ -163,6 +174,13 @@ void Pipeline::Impl::resolve() {
               " virtual stage(s) per device need ", ranks, " devices, got ",
               devices.size());
   rankDevices.assign(devices.begin(), devices.begin() + ranks);
+  if (options.communicator) {
+    TORCH_CHECK(options.communicator->pipelineRanks() == ranks, "the communicator spans ",
+                options.communicator->pipelineRanks(), " pipeline ranks but the pipeline has ", ranks);
+    localRanks = {options.communicator->stageRank()};
+  } else {
+    for (int rank = 0; rank < ranks; ++rank) localRanks.push_back(rank);
+  }
 
   const int layerCount = static_cast<int>(layers.size());
   boundaries = checked([&] {
@@ -197,10 +215,13 @@ void Pipeline::Impl::place() {
     runtime::StageRuntime& stage = stages[s];
     stage.index = s;
     stage.deviceName = options.devices[schedule.rankOfStage(s)];
-    stage.device = rankDevices[schedule.rankOfStage(s)];
+    const bool local = isLocalStage(s);
+    // A stage in another process receives what this one sends as a CPU
+    // tensor; the transport moves it.
+    stage.device = local ? rankDevices[schedule.rankOfStage(s)] : c10::Device(c10::kCPU);
     for (int l = boundaries[s]; l < boundaries[s + 1]; ++l) {
       torch::nn::AnyModule& layer = layers[l].module;
-      layer.ptr()->to(stage.device);
+      if (local) layer.ptr()->to(stage.device);
       stage.layers.push_back(layer);
       stage.stochastic = stage.stochastic || drawsRandomness(layer);
       for (const auto& parameter : layer.ptr()->parameters()) {
@@ -221,7 +242,13 @@ void Pipeline::Impl::place() {
               "deviceMemory has ", options.deviceMemory.size(),
               " entries for ", ranks, " devices");
   if (tracking) memory::install();
-  for (int rank = 0; rank < ranks; ++rank) {
+  if (options.communicator) {
+    remoteTransport = runtime::makeProcessGroupTransport(*options.communicator, schedule.stages(),
+                                                         schedule.microBatches);
+    transport = remoteTransport.get();
+  }
+  workers.resize(ranks);
+  for (int rank : localRanks) {
     const int slot = tracking ? memory::acquireSlot() : memory::kUnattributed;
     if (tracking) {
       memorySlots.push_back(slot);
@@ -237,10 +264,10 @@ void Pipeline::Impl::place() {
     // OpenMP's thread count is per thread, and a new thread inherits the
     // last value set anywhere: set it once in each worker. Allocations on
     // the worker are charged to its device's slot.
-    workers.push_back(std::make_unique<runtime::DeviceWorker>([threads, slot] {
+    workers[rank] = std::make_unique<runtime::DeviceWorker>([threads, slot] {
       at::set_num_threads(threads);
       memory::setThreadDevice(slot);
-    }));
+    });
   }
 }
 
@@ -257,8 +284,8 @@ std::vector<at::Tensor> Pipeline::Impl::split(const at::Tensor& tensor,
 void Pipeline::Impl::run(runtime::StepState& state, const Schedule& plan) {
   state.schedule = &plan;
   state.stages = &stages;
-  state.exchange = &exchange;
-  exchange.reset(plan.stages() - 1);
+  state.transport = transport;
+  transport->begin(plan.stages() - 1);
   const int m = plan.microBatches;
   state.stash.assign(static_cast<size_t>(plan.stages()) * m, {});
   state.losses.assign(m, {});
@@ -267,8 +294,9 @@ void Pipeline::Impl::run(runtime::StepState& state, const Schedule& plan) {
   state.copyOnReceive = !memorySlots.empty();
   if (state.record) state.events.assign(plan.ranks, {});
   state.start = std::chrono::steady_clock::now();
-  runtime::Latch latch(plan.ranks);
-  for (int rank = 0; rank < plan.ranks; ++rank) {
+  state.boundaryShapes = &options.boundaryShapes;
+  runtime::Latch latch(static_cast<int>(localRanks.size()));
+  for (int rank : localRanks) {
     const bool training = plan.training;
     workers[rank]->post([&state, &latch, rank, training] {
       at::AutoGradMode gradMode(training);  // grad mode is per thread
@@ -277,6 +305,13 @@ void Pipeline::Impl::run(runtime::StepState& state, const Schedule& plan) {
     });
   }
   latch.wait();
+  if (state.error.empty()) {
+    try {
+      transport->end();
+    } catch (const c10::Error& error) {
+      state.error = error.what_without_backtrace();
+    }
+  }
   const double wallUs = std::chrono::duration<double, std::micro>(
                             std::chrono::steady_clock::now() - state.start)
                             .count();
@@ -333,12 +368,28 @@ torch::Tensor Pipeline::trainStep(const torch::Tensor& input,
   for (const auto& chunk : state.inputs) {
     state.weights.push_back(static_cast<double>(chunk.size(0)) /
                             static_cast<double>(batch));
+    state.microBatchSizes.push_back(chunk.size(0));
   }
   state.lossFn = &lossFn;
   impl_->run(state, impl_->schedule);
-  at::Tensor total = state.losses[0];
-  for (int mb = 1; mb < m; ++mb) total = total + state.losses[mb];
-  return total;
+  const bool lastIsLocal = impl_->isLocalStage(impl_->schedule.stages() - 1);
+  at::Tensor total;
+  if (lastIsLocal) {
+    total = state.losses[0];
+    for (int mb = 1; mb < m; ++mb) total = total + state.losses[mb];
+  }
+  if (!impl_->options.communicator) return total;
+  // Every process returns the mean over replicas; gradients likewise.
+  auto& communicator = *impl_->options.communicator;
+  const double local = lastIsLocal ? total.item<double>() : 0.0;
+  const double mean = communicator.sum({local})[0] / communicator.replicas();
+  std::vector<at::Tensor> gradients;
+  for (const auto& stage : impl_->stages) {
+    if (!impl_->isLocalStage(stage.index)) continue;
+    for (const auto& parameter : stage.parameters) gradients.push_back(parameter.grad());
+  }
+  communicator.averageAcrossReplicas(gradients);
+  return torch::tensor(mean, torch::TensorOptions().dtype(lastIsLocal ? total.scalar_type() : torch::kFloat));
 }
 
 torch::Tensor Pipeline::forward(const torch::Tensor& input) {
@@ -350,7 +401,9 @@ torch::Tensor Pipeline::forward(const torch::Tensor& input) {
       impl_->schedule.ranks, impl_->schedule.virtualStages, m);
   runtime::StepState state;
   state.inputs = impl_->split(input, m, impl_->stages.front().device);
+  for (const auto& chunk : state.inputs) state.microBatchSizes.push_back(chunk.size(0));
   impl_->run(state, inference);
+  if (!impl_->isLocalStage(impl_->schedule.stages() - 1)) return torch::Tensor();
   return at::cat(state.outputs, 0);
 }
 

@@ -2,6 +2,8 @@
 // rate schedule, progress, metrics, evaluation and checkpoints.
 #include <unistd.h>
 
+#include <thread>
+
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -17,6 +19,7 @@
 #include <torch/optim/sgd.h>
 #include <torch/serialize.h>
 
+#include "tpipe/distributed.h"
 #include "tpipe/trainer.h"
 
 namespace tpipe {
@@ -112,8 +115,10 @@ struct Evaluation {
   double accuracy = -1.0;
 };
 
+// Across processes only the last stage's process sees outputs; replica 0's
+// counts are summed over the world so every process agrees.
 Evaluation evaluate(Pipeline& pipe, const Dataset& data, const LossFunction& lossFn, bool classification,
-                    int64_t chunk) {
+                    int64_t chunk, Communicator* communicator) {
   setTraining(pipe.layers(), false);
   Evaluation result;
   const int64_t n = data.evalInputs.size(0);
@@ -122,7 +127,9 @@ Evaluation evaluate(Pipeline& pipe, const Dataset& data, const LossFunction& los
     const int64_t size = std::min(chunk, n - start);
     const torch::Tensor x = data.evalInputs.narrow(0, start, size);
     const torch::Tensor y = data.evalTargets.narrow(0, start, size);
-    const torch::Tensor out = pipe.forward(x).to(torch::kCPU);
+    const torch::Tensor forwarded = pipe.forward(x);
+    if (!forwarded.defined() || (communicator && communicator->replica() != 0)) continue;
+    const torch::Tensor out = forwarded.to(torch::kCPU);
     lossSum += lossFn(out, y).item<double>() * static_cast<double>(size);
     if (classification) {
       correct += out.argmax(-1).eq(y).sum().item<double>();
@@ -130,6 +137,12 @@ Evaluation evaluate(Pipeline& pipe, const Dataset& data, const LossFunction& los
     }
   }
   setTraining(pipe.layers(), true);
+  if (communicator) {
+    const auto sums = communicator->sum({lossSum, correct, positions});
+    lossSum = sums[0];
+    correct = sums[1];
+    positions = sums[2];
+  }
   result.loss = lossSum / static_cast<double>(n);
   if (classification) result.accuracy = correct / positions;
   return result;
@@ -156,24 +169,53 @@ std::vector<char> readBytes(const fs::path& path) {
   return std::vector<char>((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
 }
 
+// The tensors a checkpoint holds: every parameter and buffer, named as
+// nn.Sequential's state_dict; across processes only this rank's stages.
+std::vector<std::pair<std::string, torch::Tensor>> checkpointTensors(const Pipeline& pipe,
+                                                                     Communicator* communicator) {
+  std::vector<std::pair<std::string, torch::Tensor>> tensors;
+  const auto& boundaries = pipe.boundaries();
+  const int ranks = pipe.schedule().ranks;
+  for (size_t s = 0; s + 1 < boundaries.size(); ++s) {
+    if (communicator && static_cast<int>(s) % ranks != communicator->stageRank()) continue;
+    for (int l = boundaries[s]; l < boundaries[s + 1]; ++l) {
+      const auto& layer = pipe.layers()[l];
+      for (const auto& item : layer.module.ptr()->named_parameters()) {
+        tensors.emplace_back(layer.name + "." + item.key(), item.value());
+      }
+      for (const auto& item : layer.module.ptr()->named_buffers()) {
+        tensors.emplace_back(layer.name + "." + item.key(), item.value());
+      }
+    }
+  }
+  return tensors;
+}
+
 // A checkpoint directory holds state-<step>/ (model.pt, optimizer.pt,
 // generators.pt) and checkpoint.json naming the newest complete one; the
 // rename of checkpoint.json is the commit point. DIR/model.pt is the newest
 // weights too, for Python's torch.load.
-void saveCheckpoint(const fs::path& dir, int64_t step, Pipeline& pipe, torch::optim::Optimizer& optimizer) {
+// Across processes each pipeline rank of replica 0 writes its own stages
+// under DIR/rank-<r>/, and rank 0 commits checkpoint.json after a barrier;
+// DIR/model.pt then holds rank 0's stages only.
+void saveCheckpoint(const fs::path& root, int64_t step, Pipeline& pipe, torch::optim::Optimizer& optimizer,
+                    Communicator* communicator = nullptr) {
+  const bool distributed = communicator != nullptr;
+  const fs::path dir = distributed ? root / ("rank-" + std::to_string(communicator->stageRank())) : root;
+  const bool writer = !distributed || communicator->replica() == 0;
+  if (!writer) {
+    communicator->barrier();
+    communicator->barrier();
+    return;
+  }
   fs::create_directories(dir);
   const std::string name = "state-" + std::to_string(step);
   const fs::path staging = dir / (name + ".tmp");
   fs::remove_all(staging);
   fs::create_directories(staging);
   c10::Dict<std::string, torch::Tensor> weights;
-  for (const auto& named : pipe.namedParameters()) {
-    weights.insert(named.first, named.second.detach().to(torch::kCPU).contiguous());
-  }
-  for (const auto& layer : pipe.layers()) {
-    for (const auto& buffer : layer.module.ptr()->named_buffers()) {
-      weights.insert(layer.name + "." + buffer.key(), buffer.value().detach().to(torch::kCPU).contiguous());
-    }
+  for (const auto& item : checkpointTensors(pipe, communicator)) {
+    weights.insert(item.first, item.second.detach().to(torch::kCPU).contiguous());
   }
   writeBytes(staging / "model.pt", torch::pickle_save(weights));
   torch::save(optimizer, (staging / "optimizer.pt").string());
@@ -187,24 +229,40 @@ void saveCheckpoint(const fs::path& dir, int64_t step, Pipeline& pipe, torch::op
     fs::remove(temporary);
     fs::create_hard_link(state / "model.pt", temporary);
   });
-  writeAtomically(dir / "checkpoint.json", [&](const fs::path& temporary) {
-    std::ofstream out(temporary);
-    out << nlohmann::json{{"step", step}, {"state", name}}.dump() << '\n';
-  });
+  if (distributed) communicator->barrier();  // every rank's state is written
+  if (!distributed || communicator->rank() == 0) {
+    nlohmann::json pointer = {{"step", step}, {"state", name}};
+    if (distributed) pointer["pipeline_ranks"] = communicator->pipelineRanks();
+    writeAtomically(root / "checkpoint.json", [&](const fs::path& temporary) {
+      std::ofstream out(temporary);
+      out << pointer.dump() << '\n';
+    });
+  }
+  if (distributed) communicator->barrier();  // committed
   for (const auto& entry : fs::directory_iterator(dir)) {
     const std::string file = entry.path().filename().string();
     if (file.rfind("state-", 0) == 0 && file != name) fs::remove_all(entry.path());
   }
 }
 
-int64_t loadCheckpoint(const fs::path& dir, Pipeline& pipe, torch::optim::Optimizer& optimizer) {
-  const fs::path pointer = dir / "checkpoint.json";
+int64_t loadCheckpoint(const fs::path& root, Pipeline& pipe, torch::optim::Optimizer& optimizer,
+                       Communicator* communicator = nullptr) {
+  const fs::path pointer = root / "checkpoint.json";
+  const fs::path dir = communicator ? root / ("rank-" + std::to_string(communicator->stageRank())) : root;
   if (!fs::exists(pointer)) throw ConfigError("--resume: " + pointer.string() + " not found");
   nlohmann::json json;
   try {
     json = nlohmann::json::parse(std::ifstream(pointer));
   } catch (const std::exception& error) {
     throw ConfigError("--resume: " + pointer.string() + " is not valid JSON");
+  }
+  if (communicator && json.value("pipeline_ranks", 0) != communicator->pipelineRanks()) {
+    throw ConfigError("--resume: the checkpoint was written by " + std::to_string(json.value("pipeline_ranks", 1)) +
+                      " pipeline rank(s) in one process each; resume with the same layout");
+  }
+  if (!communicator && json.contains("pipeline_ranks")) {
+    throw ConfigError("--resume: the checkpoint was written across " + std::to_string(json.value("pipeline_ranks", 0)) +
+                      " processes; resume it with `tpipe launch`");
   }
   const int64_t step = json.at("step").get<int64_t>();
   const fs::path state = dir / json.at("state").get<std::string>();
@@ -218,10 +276,7 @@ int64_t loadCheckpoint(const fs::path& dir, Pipeline& pipe, torch::optim::Optimi
     }
     target.copy_(saved);
   };
-  for (const auto& named : pipe.namedParameters()) restore(named.first, named.second);
-  for (const auto& layer : pipe.layers()) {
-    for (const auto& buffer : layer.module.ptr()->named_buffers()) restore(layer.name + "." + buffer.key(), buffer.value());
-  }
+  for (const auto& item : checkpointTensors(pipe, communicator)) restore(item.first, item.second);
   torch::load(optimizer, (state / "optimizer.pt").string());
   std::vector<torch::Tensor> generators;
   for (const auto& value : torch::pickle_load(readBytes(state / "generators.pt")).toTensorList()) {
@@ -231,7 +286,8 @@ int64_t loadCheckpoint(const fs::path& dir, Pipeline& pipe, torch::optim::Optimi
   return step;
 }
 
-PipelineOptions pipelineOptions(const Config& config, const BuiltModel& model) {
+PipelineOptions pipelineOptions(const Config& config, const BuiltModel& model,
+                                const std::shared_ptr<Communicator>& communicator) {
   const auto& p = config.pipeline;
   PipelineOptions options;
   options.devices.clear();
@@ -246,11 +302,76 @@ PipelineOptions pipelineOptions(const Config& config, const BuiltModel& model) {
   options.threadsPerDevice = p.threadsPerDevice;
   options.seed = config.train.seed;
   if (p.partition == "time") {
-    const PartitionPlan plan = planModel(config, model, profileModel(config, model));
-    options.balance = balanceOf(plan.boundaries);
+    // Measured once, on rank 0: every process must cut the model alike.
+    std::vector<int64_t> balance;
+    if (!communicator || communicator->rank() == 0) {
+      for (int layers : balanceOf(planModel(config, model, profileModel(config, model)).boundaries)) {
+        balance.push_back(layers);
+      }
+    }
+    if (communicator) {
+      std::vector<int64_t> sized(model.layers.size() + 1, 0);
+      if (communicator->rank() == 0) {
+        sized[0] = static_cast<int64_t>(balance.size());
+        std::copy(balance.begin(), balance.end(), sized.begin() + 1);
+      }
+      sized = communicator->broadcast(sized);
+      balance.assign(sized.begin() + 1, sized.begin() + 1 + sized[0]);
+    }
+    options.balance.assign(balance.begin(), balance.end());
     options.stages = static_cast<int>(options.balance.size());
   }
+  for (size_t b = 1; b + 1 < model.shapes.size(); ++b) options.boundaryShapes.push_back(model.shapes[b]);
+  options.communicator = communicator;
   return options;
+}
+
+// Pipeline ranks of a config: stages over virtual stages, stages defaulting
+// to the balance or to one per device.
+int pipelineRanksOf(const Config& config) {
+  const auto& p = config.pipeline;
+  const int stages = p.stages > 0 ? p.stages
+                     : !p.balance.empty() ? static_cast<int>(p.balance.size())
+                                          : static_cast<int>(p.devices.size()) * p.virtualStages;
+  return stages / p.virtualStages;
+}
+
+std::shared_ptr<Communicator> joinWorld(const Config& config) {
+  const WorldInfo world = worldFromEnvironment();
+  const int ranks = pipelineRanksOf(config);
+  const int replicas = config.pipeline.dataParallel;
+  if (world.worldSize == 1) {
+    if (replicas > 1) {
+      throw ConfigError("pipeline.data_parallel: " + std::to_string(replicas) + " replicas of " +
+                        std::to_string(ranks) + " pipeline ranks need " + std::to_string(replicas * ranks) +
+                        " processes; start them with `tpipe launch --nproc " + std::to_string(replicas * ranks) +
+                        "`");
+    }
+    return nullptr;
+  }
+  if (world.worldSize != replicas * ranks) {
+    throw ConfigError("WORLD_SIZE " + std::to_string(world.worldSize) + " is not pipeline.data_parallel (" +
+                      std::to_string(replicas) + ") x pipeline ranks (" + std::to_string(ranks) + ")");
+  }
+  const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(config.pipeline.timeoutS * 1000));
+  return std::make_shared<Communicator>(world, ranks, timeout);
+}
+
+// TPIPE_FAULT=rank:step:exit|hang makes one process die or stop answering
+// at a step: how the fault tests stand in for a crashed or stuck host.
+void injectFault(const Communicator* communicator, int64_t step) {
+  static const char* fault = std::getenv("TPIPE_FAULT");
+  if (fault == nullptr || communicator == nullptr) return;
+  int rank = -1;
+  long long at = -1;
+  char kind[16] = {0};
+  if (std::sscanf(fault, "%d:%lld:%15s", &rank, &at, kind) != 3) return;
+  if (rank != communicator->rank() || at != step) return;
+  std::fprintf(stderr, "TPIPE_FAULT: rank %d %s at step %lld\n", rank, kind, at);
+  if (std::string(kind) == "exit") std::_Exit(17);
+  if (std::string(kind) == "hang") {
+    for (;;) std::this_thread::sleep_for(std::chrono::hours(1));
+  }
 }
 
 std::string duration(double seconds) {
@@ -392,16 +513,30 @@ PartitionPlan planModel(const Config& config, const BuiltModel& model, const Pro
   }
 }
 
-TrainSummary train(const Config& config, const TrainOptions& options) {
+TrainSummary train(const Config& config, const TrainOptions& givenOptions) {
+  const std::shared_ptr<Communicator> communicator = joinWorld(config);
+  Communicator* const world = communicator.get();
+  TrainOptions options = givenOptions;
+  std::ostringstream silent;
+  if (world) {
+    // Rank 0 speaks for the world; the bubble and memory reports are local
+    // to one process and stay off.
+    if (world->rank() != 0) {
+      options.log = &silent;
+      options.metricsPath.clear();
+    }
+    options.recordSteps = 0;
+    options.memoryReport = false;
+  }
   std::ostream& log = options.log ? *options.log : std::cout;
   const bool live = options.log == nullptr && ::isatty(STDOUT_FILENO);
   BuiltModel model = buildModel(config.model, config.train.seed);
   setBatchNormMicroBatches(model, config.pipeline.microBatches);
   const Dataset data = loadDataset(config, model);
-  PipelineOptions pipeOptions = pipelineOptions(config, model);
+  PipelineOptions pipeOptions = pipelineOptions(config, model, communicator);
   bool capped = false;
   for (const auto& device : config.pipeline.devices) capped = capped || device.memoryBytes > 0;
-  const bool measureMemory = capped || options.memoryReport;
+  const bool measureMemory = !world && (capped || options.memoryReport);
   pipeOptions.trackMemory = measureMemory;
   Pipeline pipe(model.layers, pipeOptions);
   std::vector<MemoryRow> memoryRows;
@@ -413,7 +548,7 @@ TrainSummary train(const Config& config, const TrainOptions& options) {
 
   TrainSummary summary;
   if (!options.resumeDir.empty()) {
-    summary.startStep = loadCheckpoint(options.resumeDir, pipe, *optimizer);
+    summary.startStep = loadCheckpoint(options.resumeDir, pipe, *optimizer, world);
     if (summary.startStep > config.train.steps) {
       throw ConfigError("--resume: the checkpoint is at step " + std::to_string(summary.startStep) +
                         ", past train.steps = " + std::to_string(config.train.steps));
@@ -426,6 +561,10 @@ TrainSummary train(const Config& config, const TrainOptions& options) {
   }
   log << "model: " << model.layers.size() << " layers, " << model.parameterCount << " parameters; "
       << data.description << "\n";
+  if (world) {
+    log << "processes: " << world->worldSize() << " (" << world->replicas() << " replica(s) x "
+        << world->pipelineRanks() << " pipeline ranks), rendezvous over c10d TCPStore + Gloo\n";
+  }
   log << "pipeline: " << pipe.schedule().stages() << " stages on";
   for (const auto& device : pipe.stageDevices()) log << ' ' << device;
   log << ", boundaries";
@@ -441,7 +580,7 @@ TrainSummary train(const Config& config, const TrainOptions& options) {
   const auto start = Clock::now();
   auto elapsed = [&] { return std::chrono::duration<double>(Clock::now() - start).count(); };
   auto runEvaluation = [&](int64_t step) {
-    const Evaluation e = evaluate(pipe, data, lossFn, classification, evalChunk);
+    const Evaluation e = evaluate(pipe, data, lossFn, classification, evalChunk, world);
     summary.evalLoss = e.loss;
     summary.evalAccuracy = e.accuracy;
     if (metrics.is_open()) {
@@ -455,13 +594,19 @@ TrainSummary train(const Config& config, const TrainOptions& options) {
     log << std::defaultfloat << "\n";
   };
 
-  if (!options.saveDir.empty() && total == 0) saveCheckpoint(options.saveDir, 0, pipe, *optimizer);
+  if (!options.saveDir.empty() && total == 0) saveCheckpoint(options.saveDir, 0, pipe, *optimizer, world);
   const int64_t recordFrom = std::max<int64_t>(summary.startStep, last - std::max(0, options.recordSteps));
   for (int64_t step = summary.startStep; step < last; ++step) {
     if (step == recordFrom && options.recordSteps > 0) pipe.setRecording(true);
     const double lr = learningRate(config.train, step);
     for (auto& group : optimizer->param_groups()) group.options().set_lr(lr);
+    injectFault(world, step);
     auto [x, y] = batches.batch(step);
+    if (world && world->replicas() > 1) {
+      const int64_t share = config.train.batchSize / world->replicas();
+      x = x.narrow(0, world->replica() * share, share);
+      y = y.narrow(0, world->replica() * share, share);
+    }
     optimizer->zero_grad();
     const double loss = pipe.trainStep(x, y, lossFn).item<double>();
     if (!std::isfinite(loss)) {
@@ -493,7 +638,7 @@ TrainSummary train(const Config& config, const TrainOptions& options) {
     }
     if (!options.saveDir.empty() &&
         (done == last || (config.train.checkpointEvery > 0 && done % config.train.checkpointEvery == 0))) {
-      saveCheckpoint(options.saveDir, done, pipe, *optimizer);
+      saveCheckpoint(options.saveDir, done, pipe, *optimizer, world);
     }
   }
   if (live) log << '\n';

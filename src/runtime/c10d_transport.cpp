@@ -1,0 +1,312 @@
+// Everything that touches c10d: rendezvous, process groups, point-to-point
+// transfers, collectives. No other file includes c10d headers.
+#include "runtime/c10d_transport.h"
+
+#include <cstdlib>
+#include <sstream>
+
+#include <ATen/ops/cat.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+namespace tpipe {
+namespace {
+
+int environmentInt(const char* name, int fallback, bool* found = nullptr) {
+  const char* value = std::getenv(name);
+  if (value == nullptr || *value == '\0') return fallback;
+  if (found) *found = true;
+  char* end = nullptr;
+  const long parsed = std::strtol(value, &end, 10);
+  TORCH_CHECK(end != value && *end == '\0' && parsed >= 0 && parsed < (1L << 30), "environment variable ", name,
+              "='", value, "' is not a non-negative integer");
+  return static_cast<int>(parsed);
+}
+
+bool isLoopback(const std::string& address) {
+  return address.rfind("127.", 0) == 0 || address == "localhost" || address == "::1";
+}
+
+std::shared_ptr<::gloo::transport::Device> glooDevice(const std::string& masterAddr) {
+  if (const char* interface = std::getenv("TPIPE_GLOO_INTERFACE")) {
+    return c10d::ProcessGroupGloo::createDeviceForInterface(interface);
+  }
+  if (isLoopback(masterAddr)) return c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1");
+  return c10d::ProcessGroupGloo::createDefaultDevice();
+}
+
+}  // namespace
+
+WorldInfo worldFromEnvironment() {
+  WorldInfo world;
+  bool rankFound = false, sizeFound = false;
+  // torchrun first, then Open MPI, then SLURM.
+  world.rank = environmentInt("RANK", -1, &rankFound);
+  world.worldSize = environmentInt("WORLD_SIZE", -1, &sizeFound);
+  if (!rankFound) world.rank = environmentInt("OMPI_COMM_WORLD_RANK", -1, &rankFound);
+  if (!sizeFound) world.worldSize = environmentInt("OMPI_COMM_WORLD_SIZE", -1, &sizeFound);
+  if (!rankFound) world.rank = environmentInt("SLURM_PROCID", -1, &rankFound);
+  if (!sizeFound) world.worldSize = environmentInt("SLURM_NTASKS", -1, &sizeFound);
+  world.localRank = environmentInt("LOCAL_RANK", -1);
+  if (world.localRank < 0) world.localRank = environmentInt("OMPI_COMM_WORLD_LOCAL_RANK", -1);
+  if (world.localRank < 0) world.localRank = environmentInt("SLURM_LOCALID", 0);
+  if (!rankFound && !sizeFound) return WorldInfo{};
+  TORCH_CHECK(rankFound && sizeFound, "a rank and a world size must both be set (RANK and WORLD_SIZE)");
+  TORCH_CHECK(world.worldSize >= 1, "WORLD_SIZE must be >= 1, got ", world.worldSize);
+  TORCH_CHECK(world.rank < world.worldSize, "RANK ", world.rank, " is not below WORLD_SIZE ", world.worldSize);
+  if (const char* addr = std::getenv("MASTER_ADDR")) {
+    if (*addr) world.masterAddr = addr;
+  }
+  world.masterPort = environmentInt("MASTER_PORT", 29500);
+  TORCH_CHECK(world.masterPort > 0 && world.masterPort < 65536, "MASTER_PORT must be a TCP port, got ",
+              world.masterPort);
+  world.fromEnvironment = true;
+  return world;
+}
+
+struct Communicator::Impl {
+  WorldInfo world;
+  int pipelineRanks = 1;
+  std::chrono::milliseconds timeout{60000};
+  c10::intrusive_ptr<c10d::Store> store;
+  c10::intrusive_ptr<c10d::ProcessGroupGloo> worldGroup;
+  c10::intrusive_ptr<c10d::ProcessGroupGloo> replicaGroup;  // D > 1 only
+
+  // Waits for `work`, turning any failure into an error naming `peer`.
+  void wait(const c10::intrusive_ptr<c10d::Work>& work, int peer, const std::string& what) {
+    try {
+      work->wait(timeout);
+    } catch (const std::exception& error) {
+      std::string reason = error.what();
+      const auto newline = reason.find('\n');
+      if (newline != std::string::npos) reason.resize(newline);
+      const bool timedOut = reason.find("imed out") != std::string::npos;
+      std::ostringstream message;
+      message << "lost rank " << peer << " (pipeline rank " << peer % pipelineRanks << ", replica "
+              << peer / pipelineRanks << ") while " << what << ": ";
+      if (timedOut) {
+        message << "no answer within " << timeout.count() / 1000.0 << " s";
+      } else {
+        message << reason;
+      }
+      TORCH_CHECK(false, message.str());
+    }
+  }
+};
+
+Communicator::Communicator(const WorldInfo& world, int pipelineRanks, std::chrono::milliseconds timeout)
+    : impl_(std::make_unique<Impl>()) {
+  TORCH_CHECK(pipelineRanks >= 1, "pipeline ranks must be >= 1");
+  TORCH_CHECK(world.worldSize % pipelineRanks == 0, "a world of ", world.worldSize,
+              " processes cannot hold replicas of a ", pipelineRanks,
+              "-rank pipeline: WORLD_SIZE must be data_parallel x pipeline ranks");
+  impl_->world = world;
+  impl_->pipelineRanks = pipelineRanks;
+  impl_->timeout = timeout;
+  c10d::TCPStoreOptions options;
+  options.port = static_cast<std::uint16_t>(world.masterPort);
+  options.isServer = world.rank == 0;
+  options.numWorkers = static_cast<std::size_t>(world.worldSize);
+  options.waitWorkers = true;
+  options.timeout = timeout;
+  try {
+    impl_->store = c10::make_intrusive<c10d::TCPStore>(world.masterAddr, options);
+  } catch (const std::exception& error) {
+    TORCH_CHECK(false, "rendezvous at ", world.masterAddr, ":", world.masterPort, " failed for rank ", world.rank,
+                ": ", std::string(error.what()).substr(0, std::string(error.what()).find('\n')));
+  }
+  auto groupOptions = c10d::ProcessGroupGloo::Options::create(timeout);
+  groupOptions->devices.push_back(glooDevice(world.masterAddr));
+  groupOptions->threads = 2;
+  impl_->worldGroup = c10::make_intrusive<c10d::ProcessGroupGloo>(
+      c10::make_intrusive<c10d::PrefixStore>("tpipe/world", impl_->store), world.rank, world.worldSize,
+      groupOptions);
+  if (replicas() > 1) {
+    impl_->replicaGroup = c10::make_intrusive<c10d::ProcessGroupGloo>(
+        c10::make_intrusive<c10d::PrefixStore>("tpipe/stage" + std::to_string(stageRank()), impl_->store),
+        replica(), replicas(), groupOptions);
+  }
+}
+
+Communicator::~Communicator() = default;
+
+int Communicator::rank() const { return impl_->world.rank; }
+int Communicator::worldSize() const { return impl_->world.worldSize; }
+int Communicator::pipelineRanks() const { return impl_->pipelineRanks; }
+int Communicator::replicas() const { return worldSize() / pipelineRanks(); }
+int Communicator::replica() const { return rank() / pipelineRanks(); }
+int Communicator::stageRank() const { return rank() % pipelineRanks(); }
+std::chrono::milliseconds Communicator::timeout() const { return impl_->timeout; }
+
+std::vector<double> Communicator::sum(const std::vector<double>& values) {
+  std::vector<at::Tensor> tensors{at::empty({static_cast<int64_t>(values.size())}, at::kDouble)};
+  std::copy(values.begin(), values.end(), tensors[0].data_ptr<double>());
+  impl_->wait(impl_->worldGroup->allreduce(tensors), rank() == 0 ? 1 % worldSize() : 0, "summing across the world");
+  const double* data = tensors[0].data_ptr<double>();
+  return std::vector<double>(data, data + values.size());
+}
+
+std::vector<int64_t> Communicator::broadcast(const std::vector<int64_t>& values) {
+  std::vector<at::Tensor> tensors{at::empty({static_cast<int64_t>(values.size())}, at::kLong)};
+  std::copy(values.begin(), values.end(), tensors[0].data_ptr<int64_t>());
+  impl_->wait(impl_->worldGroup->broadcast(tensors), 0, "receiving rank 0's broadcast");
+  const int64_t* data = tensors[0].data_ptr<int64_t>();
+  return std::vector<int64_t>(data, data + values.size());
+}
+
+void Communicator::averageAcrossReplicas(const std::vector<at::Tensor>& gradients) {
+  if (replicas() == 1) return;
+  constexpr int64_t kBucketBytes = 25 << 20;
+  std::vector<at::Tensor> bucket;
+  int64_t bytes = 0;
+  auto flush = [&] {
+    if (bucket.empty()) return;
+    std::vector<at::Tensor> flat;
+    for (const auto& g : bucket) flat.push_back(g.reshape({-1}));
+    std::vector<at::Tensor> joined{at::cat(flat)};
+    impl_->wait(impl_->replicaGroup->allreduce(joined), (replica() + 1) % replicas() * pipelineRanks() + stageRank(),
+                "averaging gradients across replicas");
+    joined[0].div_(replicas());
+    int64_t offset = 0;
+    for (auto& g : bucket) {
+      g.copy_(joined[0].narrow(0, offset, g.numel()).view(g.sizes()));
+      offset += g.numel();
+    }
+    bucket.clear();
+    bytes = 0;
+  };
+  for (const auto& g : gradients) {
+    if (!g.defined()) continue;
+    bucket.push_back(g);
+    bytes += static_cast<int64_t>(g.nbytes());
+    if (bytes >= kBucketBytes) flush();
+  }
+  flush();
+}
+
+void Communicator::barrier() {
+  impl_->wait(impl_->worldGroup->barrier(), 0, "waiting at a barrier");
+}
+
+namespace runtime {
+namespace {
+
+constexpr int64_t kMagic = 0x7470697065;  // "tpipe"
+constexpr int kHeaderSize = 12;
+constexpr int kMaxDims = kHeaderSize - 6;
+
+class ProcessGroupTransport final : public Transport {
+ public:
+  ProcessGroupTransport(Communicator& communicator, int stages, int microBatches)
+      : communicator_(communicator), impl_(communicator.impl()), stages_(stages), microBatches_(microBatches) {}
+
+  void begin(int boundaries) override {
+    local_.begin(boundaries);
+    pending_.clear();
+  }
+
+  void send(Direction direction, int boundary, int microBatch, at::Tensor tensor) override {
+    const int peer = direction == Direction::kActivation ? processOf(boundary + 1) : processOf(boundary);
+    if (peer == communicator_.rank()) return local_.send(direction, boundary, microBatch, std::move(tensor));
+    TORCH_CHECK(tensor.dim() <= kMaxDims, "cannot send a tensor of ", tensor.dim(), " dimensions (at most ",
+                kMaxDims, ")");
+    at::Tensor header = at::empty({kHeaderSize}, at::kLong);
+    int64_t* h = header.data_ptr<int64_t>();
+    std::fill(h, h + kHeaderSize, 0);
+    h[0] = kMagic;
+    h[1] = microBatch;
+    h[2] = boundary;
+    h[3] = static_cast<int64_t>(direction);
+    h[4] = static_cast<int64_t>(tensor.scalar_type());
+    h[5] = tensor.dim();
+    for (int64_t d = 0; d < tensor.dim(); ++d) h[6 + d] = tensor.size(d);
+    std::vector<at::Tensor> headerList{header};
+    std::vector<at::Tensor> dataList{tensor.contiguous()};
+    pending_.push_back({impl_.worldGroup->send(headerList, peer, tag(direction, boundary, microBatch, 0)), peer});
+    pending_.push_back({impl_.worldGroup->send(dataList, peer, tag(direction, boundary, microBatch, 1)), peer});
+  }
+
+  at::Tensor receive(Direction direction, int boundary, int microBatch) override {
+    const int peer = direction == Direction::kActivation ? processOf(boundary) : processOf(boundary + 1);
+    if (peer == communicator_.rank()) return local_.receive(direction, boundary, microBatch);
+    const char* what = direction == Direction::kActivation ? "activation" : "gradient";
+    std::vector<at::Tensor> header{at::empty({kHeaderSize}, at::kLong)};
+    waitReceive(impl_.worldGroup->recv(header, peer, tag(direction, boundary, microBatch, 0)), peer,
+                std::string("receiving the ") + what + " of micro-batch " + std::to_string(microBatch));
+    const int64_t* h = header[0].data_ptr<int64_t>();
+    TORCH_CHECK(h[0] == kMagic && h[1] == microBatch && h[2] == boundary &&
+                    h[3] == static_cast<int64_t>(direction) && h[5] >= 0 && h[5] <= kMaxDims,
+                "rank ", peer, " sent a message tpipe did not expect for the ", what, " of micro-batch ", microBatch,
+                " over boundary ", boundary, " (a different config or version on that rank?)");
+    const auto dtype = static_cast<c10::ScalarType>(h[4]);
+    TORCH_CHECK(h[4] >= 0 && h[4] < static_cast<int64_t>(c10::ScalarType::NumOptions), "rank ", peer,
+                " sent an unknown dtype code ", h[4]);
+    std::vector<int64_t> shape(h + 6, h + 6 + h[5]);
+    std::vector<at::Tensor> data{at::empty(shape, at::TensorOptions().dtype(dtype))};
+    waitReceive(impl_.worldGroup->recv(data, peer, tag(direction, boundary, microBatch, 1)), peer,
+                std::string("receiving the ") + what + " of micro-batch " + std::to_string(microBatch));
+    return data[0];
+  }
+
+  void abort() override {
+    local_.abort();
+    std::lock_guard<std::mutex> lock(receiving_);
+    if (current_) current_->abort();
+  }
+
+  void end() override {
+    for (auto& send : pending_) impl_.wait(send.work, send.peer, "sending to it");
+    pending_.clear();
+  }
+
+ private:
+  struct PendingSend {
+    c10::intrusive_ptr<c10d::Work> work;
+    int peer;
+  };
+
+  int processOf(int stage) const {
+    return communicator_.replica() * communicator_.pipelineRanks() + stage % communicator_.pipelineRanks();
+  }
+
+  int tag(Direction direction, int boundary, int microBatch, int part) const {
+    return ((boundary * 2 + static_cast<int>(direction)) * microBatches_ + microBatch) * 2 + part;
+  }
+
+  void waitReceive(c10::intrusive_ptr<c10d::Work> work, int peer, const std::string& what) {
+    {
+      std::lock_guard<std::mutex> lock(receiving_);
+      current_ = work;
+    }
+    try {
+      impl_.wait(work, peer, what);
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(receiving_);
+      current_.reset();
+      throw;
+    }
+    std::lock_guard<std::mutex> lock(receiving_);
+    current_.reset();
+  }
+
+  Communicator& communicator_;
+  Communicator::Impl& impl_;
+  int stages_;
+  int microBatches_;
+  LocalTransport local_;
+  std::vector<PendingSend> pending_;
+  std::mutex receiving_;
+  c10::intrusive_ptr<c10d::Work> current_;
+};
+
+}  // namespace
+
+std::unique_ptr<Transport> makeProcessGroupTransport(Communicator& communicator, int stages, int microBatches) {
+  return std::make_unique<ProcessGroupTransport>(communicator, stages, microBatches);
+}
+
+}  // namespace runtime
+}  // namespace tpipe

@@ -1,0 +1,20 @@
+// The c10d transport, seen from the rest of the runtime (no c10d types).
+#pragma once
+
+#include <memory>
+
+#include "runtime/transport.h"
+#include "tpipe/distributed.h"
+
+namespace tpipe {
+namespace runtime {
+
+// Point-to-point over the communicator's world group: stage s of this
+// replica lives on process replica * P + s % P. Boundaries whose two stages
+// share this process go through a LocalTransport. Every message is a small
+// header (micro-batch, boundary, dtype, shape) then the data, so receivers
+// allocate before the data arrives and reject what they did not expect.
+std::unique_ptr<Transport> makeProcessGroupTransport(Communicator& communicator, int stages, int microBatches);
+
+}  // namespace runtime
+}  // namespace tpipe

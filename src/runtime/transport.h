@@ -1,0 +1,98 @@
+// Moving activations and gradients between stages. The executor talks to a
+// Transport only; LocalTransport hands tensors between worker threads of one
+// process, and the c10d transport (c10d_transport.cpp, the only file that
+// includes c10d) sends them to stages in other processes.
+#pragma once
+
+#include <algorithm>
+#include <condition_variable>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+namespace tpipe {
+namespace runtime {
+
+// Thrown inside a worker whose step was ended by another worker's error.
+class StepAborted : public std::runtime_error {
+ public:
+  StepAborted() : std::runtime_error("step aborted by another stage") {}
+};
+
+enum class Direction { kActivation = 0, kGradient = 1 };
+
+// Boundary b lies between stages b and b + 1: activations cross it forward,
+// gradients backward. A receive names the micro-batch it waits for.
+class Transport {
+ public:
+  virtual ~Transport() = default;
+  // A new step over `boundaries` boundaries; clears what an aborted step left.
+  virtual void begin(int boundaries) = 0;
+  // Hands the tensor over without waiting for the receiver.
+  virtual void send(Direction direction, int boundary, int microBatch, at::Tensor tensor) = 0;
+  // Blocks until the tensor arrives; throws StepAborted after abort().
+  virtual at::Tensor receive(Direction direction, int boundary, int microBatch) = 0;
+  // Wakes every waiting receive with StepAborted.
+  virtual void abort() = 0;
+  // Waits until every send of the step has left; throws on a failed send.
+  virtual void end() {}
+};
+
+// Tagged mailboxes, one per boundary and direction, each holding at most one
+// tensor per micro-batch (so bounded by the micro-batch count).
+class LocalTransport final : public Transport {
+ public:
+  void begin(int boundaries) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto& slots : slots_) slots.assign(static_cast<size_t>(std::max(boundaries, 0)), {});
+    aborted_ = false;
+  }
+
+  void send(Direction direction, int boundary, int microBatch, at::Tensor tensor) override {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (aborted_) throw StepAborted();
+      auto& slot = slots_[static_cast<int>(direction)].at(boundary);
+      if (!slot.emplace(microBatch, std::move(tensor)).second) {
+        throw std::logic_error("micro-batch " + std::to_string(microBatch) + " sent twice over boundary " +
+                               std::to_string(boundary));
+      }
+    }
+    changed_.notify_all();
+  }
+
+  at::Tensor receive(Direction direction, int boundary, int microBatch) override {
+    std::unique_lock<std::mutex> lock(mutex_);
+    auto& slot = slots_[static_cast<int>(direction)].at(boundary);
+    changed_.wait(lock, [&] { return aborted_ || slot.count(microBatch) > 0; });
+    if (aborted_) throw StepAborted();
+    auto found = slot.find(microBatch);
+    at::Tensor tensor = std::move(found->second);
+    slot.erase(found);
+    return tensor;
+  }
+
+  void abort() override {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      aborted_ = true;
+      for (auto& slots : slots_) {
+        for (auto& slot : slots) slot.clear();
+      }
+    }
+    changed_.notify_all();
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable changed_;
+  std::vector<std::unordered_map<int, at::Tensor>> slots_[2];
+  bool aborted_ = false;
+};
+
+}  // namespace runtime
+}  // namespace tpipe
