@@ -187,6 +187,21 @@ TEST(TrainTest, APipelinedRunEqualsTheSameRunOnOneStage) {
   EXPECT_LT(a.losses.back(), a.losses.front());
 }
 
+TEST(TrainTest, AConvolutionalPipelineEqualsOneStage) {
+  Json json = smokeConfig();
+  json["model"] = Json::parse(R"({"input_shape": [1, 12, 12], "layers": [
+      {"type": "conv2d", "out_channels": 4, "kernel_size": 3, "padding": 1}, {"type": "relu"},
+      {"type": "maxpool2d", "kernel_size": 2}, {"type": "conv2d", "out_channels": 6, "kernel_size": 3},
+      {"type": "batchnorm2d"}, {"type": "flatten"}, {"type": "linear", "out_features": 4}]})");
+  json["pipeline"]["devices"] = Json::array({"cpu:0", "cpu:1", "cpu:2", "cpu:3"});
+  json["pipeline"]["micro_batches"] = 1;  // batch norm normalizes per micro-batch
+  const auto piped = quietTrain(parseConfig(json));
+  json["pipeline"]["devices"] = Json::array({"cpu:0"});
+  const auto single = quietTrain(parseConfig(json));
+  ASSERT_EQ(piped.losses.size(), single.losses.size());
+  for (size_t i = 0; i < piped.losses.size(); ++i) EXPECT_NEAR(piped.losses[i], single.losses[i], 1e-5);
+}
+
 TEST(TrainTest, ResumeReproducesTheUninterruptedLosses) {
   for (const char* optimizer : {"adam", "sgd"}) {
     SCOPED_TRACE(optimizer);

@@ -99,9 +99,9 @@ struct PipelineOptions {
   // replicas, with gradients averaged across replicas before it returns;
   // forward returns the output on the last stage's process only.
   std::shared_ptr<Communicator> communicator;
-  // Per-sample shape of the activation after each stage but the last (from
-  // shape inference): received activations are checked against it.
-  std::vector<std::vector<int64_t>> boundaryShapes;
+  // Per-sample output shape of every layer (from shape inference): each
+  // received activation is checked against its sending stage's last layer.
+  std::vector<std::vector<int64_t>> layerOutputShapes;
 };
 
 struct DeviceMemory {

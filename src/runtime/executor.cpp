@@ -204,12 +204,14 @@ class RankExecutor {
   // Against shape inference, when the pipeline was given it: the batch
   // dimension is the micro-batch's size, the rest the boundary's shape.
   void checkActivation(const at::Tensor& input, const RecvActivation& op) const {
-    const auto* shapes = state_.boundaryShapes;
+    const auto* shapes = state_.layerOutputShapes;
+    if (shapes == nullptr || shapes->empty() || state_.boundaries == nullptr) return;
     const int boundary = op.stage - 1;
-    if (shapes == nullptr || boundary >= static_cast<int>(shapes->size())) return;
+    const int lastLayer = (*state_.boundaries)[op.stage] - 1;  // the sender's
+    if (lastLayer < 0 || lastLayer >= static_cast<int>(shapes->size())) return;
     std::vector<int64_t> expected{state_.microBatchSizes.empty() ? input.size(0)
                                                                  : state_.microBatchSizes[op.microBatch]};
-    const auto& sample = (*shapes)[boundary];
+    const auto& sample = (*shapes)[lastLayer];
     expected.insert(expected.end(), sample.begin(), sample.end());
     TORCH_CHECK(input.sizes().vec() == expected, "received an activation of shape ", input.sizes(),
                 " from stage ", boundary, ", expected ", c10::IntArrayRef(expected));

@@ -321,7 +321,7 @@ PipelineOptions pipelineOptions(const Config& config, const BuiltModel& model,
     options.balance.assign(balance.begin(), balance.end());
     options.stages = static_cast<int>(options.balance.size());
   }
-  for (size_t b = 1; b + 1 < model.shapes.size(); ++b) options.boundaryShapes.push_back(model.shapes[b]);
+  options.layerOutputShapes.assign(model.shapes.begin() + 1, model.shapes.end());
   options.communicator = communicator;
   return options;
 }
