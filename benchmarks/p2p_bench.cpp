@@ -26,11 +26,11 @@ double pingPong(tpipe::runtime::Transport& transport, int rank, int64_t bytes, i
     transport.begin(1);
     const auto start = std::chrono::steady_clock::now();
     if (rank == 0) {
-      transport.send(Direction::kActivation, 0, 0, payload);
+      transport.send(Direction::kActivation, 0, 0, {payload, nullptr});
       transport.receive(Direction::kGradient, 0, 0);
     } else {
-      at::Tensor got = transport.receive(Direction::kActivation, 0, 0);
-      transport.send(Direction::kGradient, 0, 0, got);
+      tpipe::runtime::Payload got = transport.receive(Direction::kActivation, 0, 0);
+      transport.send(Direction::kGradient, 0, 0, std::move(got));
     }
     transport.end();
     if (round >= 2) {

@@ -208,9 +208,10 @@ class ProcessGroupTransport final : public Transport {
     pending_.clear();
   }
 
-  void send(Direction direction, int boundary, int microBatch, at::Tensor tensor) override {
+  void send(Direction direction, int boundary, int microBatch, Payload payload) override {
     const int peer = direction == Direction::kActivation ? processOf(boundary + 1) : processOf(boundary);
-    if (peer == communicator_.rank()) return local_.send(direction, boundary, microBatch, std::move(tensor));
+    if (peer == communicator_.rank()) return local_.send(direction, boundary, microBatch, std::move(payload));
+    const at::Tensor& tensor = payload.tensor;  // on the CPU: remote stages receive CPU tensors
     TORCH_CHECK(tensor.dim() <= kMaxDims, "cannot send a tensor of ", tensor.dim(), " dimensions (at most ",
                 kMaxDims, ")");
     at::Tensor header = at::empty({kHeaderSize}, at::kLong);
@@ -229,7 +230,7 @@ class ProcessGroupTransport final : public Transport {
     pending_.push_back({impl_.worldGroup->send(dataList, peer, tag(direction, boundary, microBatch, 1)), peer});
   }
 
-  at::Tensor receive(Direction direction, int boundary, int microBatch) override {
+  Payload receive(Direction direction, int boundary, int microBatch) override {
     const int peer = direction == Direction::kActivation ? processOf(boundary) : processOf(boundary + 1);
     if (peer == communicator_.rank()) return local_.receive(direction, boundary, microBatch);
     const char* what = direction == Direction::kActivation ? "activation" : "gradient";
@@ -248,7 +249,7 @@ class ProcessGroupTransport final : public Transport {
     std::vector<at::Tensor> data{at::empty(shape, at::TensorOptions().dtype(dtype))};
     waitReceive(impl_.worldGroup->recv(data, peer, tag(direction, boundary, microBatch, 1)), peer,
                 std::string("receiving the ") + what + " of micro-batch " + std::to_string(microBatch));
-    return data[0];
+    return {data[0], nullptr};
   }
 
   void abort() override {

@@ -4,6 +4,8 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Context.h>
 #include <ATen/ops/zeros_like.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/autograd.h>
 
@@ -33,26 +35,24 @@ std::mutex& globalGeneratorMutex() {
 
 class StageGeneratorScope {
  public:
-  StageGeneratorScope(bool active, const at::Tensor& state)
+  StageGeneratorScope(bool active, const at::Tensor& state, c10::Device device)
       : active_(active) {
     if (!active_) return;
     lock_ = std::unique_lock<std::mutex>(globalGeneratorMutex());
-    at::Generator generator = at::detail::getDefaultCPUGenerator();
-    std::lock_guard<std::mutex> guard(generator.mutex());
-    saved_ = generator.get_state();
-    generator.set_state(state);
+    generator_ = at::globalContext().defaultGenerator(device);
+    std::lock_guard<std::mutex> guard(generator_.mutex());
+    saved_ = generator_.get_state();
+    generator_.set_state(state);
   }
   // The generator's state after the stage ran (the stage's next state).
-  at::Tensor current() const {
-    at::Generator generator = at::detail::getDefaultCPUGenerator();
-    std::lock_guard<std::mutex> guard(generator.mutex());
-    return generator.get_state();
+  at::Tensor current() {
+    std::lock_guard<std::mutex> guard(generator_.mutex());
+    return generator_.get_state();
   }
   ~StageGeneratorScope() {
     if (!active_) return;
-    at::Generator generator = at::detail::getDefaultCPUGenerator();
-    std::lock_guard<std::mutex> guard(generator.mutex());
-    generator.set_state(saved_);
+    std::lock_guard<std::mutex> guard(generator_.mutex());
+    generator_.set_state(saved_);
   }
   StageGeneratorScope(const StageGeneratorScope&) = delete;
   StageGeneratorScope& operator=(const StageGeneratorScope&) = delete;
@@ -60,6 +60,7 @@ class StageGeneratorScope {
  private:
   bool active_;
   std::unique_lock<std::mutex> lock_;
+  at::Generator generator_;
   at::Tensor saved_;
 };
 
@@ -79,7 +80,7 @@ class RankExecutor {
     {
       at::AutoGradMode gradMode(training && !op.checkpointed);
       StageGeneratorScope generator(training && stage.stochastic,
-                                    stage.rngState);
+                                    stage.rngState, stage.device);
       output = runLayers(stage, stash.input);
       if (training && stage.stochastic) stage.rngState = generator.current();
       if (isLast(op.stage) && training) output = weightedLoss(output, op);
@@ -100,7 +101,7 @@ class RankExecutor {
     Stash& stash = state_.at(op.stage, op.microBatch);
     at::AutoGradMode gradMode(true);
     RecomputeScope recomputeScope;
-    StageGeneratorScope generator(stage.stochastic, stash.rngState);
+    StageGeneratorScope generator(stage.stochastic, stash.rngState, stage.device);
     at::Tensor output = runLayers(stage, stash.input);
     if (isLast(op.stage)) {
       output = weightedLoss(output, Forward{op.stage, op.microBatch, true});
@@ -149,8 +150,8 @@ class RankExecutor {
     Stash& stash = state_.at(op.stage, op.microBatch);
     // Built in a statement of its own: every temporary sharing the tensor
     // dies before another thread can own it.
-    at::Tensor sent = stash.output.detach().to(stageAt(op.stage + 1).device);
-    transferred = static_cast<int64_t>(sent.nbytes());
+    Payload sent = ship(stash.output.detach(), stageAt(op.stage), stageAt(op.stage + 1));
+    transferred = static_cast<int64_t>(sent.tensor.nbytes());
     state_.transport->send(Direction::kActivation, op.stage, op.microBatch,
                          std::move(sent));
     if (stash.checkpointed || !state_.schedule->training) {
@@ -159,8 +160,9 @@ class RankExecutor {
   }
 
   void operator()(const RecvActivation& op) {
-    at::Tensor input = state_.transport->receive(Direction::kActivation,
-                                             op.stage - 1, op.microBatch);
+    at::Tensor input = land(state_.transport->receive(Direction::kActivation,
+                                                      op.stage - 1, op.microBatch),
+                            stageAt(op.stage));
     if (state_.copyOnReceive) input = input.clone();
     checkActivation(input, op);
     transferred = static_cast<int64_t>(input.nbytes());
@@ -172,18 +174,19 @@ class RankExecutor {
 
   void operator()(const SendGrad& op) {
     Stash& stash = state_.at(op.stage, op.microBatch);
-    at::Tensor sent = stash.inputGrad.to(stageAt(op.stage - 1).device);
+    Payload sent = ship(stash.inputGrad, stageAt(op.stage), stageAt(op.stage - 1));
     stash.inputGrad = at::Tensor();
     stash.input = at::Tensor();  // its .grad() may be `sent`: drop it first
-    transferred = static_cast<int64_t>(sent.nbytes());
+    transferred = static_cast<int64_t>(sent.tensor.nbytes());
     state_.transport->send(Direction::kGradient, op.stage - 1, op.microBatch,
                          std::move(sent));
   }
 
   void operator()(const RecvGrad& op) {
     Stash& stash = state_.at(op.stage, op.microBatch);
-    stash.gradOutput =
-        state_.transport->receive(Direction::kGradient, op.stage, op.microBatch);
+    stash.gradOutput = land(
+        state_.transport->receive(Direction::kGradient, op.stage, op.microBatch),
+        stageAt(op.stage));
     if (state_.copyOnReceive) stash.gradOutput = stash.gradOutput.clone();
     // The gradient must match the output this stage sent.
     const at::Tensor& output = stash.output;
@@ -200,6 +203,41 @@ class RankExecutor {
  private:
   StageRuntime& stageAt(int stage) { return (*state_.stages)[stage]; }
   bool isLast(int stage) const { return stage == state_.schedule->stages() - 1; }
+
+  // Moves a tensor toward another stage's device. From an accelerator the
+  // copy runs on the sender's copy stream after the kernels that produced
+  // the tensor, and the caching allocator learns that stream uses it.
+  static Payload ship(const at::Tensor& tensor, const StageRuntime& from,
+                      const StageRuntime& to) {
+    if (!from.computeStream || tensor.device().is_cpu()) {
+      return {tensor.to(to.device), nullptr};
+    }
+    const c10::DeviceType type = from.device.type();
+    c10::Event produced(type);
+    produced.record(*from.computeStream);
+    produced.block(*from.copyStream);
+    at::Tensor sent;
+    {
+      c10::StreamGuard onCopy(*from.copyStream);
+      sent = tensor.to(to.device, /*non_blocking=*/!to.device.is_cpu());
+    }
+    c10::impl::VirtualGuardImpl(type).recordDataPtrOnStream(
+        tensor.storage().data_ptr(), *from.copyStream);
+    auto ready = std::make_shared<c10::Event>(type);
+    ready->record(*from.copyStream);
+    return {sent, std::move(ready)};
+  }
+
+  // Makes an arrived tensor safe to use on this stage's stream.
+  static at::Tensor land(Payload payload, const StageRuntime& here) {
+    if (payload.ready && here.computeStream) {
+      payload.ready->block(*here.computeStream);
+      c10::impl::VirtualGuardImpl(here.device.type())
+          .recordDataPtrOnStream(payload.tensor.storage().data_ptr(),
+                                 *here.computeStream);
+    }
+    return std::move(payload.tensor);
+  }
 
   // Against shape inference, when the pipeline was given it: the batch
   // dimension is the micro-batch's size, the rest the boundary's shape.
@@ -261,6 +299,16 @@ class RankExecutor {
 void runRank(StepState& state, int rank) {
   const auto& list = state.schedule->perRank[rank];
   RankExecutor executor(state, rank);
+  const StageRuntime& home = (*state.stages)[rank];  // stage `rank` lives here
+  c10::optional<c10::StreamGuard> onCompute;
+  if (home.computeStream) onCompute.emplace(*home.computeStream);
+  // Kernels run asynchronously: while recording, wait for each instruction
+  // so its end time is real (recording costs overlap on accelerators).
+  auto settle = [&] {
+    if (home.computeStream) {
+      c10::impl::VirtualGuardImpl(home.device.type()).synchronizeStream(*home.computeStream);
+    }
+  };
   size_t i = 0;
   try {
     if (!state.record) {
@@ -274,6 +322,7 @@ void runRank(StepState& state, int rank) {
         const auto begin = std::chrono::steady_clock::now();
         executor.transferred = 0;
         std::visit(executor, list[i]);
+        settle();
         const auto end = std::chrono::steady_clock::now();
         events.push_back({rank, static_cast<int>(i), since(begin), since(end),
                           executor.transferred});

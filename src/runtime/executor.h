@@ -11,6 +11,8 @@
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
+#include <c10/core/Stream.h>
+#include <c10/util/Optional.h>
 #include <torch/nn/modules/container/any.h>
 
 #include "runtime/transport.h"
@@ -28,6 +30,9 @@ struct StageRuntime {
   std::vector<at::Tensor> parameters;  // those requiring grad
   bool stochastic = false;             // holds a layer that draws randomness
   at::Tensor rngState;                 // the stage's own generator state
+  // On an accelerator: the stage computes on its own stream and ships its
+  // outputs on a second one, so transfers overlap compute. Unset on CPU.
+  c10::optional<c10::Stream> computeStream, copyStream;
 };
 
 // What one (stage, micro-batch) keeps between its instructions.

@@ -6,10 +6,12 @@
 #include <thread>
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Context.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/stack.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 #include <torch/cuda.h>
 #include <torch/types.h>
@@ -143,9 +145,11 @@ void Pipeline::Impl::resolve() {
   std::set<std::string> seen;
   std::vector<c10::Device> devices;
   for (const auto& name : options.devices) {
-    TORCH_CHECK(seen.insert(name).second, "device '", name,
-                "' is listed twice; each device runs one worker");
     devices.push_back(parseDevice(name));
+    // Virtual CPU devices are distinct by name; one GPU may host several
+    // ranks, each with its own worker and streams.
+    TORCH_CHECK(seen.insert(name).second || !devices.back().is_cpu(), "device '", name,
+                "' is listed twice; each virtual CPU device runs one worker");
   }
   if (!options.balance.empty()) {
     options.partition = PartitionMethod::kBalance;
@@ -228,8 +232,22 @@ void Pipeline::Impl::place() {
         if (parameter.requires_grad()) stage.parameters.push_back(parameter);
       }
     }
-    auto generator = at::make_generator<at::CPUGeneratorImpl>(
-        options.seed * 1000003ULL + static_cast<uint64_t>(s));
+    if (local && !stage.device.is_cpu()) {
+      // One pair of streams per rank: its virtual stages share them.
+      const int rank = schedule.rankOfStage(s);
+      if (rank == s) {
+        c10::impl::VirtualGuardImpl impl(stage.device.type());
+        stage.computeStream = impl.getStreamFromGlobalPool(stage.device);
+        stage.copyStream = impl.getStreamFromGlobalPool(stage.device);
+      } else {
+        stage.computeStream = stages[rank].computeStream;
+        stage.copyStream = stages[rank].copyStream;
+      }
+    }
+    // The stage's own stream of random numbers, in its device's format.
+    at::Generator generator = local ? at::globalContext().defaultGenerator(stage.device).clone()
+                                    : at::make_generator<at::CPUGeneratorImpl>();
+    generator.set_current_seed(options.seed * 1000003ULL + static_cast<uint64_t>(s));
     stage.rngState = generator.get_state();
   }
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
@@ -479,7 +497,9 @@ void Pipeline::setGeneratorStates(const std::vector<torch::Tensor>& states) {
               impl_->stages.size(), " stage generator states, got ",
               states.size());
   for (size_t s = 0; s < states.size(); ++s) {
-    auto probe = at::make_generator<at::CPUGeneratorImpl>(0);
+    at::Generator probe = impl_->isLocalStage(static_cast<int>(s))
+                              ? at::globalContext().defaultGenerator(impl_->stages[s].device).clone()
+                              : at::make_generator<at::CPUGeneratorImpl>();
     probe.set_state(states[s]);  // rejects a malformed state
     impl_->stages[s].rngState = states[s].clone();
   }

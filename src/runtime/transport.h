@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <condition_variable>
+#include <memory>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -13,6 +14,7 @@
 #include <vector>
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Event.h>
 
 namespace tpipe {
 namespace runtime {
@@ -25,6 +27,13 @@ class StepAborted : public std::runtime_error {
 
 enum class Direction { kActivation = 0, kGradient = 1 };
 
+// A tensor in transit. On an accelerator, `ready` is recorded on the
+// sender's copy stream: the receiver's stream waits for it before use.
+struct Payload {
+  at::Tensor tensor;
+  std::shared_ptr<c10::Event> ready;
+};
+
 // Boundary b lies between stages b and b + 1: activations cross it forward,
 // gradients backward. A receive names the micro-batch it waits for.
 class Transport {
@@ -33,9 +42,9 @@ class Transport {
   // A new step over `boundaries` boundaries; clears what an aborted step left.
   virtual void begin(int boundaries) = 0;
   // Hands the tensor over without waiting for the receiver.
-  virtual void send(Direction direction, int boundary, int microBatch, at::Tensor tensor) = 0;
+  virtual void send(Direction direction, int boundary, int microBatch, Payload payload) = 0;
   // Blocks until the tensor arrives; throws StepAborted after abort().
-  virtual at::Tensor receive(Direction direction, int boundary, int microBatch) = 0;
+  virtual Payload receive(Direction direction, int boundary, int microBatch) = 0;
   // Wakes every waiting receive with StepAborted.
   virtual void abort() = 0;
   // Waits until every send of the step has left; throws on a failed send.
@@ -52,12 +61,12 @@ class LocalTransport final : public Transport {
     aborted_ = false;
   }
 
-  void send(Direction direction, int boundary, int microBatch, at::Tensor tensor) override {
+  void send(Direction direction, int boundary, int microBatch, Payload payload) override {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       if (aborted_) throw StepAborted();
       auto& slot = slots_[static_cast<int>(direction)].at(boundary);
-      if (!slot.emplace(microBatch, std::move(tensor)).second) {
+      if (!slot.emplace(microBatch, std::move(payload)).second) {
         throw std::logic_error("micro-batch " + std::to_string(microBatch) + " sent twice over boundary " +
                                std::to_string(boundary));
       }
@@ -65,15 +74,15 @@ class LocalTransport final : public Transport {
     changed_.notify_all();
   }
 
-  at::Tensor receive(Direction direction, int boundary, int microBatch) override {
+  Payload receive(Direction direction, int boundary, int microBatch) override {
     std::unique_lock<std::mutex> lock(mutex_);
     auto& slot = slots_[static_cast<int>(direction)].at(boundary);
     changed_.wait(lock, [&] { return aborted_ || slot.count(microBatch) > 0; });
     if (aborted_) throw StepAborted();
     auto found = slot.find(microBatch);
-    at::Tensor tensor = std::move(found->second);
+    Payload payload = std::move(found->second);
     slot.erase(found);
-    return tensor;
+    return payload;
   }
 
   void abort() override {
@@ -90,7 +99,7 @@ class LocalTransport final : public Transport {
  private:
   std::mutex mutex_;
   std::condition_variable changed_;
-  std::vector<std::unordered_map<int, at::Tensor>> slots_[2];
+  std::vector<std::unordered_map<int, Payload>> slots_[2];
   bool aborted_ = false;
 };
 
