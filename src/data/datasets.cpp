@@ -1,7 +1,9 @@
 // Datasets named in configs: Fashion-MNIST (IDX .gz files), character-level
 // text, and synthetic data from a seeded random teacher.
 #include <sys/stat.h>
+#ifndef TPIPE_NO_ZLIB
 #include <zlib.h>
+#endif
 
 #include <array>
 #include <cmath>
@@ -22,9 +24,19 @@ bool fileExists(const std::string& path) {
   return ::stat(path.c_str(), &info) == 0 && S_ISREG(info.st_mode);
 }
 
+#ifdef TPIPE_NO_ZLIB
+using gzFile = void*;
+inline gzFile gzopen(const char*, const char*) { return nullptr; }
+inline int gzread(gzFile, void*, unsigned) { return -1; }
+inline int gzclose(gzFile) { return 0; }
+#endif
+
 class GzipFile {
  public:
   explicit GzipFile(const std::string& path) : path_(path), file_(gzopen(path.c_str(), "rb")) {
+#ifdef TPIPE_NO_ZLIB
+    throw ConfigError("data.path: this tpipe was built without zlib and cannot read " + path);
+#endif
     if (file_ == nullptr) throw ConfigError("data.path: cannot open " + path);
   }
   ~GzipFile() { gzclose(file_); }

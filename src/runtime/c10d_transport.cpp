@@ -8,6 +8,40 @@
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
+
+#ifdef TPIPE_NO_C10D
+// Built without Gloo's headers: one process only.
+namespace tpipe {
+WorldInfo worldFromEnvironment() {
+  const char* size = std::getenv("WORLD_SIZE");
+  TORCH_CHECK(size == nullptr || std::string(size) == "1",
+              "WORLD_SIZE=", size, " but this tpipe was built without c10d (Gloo headers missing)");
+  return WorldInfo{};
+}
+struct Communicator::Impl {};
+Communicator::Communicator(const WorldInfo&, int, std::chrono::milliseconds) {
+  TORCH_CHECK(false, "this tpipe was built without c10d (Gloo headers missing)");
+}
+Communicator::~Communicator() = default;
+int Communicator::rank() const { return 0; }
+int Communicator::worldSize() const { return 1; }
+int Communicator::pipelineRanks() const { return 1; }
+int Communicator::replicas() const { return 1; }
+int Communicator::replica() const { return 0; }
+int Communicator::stageRank() const { return 0; }
+std::chrono::milliseconds Communicator::timeout() const { return {}; }
+std::vector<double> Communicator::sum(const std::vector<double>& values) { return values; }
+std::vector<int64_t> Communicator::broadcast(const std::vector<int64_t>& values) { return values; }
+void Communicator::averageAcrossReplicas(const std::vector<at::Tensor>&) {}
+void Communicator::barrier() {}
+namespace runtime {
+std::unique_ptr<Transport> makeProcessGroupTransport(Communicator&, int, int) {
+  TORCH_CHECK(false, "this tpipe was built without c10d (Gloo headers missing)");
+}
+}  // namespace runtime
+}  // namespace tpipe
+#else
+
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
@@ -311,3 +345,4 @@ std::unique_ptr<Transport> makeProcessGroupTransport(Communicator& communicator,
 
 }  // namespace runtime
 }  // namespace tpipe
+#endif  // TPIPE_NO_C10D

@@ -166,5 +166,10 @@ int64_t liveBytes(int device) { return counters().at(device).live; }
 int64_t peakBytes(int device) { return counters().at(device).peak; }
 void resetPeak(int device) { counters().at(device).peak = counters().at(device).live.load(); }
 
+#ifndef TPIPE_USE_CUDA
+bool acceleratorStats(c10::Device, int64_t*, int64_t*) { return false; }
+void resetAcceleratorPeak(c10::Device) {}
+#endif
+
 }  // namespace memory
 }  // namespace tpipe

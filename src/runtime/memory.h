@@ -7,6 +7,8 @@
 #include <cstdint>
 #include <string>
 
+#include <c10/core/Device.h>
+
 namespace tpipe {
 namespace memory {
 
@@ -33,6 +35,12 @@ void setCapacity(int device, int64_t bytes, const std::string& label);
 int64_t liveBytes(int device);
 int64_t peakBytes(int device);
 void resetPeak(int device);  // peak := live
+
+// An accelerator's own allocator statistics (CUDA's caching allocator in
+// TPIPE_USE_CUDA builds); false for devices it cannot report on. Several
+// ranks sharing one GPU share its numbers.
+bool acceleratorStats(c10::Device device, int64_t* live, int64_t* peak);
+void resetAcceleratorPeak(c10::Device device);
 
 // Charges the current thread's allocations to `device` for a scope.
 class DeviceScope {

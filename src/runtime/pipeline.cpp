@@ -104,6 +104,15 @@ struct Pipeline::Impl {
   runtime::Transport* transport = &localTransport;
   std::vector<int> localRanks;  // the ranks this process runs
 
+  // "stage 1 (cpu:1)", or "stage 1, 5 (cpu:1)" with virtual stages.
+  std::string memoryLabel(int rank) const {
+    std::string stageList;
+    for (int s = rank; s < schedule.stages(); s += schedule.ranks) {
+      stageList += (stageList.empty() ? "" : ", ") + std::to_string(s);
+    }
+    return "stage " + stageList + " (" + options.devices[rank] + ")";
+  }
+
   bool isLocalStage(int stage) const {
     const int rank = schedule.rankOfStage(stage);
     return std::find(localRanks.begin(), localRanks.end(), rank) != localRanks.end();
@@ -270,14 +279,9 @@ void Pipeline::Impl::place() {
     const int slot = tracking ? memory::acquireSlot() : memory::kUnattributed;
     if (tracking) {
       memorySlots.push_back(slot);
-      std::string stageList;
-      for (int s = rank; s < schedule.stages(); s += ranks) {
-        stageList += (stageList.empty() ? "" : ", ") + std::to_string(s);
-      }
       const int64_t capacity = options.deviceMemory.empty() ? 0 : options.deviceMemory[rank];
       TORCH_CHECK(capacity >= 0, "deviceMemory[", rank, "] is negative");
-      memory::setCapacity(slot, capacity,
-                          "stage " + stageList + " (" + options.devices[rank] + ")");
+      memory::setCapacity(slot, capacity, memoryLabel(rank));
     }
     // OpenMP's thread count is per thread, and a new thread inherits the
     // last value set anywhere: set it once in each worker. Allocations on
@@ -454,12 +458,15 @@ const Trace& Pipeline::trace() const { return impl_->trace; }
 
 std::vector<DeviceMemory> Pipeline::memory() const {
   std::vector<DeviceMemory> all;
-  for (size_t rank = 0; rank < impl_->memorySlots.size(); ++rank) {
-    const int slot = impl_->memorySlots[rank];
+  for (size_t i = 0; i < impl_->memorySlots.size(); ++i) {
+    const int rank = impl_->localRanks[i];
+    const int slot = impl_->memorySlots[i];
     DeviceMemory m;
     m.device = impl_->options.devices[rank];
-    m.liveBytes = memory::liveBytes(slot);
-    m.peakBytes = memory::peakBytes(slot);
+    if (!memory::acceleratorStats(impl_->rankDevices[rank], &m.liveBytes, &m.peakBytes)) {
+      m.liveBytes = memory::liveBytes(slot);
+      m.peakBytes = memory::peakBytes(slot);
+    }
     m.capacityBytes = impl_->options.deviceMemory.empty() ? 0 : impl_->options.deviceMemory[rank];
     all.push_back(m);
   }
@@ -468,20 +475,17 @@ std::vector<DeviceMemory> Pipeline::memory() const {
 
 void Pipeline::setMemoryCapacity(int rank, int64_t bytes) {
   TORCH_CHECK(!impl_->memorySlots.empty(), "setMemoryCapacity: memory tracking is off (PipelineOptions::trackMemory)");
-  TORCH_CHECK(rank >= 0 && rank < static_cast<int>(impl_->memorySlots.size()), "setMemoryCapacity: no device ", rank);
+  const auto local = std::find(impl_->localRanks.begin(), impl_->localRanks.end(), rank);
+  TORCH_CHECK(local != impl_->localRanks.end(), "setMemoryCapacity: device ", rank, " is not run by this process");
   TORCH_CHECK(bytes >= 0, "setMemoryCapacity: negative capacity");
-  if (impl_->options.deviceMemory.empty()) impl_->options.deviceMemory.assign(impl_->memorySlots.size(), 0);
+  if (impl_->options.deviceMemory.empty()) impl_->options.deviceMemory.assign(impl_->schedule.ranks, 0);
   impl_->options.deviceMemory[rank] = bytes;
-  std::string stageList;
-  for (int s = rank; s < impl_->schedule.stages(); s += impl_->schedule.ranks) {
-    stageList += (stageList.empty() ? "" : ", ") + std::to_string(s);
-  }
-  memory::setCapacity(impl_->memorySlots[rank], bytes,
-                      "stage " + stageList + " (" + impl_->options.devices[rank] + ")");
+  memory::setCapacity(impl_->memorySlots[local - impl_->localRanks.begin()], bytes, impl_->memoryLabel(rank));
 }
 
 void Pipeline::resetPeakMemory() {
   for (int slot : impl_->memorySlots) memory::resetPeak(slot);
+  for (int rank : impl_->localRanks) memory::resetAcceleratorPeak(impl_->rankDevices[rank]);
 }
 void Pipeline::setRecording(bool on) { impl_->options.record = on; }
 void Pipeline::clearTrace() { impl_->trace.steps.clear(); }

@@ -1,0 +1,125 @@
+// Transparency on a GPU: stages on cuda:0 (several sharing the one GPU, each
+// on its own streams), fp32 and bf16. Skipped, with the reason, without one.
+#include <gtest/gtest.h>
+
+#include <torch/torch.h>
+
+#include "tpipe/pipeline.h"
+
+namespace tpipe {
+namespace {
+
+#define REQUIRE_GPU()                                                          \
+  if (!torch::cuda::is_available()) {                                          \
+    GTEST_SKIP() << "no CUDA device (this LibTorch: "                          \
+                 << (torch::cuda::device_count() ? "CUDA" : "CPU only") << ")"; \
+  }
+
+torch::nn::Sequential makeNet(torch::Dtype dtype, double dropout = 0.0) {
+  torch::manual_seed(0);
+  torch::nn::Sequential net(torch::nn::Linear(32, 64), torch::nn::GELU(), torch::nn::Dropout(dropout),
+                            torch::nn::Linear(64, 64), torch::nn::Tanh(), torch::nn::Linear(64, 48),
+                            torch::nn::ReLU(), torch::nn::Linear(48, 10));
+  net->to(torch::Device("cuda:0"), dtype);
+  return net;
+}
+
+torch::Tensor loss(const torch::Tensor& out, const torch::Tensor& y) {
+  return torch::nn::functional::cross_entropy(out.to(torch::kFloat), y);
+}
+
+double relativeError(const torch::Tensor& a, const torch::Tensor& b) {
+  return (a.to(torch::kDouble) - b.to(torch::kDouble)).norm().item<double>() /
+         std::max(b.to(torch::kDouble).norm().item<double>(), 1e-30);
+}
+
+void expectTransparent(const std::vector<std::string>& devices, const std::string& schedule, CheckpointMode mode,
+                       torch::Dtype dtype, double tolerance) {
+  SCOPED_TRACE(schedule + " on " + std::to_string(devices.size()) + " rank(s), " + checkpointModeName(mode));
+  torch::nn::Sequential reference = makeNet(dtype);
+  torch::nn::Sequential piped = makeNet(dtype);
+  torch::manual_seed(1);
+  const auto options = torch::TensorOptions().device(torch::Device("cuda:0"));
+  torch::Tensor x = torch::randn({13, 32}, options.dtype(dtype));
+  torch::Tensor y = torch::randint(0, 10, {13}, options.dtype(torch::kLong));
+  PipelineOptions pipeOptions;
+  pipeOptions.devices = devices;
+  pipeOptions.microBatches = 4;
+  pipeOptions.schedule = schedule;
+  pipeOptions.checkpoint = mode;
+  Pipeline pipe(layersOf(piped), pipeOptions);
+  torch::Tensor expected = loss(reference->forward(x), y);
+  expected.backward();
+  torch::Tensor got = pipe.trainStep(x, y, loss);
+  torch::cuda::synchronize();
+  EXPECT_LE(relativeError(got, expected.detach()), tolerance);
+  auto want = reference->parameters();
+  auto have = pipe.parameters();
+  for (size_t i = 0; i < want.size(); ++i) {
+    ASSERT_TRUE(have[i].grad().defined());
+    EXPECT_TRUE(have[i].is_cuda());
+    EXPECT_LE(relativeError(have[i].grad(), want[i].grad()), tolerance) << "parameter " << i;
+  }
+}
+
+TEST(CudaTest, TransparentOnOneGpuStage) {
+  REQUIRE_GPU();
+  expectTransparent({"cuda:0"}, "gpipe", CheckpointMode::kExceptLast, torch::kFloat, 1e-5);
+}
+
+TEST(CudaTest, SeveralStagesShareTheGpuOnTheirOwnStreams) {
+  REQUIRE_GPU();
+  const std::vector<std::string> four(4, "cuda:0");
+  for (const char* schedule : {"gpipe", "1f1b", "zb-h1"}) {
+    for (auto mode : {CheckpointMode::kNever, CheckpointMode::kAlways}) {
+      expectTransparent(four, schedule, mode, torch::kFloat, 1e-5);
+    }
+  }
+}
+
+TEST(CudaTest, TransparentInBfloat16) {
+  REQUIRE_GPU();
+  expectTransparent(std::vector<std::string>(3, "cuda:0"), "1f1b", CheckpointMode::kExceptLast, torch::kBFloat16,
+                    3e-2);
+}
+
+TEST(CudaTest, DropoutMasksReplayOnTheGpu) {
+  REQUIRE_GPU();
+  auto grads = [](CheckpointMode mode) {
+    torch::nn::Sequential net = makeNet(torch::kFloat, 0.5);
+    PipelineOptions options;
+    options.devices = std::vector<std::string>(2, "cuda:0");
+    options.microBatches = 4;
+    options.checkpoint = mode;
+    Pipeline pipe(layersOf(net), options);
+    torch::manual_seed(3);
+    const auto on = torch::TensorOptions().device(torch::Device("cuda:0"));
+    pipe.trainStep(torch::randn({16, 32}, on), torch::randint(0, 10, {16}, on.dtype(torch::kLong)), loss);
+    std::vector<torch::Tensor> out;
+    for (const auto& p : pipe.parameters()) out.push_back(p.grad().cpu());
+    return out;
+  };
+  const auto kept = grads(CheckpointMode::kNever);
+  const auto remat = grads(CheckpointMode::kAlways);
+  for (size_t i = 0; i < kept.size(); ++i) EXPECT_TRUE(torch::equal(kept[i], remat[i])) << "parameter " << i;
+}
+
+TEST(CudaTest, MemoryComesFromTheCachingAllocator) {
+  REQUIRE_GPU();
+  torch::nn::Sequential net = makeNet(torch::kFloat);
+  PipelineOptions options;
+  options.devices = {"cuda:0"};
+  options.trackMemory = true;
+  Pipeline pipe(layersOf(net), options);
+  pipe.resetPeakMemory();
+  const auto on = torch::TensorOptions().device(torch::Device("cuda:0"));
+  pipe.trainStep(torch::randn({64, 32}, on), torch::randint(0, 10, {64}, on.dtype(torch::kLong)), loss);
+  const auto memory = pipe.memory();
+  ASSERT_EQ(memory.size(), 1u);
+#ifdef TPIPE_USE_CUDA
+  EXPECT_GT(memory[0].peakBytes, 64 * 64 * 4);
+#endif
+}
+
+}  // namespace
+}  // namespace tpipe
