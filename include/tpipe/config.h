@@ -91,6 +91,13 @@ struct Config {
   TrainConfig train;
 };
 
+// Total stages: `stages`, else the balance's length, else one per device
+// times the virtual stages. Pipeline ranks are that over virtual stages.
+int configuredStages(const PipelineConfig& pipeline);
+inline int pipelineRanks(const PipelineConfig& pipeline) {
+  return configuredStages(pipeline) / pipeline.virtualStages;
+}
+
 // Parses and checks a config; throws ConfigError.
 Config parseConfig(const nlohmann::json& json);
 

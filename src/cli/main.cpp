@@ -54,10 +54,7 @@ int validateConfig(const std::string& path, const std::vector<std::string>& over
   std::printf("%s\n", data.description.c_str());
   tpipe::ScheduleSpec spec;
   spec.name = config.pipeline.schedule;
-  spec.ranks = (config.pipeline.stages > 0 ? config.pipeline.stages
-                : !config.pipeline.balance.empty() ? static_cast<int>(config.pipeline.balance.size())
-                : static_cast<int>(config.pipeline.devices.size()) * config.pipeline.virtualStages) /
-               config.pipeline.virtualStages;
+  spec.ranks = tpipe::pipelineRanks(config.pipeline);
   spec.microBatches = config.pipeline.microBatches;
   spec.virtualStages = config.pipeline.virtualStages;
   spec.checkpoint = tpipe::parseCheckpointMode(config.pipeline.checkpoint);

@@ -297,6 +297,12 @@ DeviceConfig parseDevice(const Json& json, const std::string& path) {
 
 }  // namespace
 
+int configuredStages(const PipelineConfig& p) {
+  if (p.stages > 0) return p.stages;
+  if (!p.balance.empty()) return static_cast<int>(p.balance.size());
+  return static_cast<int>(p.devices.size()) * p.virtualStages;
+}
+
 int64_t parseBytes(const Json& value, const std::string& path) {
   if (value.is_number_integer() && value.get<int64_t>() > 0) return value.get<int64_t>();
   if (!value.is_string()) {
@@ -423,9 +429,7 @@ Config parseConfig(const Json& json) {
     p.dataParallel = static_cast<int>(pipeline.integer("data_parallel", 1, 1, "a positive integer"));
     p.timeoutS = pipeline.number("timeout_s", 60.0, 0.1, 86400.0, "a number of seconds in [0.1, 86400]");
     pipeline.finish();
-    const int stages = p.stages > 0 ? p.stages
-                       : !p.balance.empty() ? static_cast<int>(p.balance.size())
-                       : static_cast<int>(p.devices.size()) * p.virtualStages;
+    const int stages = configuredStages(p);
     if (!p.balance.empty() && static_cast<int>(p.balance.size()) != stages) {
       fail("pipeline.balance", "has " + std::to_string(p.balance.size()) +
                                    " entries for " + std::to_string(stages) + " stages");

@@ -210,10 +210,9 @@ PartitionProblem partitionProblem(const Config& config, const std::vector<LayerC
   problem.layers = costs;
   const auto& p = config.pipeline;
   const int ranks = static_cast<int>(p.devices.size());
-  const int stages = p.stages > 0 ? p.stages
-                     : !p.balance.empty() ? static_cast<int>(p.balance.size())
-                     : p.partition == "time" && p.virtualStages == 1 ? 0
-                                                                      : ranks * p.virtualStages;
+  // `time` without a stage count may choose it: 0.
+  const bool choose = p.stages == 0 && p.balance.empty() && p.partition == "time" && p.virtualStages == 1;
+  const int stages = choose ? 0 : configuredStages(p);
   problem.stages = stages;
   // With virtual stages, stage k runs on device k % ranks.
   const int slots = std::max(stages, ranks);

@@ -326,19 +326,9 @@ PipelineOptions pipelineOptions(const Config& config, const BuiltModel& model,
   return options;
 }
 
-// Pipeline ranks of a config: stages over virtual stages, stages defaulting
-// to the balance or to one per device.
-int pipelineRanksOf(const Config& config) {
-  const auto& p = config.pipeline;
-  const int stages = p.stages > 0 ? p.stages
-                     : !p.balance.empty() ? static_cast<int>(p.balance.size())
-                                          : static_cast<int>(p.devices.size()) * p.virtualStages;
-  return stages / p.virtualStages;
-}
-
 std::shared_ptr<Communicator> joinWorld(const Config& config) {
   const WorldInfo world = worldFromEnvironment();
-  const int ranks = pipelineRanksOf(config);
+  const int ranks = pipelineRanks(config.pipeline);
   const int replicas = config.pipeline.dataParallel;
   if (world.worldSize == 1) {
     if (replicas > 1) {
