@@ -185,6 +185,9 @@ Simulation simulate(const Schedule& schedule,
 
 // The textbook bubble (p - 1) / (m + p - 1) of fill-drain and 1F1B.
 double theoreticalBubble(int stages, int microBatches);
+// For a schedule: (p - 1) / (v m + p - 1) with p ranks and v virtual stages
+// (Megatron's interleaved bubble; v = 1 is the line above).
+double theoreticalBubble(const Schedule& schedule);
 
 void printInstructions(std::ostream& out, const Schedule& schedule);
 void printSimulation(std::ostream& out, const Schedule& schedule,

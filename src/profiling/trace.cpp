@@ -55,12 +55,6 @@ std::vector<StageCosts> meanCosts(const Trace& trace) {
   return costs;
 }
 
-double theoryFor(const Schedule& schedule) {
-  const int p = schedule.ranks;
-  const int m = schedule.microBatches * schedule.virtualStages;
-  return static_cast<double>(p - 1) / (m + p - 1);
-}
-
 }  // namespace
 
 BubbleReport bubbleReport(const Trace& trace) {
@@ -69,7 +63,7 @@ BubbleReport bubbleReport(const Trace& trace) {
   report.steps = static_cast<int>(trace.steps.size());
   report.ranks.resize(ranks);
   for (int r = 0; r < ranks; ++r) report.ranks[r].device = r < static_cast<int>(trace.devices.size()) ? trace.devices[r] : "";
-  report.theoreticalBubble = theoryFor(trace.schedule);
+  report.theoreticalBubble = theoreticalBubble(trace.schedule);
   if (trace.steps.empty()) return report;
   for (const auto& step : trace.steps) {
     report.stepMs += step.wallUs / 1000.0;
@@ -124,7 +118,7 @@ void printBubbleReport(std::ostream& out, const BubbleReport& report) {
   out << "        simulated " << 100 * report.simulatedBubble << "%  (the schedule replayed with the measured mean "
       << "instruction times: step " << std::setprecision(3) << report.simulatedStepMs << " ms)\n";
   out << std::setprecision(1) << "        theory " << 100 * report.theoreticalBubble
-      << "%  ((p - 1) / (m + p - 1), fill-drain and 1F1B with equal stages)\n";
+      << "%  ((p - 1) / (v m + p - 1): fill-drain, 1F1B and interleaved with equal stages)\n";
   out.flags(flags);
 }
 

@@ -94,9 +94,8 @@ void printSimulation(std::ostream& out, const Schedule& schedule,
   out << std::fixed << std::setprecision(3);
   out << "simulated step " << simulation.makespan << ", bubble "
       << std::setprecision(1) << 100.0 * simulation.bubbleFraction
-      << "% (idle / (ranks x step)); fill-drain theory "
-      << 100.0 * theoreticalBubble(schedule.stages(), schedule.microBatches)
-      << "%\n";
+      << "% (idle / (ranks x step)); theory (p-1)/(vm+p-1) "
+      << 100.0 * theoreticalBubble(schedule) << "%\n";
   out << std::setprecision(3);
   out << "rank   busy     idle   stages: peak stashed / live micro-batches\n";
   for (int rank = 0; rank < schedule.ranks; ++rank) {
@@ -241,8 +240,7 @@ nlohmann::json simulationToJson(const Schedule& schedule,
   return {{"finished", simulation.finished},
           {"makespan", simulation.makespan},
           {"bubble_fraction", simulation.bubbleFraction},
-          {"theoretical_bubble",
-           theoreticalBubble(schedule.stages(), schedule.microBatches)},
+          {"theoretical_bubble", theoreticalBubble(schedule)},
           {"ranks", ranks},
           {"peak_stashed_micro_batches", simulation.peakStashed},
           {"peak_live_micro_batches", simulation.peakLive}};

@@ -305,4 +305,8 @@ double theoreticalBubble(int stages, int microBatches) {
   return static_cast<double>(stages - 1) / (microBatches + stages - 1);
 }
 
+double theoreticalBubble(const Schedule& schedule) {
+  return theoreticalBubble(schedule.ranks, schedule.microBatches * schedule.virtualStages);
+}
+
 }  // namespace tpipe
