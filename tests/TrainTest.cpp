@@ -171,7 +171,12 @@ TEST(TrainTest, TextDatasetPredictsTheNextByte) {
   EXPECT_EQ(data.trainInputs.size(1), 9);
   EXPECT_EQ(data.trainInputs[0][0].item<int64_t>(), 'a');
   EXPECT_EQ(data.trainTargets[0][0].item<int64_t>(), 'b');
-  EXPECT_EQ(data.trainInputs.size(0) + data.evalInputs.size(0), 500 / 10);
+  // 500 bytes: the last 50 held out as 5 windows of 10; training windows
+  // every 2 bytes (9 / 4) of the first 450.
+  EXPECT_EQ(data.evalInputs.size(0), 5);
+  EXPECT_EQ(data.trainInputs.size(0), (450 - 10) / 2 + 1);
+  EXPECT_EQ(data.trainInputs[1][0].item<int64_t>(), 'c');
+  EXPECT_EQ(data.evalInputs[0][0].item<int64_t>(), 'a');  // byte 450
   fs::remove_all(dir);
 }
 

@@ -36,6 +36,7 @@ struct DataConfig {
   bool shuffle = true;
   bool normalize = false;  // fashion-mnist: standardize with mean/std
   int64_t seqLen = 64;     // text: characters per sample
+  int64_t stride = 0;      // text: training windows start every stride bytes (0: seq_len / 4)
   int64_t samples = 1024;  // synthetic: training samples
   int64_t evalSamples = 0;  // 0: the dataset's own test split / default
 };

@@ -362,6 +362,7 @@ Config parseConfig(const Json& json) {
     d.shuffle = data.boolean("shuffle", true);
     d.normalize = data.boolean("normalize", false);
     d.seqLen = data.integer("seq_len", 64, 1, "a positive integer");
+    d.stride = data.integer("stride", 0, 0, "a non-negative integer");
     d.samples = data.integer("samples", 1024, 1, "a positive integer");
     d.evalSamples = data.integer("eval_samples", 0, 0, "a non-negative integer");
     data.finish();

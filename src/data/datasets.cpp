@@ -112,8 +112,10 @@ Dataset fashionMnist(const Config& config) {
   return data;
 }
 
-// Next-byte prediction: non-overlapping windows of seq_len + 1 bytes; the
-// last tenth of the windows is held out for evaluation.
+// Next-byte prediction. The last tenth of the text is held out, cut into
+// non-overlapping windows of seq_len + 1 bytes; training windows start every
+// data.stride bytes of the rest (overlapping when stride < seq_len), so a
+// small text still yields many distinct samples.
 Dataset text(const Config& config) {
   const std::string& path = config.data.path;
   if (!fileExists(path)) {
@@ -123,31 +125,41 @@ Dataset text(const Config& config) {
   std::ifstream file(path, std::ios::binary);
   std::vector<char> bytes((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
   const int64_t window = config.data.seqLen + 1;
-  const int64_t windows = static_cast<int64_t>(bytes.size()) / window;
-  if (windows < 2) {
-    throw ConfigError("data.seq_len: " + path + " has " + std::to_string(bytes.size()) +
-                      " bytes, too few for two windows of " + std::to_string(window));
+  const int64_t size = static_cast<int64_t>(bytes.size());
+  const int64_t heldBytes = std::max<int64_t>(window, size / 10);
+  const int64_t trainBytes = size - heldBytes;
+  if (trainBytes < window) {
+    throw ConfigError("data.seq_len: " + path + " has " + std::to_string(size) +
+                      " bytes, too few for a training and a held-out window of " + std::to_string(window));
   }
-  at::Tensor all = at::empty({windows, window}, at::kLong);
-  auto* out = all.data_ptr<int64_t>();
-  for (int64_t i = 0; i < windows * window; ++i) out[i] = static_cast<unsigned char>(bytes[i]);
-  const int64_t held = std::max<int64_t>(1, windows / 10);
-  const int64_t kept = windows - held;
+  const int64_t stride = config.data.stride > 0 ? config.data.stride : std::max<int64_t>(1, config.data.seqLen / 4);
+  auto windowsOf = [&](int64_t begin, int64_t end, int64_t step) {
+    const int64_t count = (end - begin - window) / step + 1;
+    at::Tensor all = at::empty({count, window}, at::kLong);
+    auto* out = all.data_ptr<int64_t>();
+    for (int64_t w = 0; w < count; ++w) {
+      for (int64_t i = 0; i < window; ++i) out[w * window + i] = static_cast<unsigned char>(bytes[begin + w * step + i]);
+    }
+    return all;
+  };
+  const at::Tensor train = windowsOf(0, trainBytes, stride);
+  const at::Tensor held = windowsOf(trainBytes, size, window);
   Dataset data;
-  data.trainInputs = all.narrow(0, 0, kept).narrow(1, 0, window - 1).contiguous();
-  data.trainTargets = all.narrow(0, 0, kept).narrow(1, 1, window - 1).contiguous();
-  data.evalInputs = all.narrow(0, kept, held).narrow(1, 0, window - 1).contiguous();
-  data.evalTargets = all.narrow(0, kept, held).narrow(1, 1, window - 1).contiguous();
+  data.trainInputs = train.narrow(1, 0, window - 1).contiguous();
+  data.trainTargets = train.narrow(1, 1, window - 1).contiguous();
+  data.evalInputs = held.narrow(1, 0, window - 1).contiguous();
+  data.evalTargets = held.narrow(1, 1, window - 1).contiguous();
   std::array<double, 256> counts{};
   for (char c : bytes) counts[static_cast<unsigned char>(c)] += 1;
   double entropy = 0.0;
   for (double c : counts) {
-    if (c > 0) entropy -= c / bytes.size() * std::log(c / bytes.size());
+    if (c > 0) entropy -= c / size * std::log(c / size);
   }
-  data.description = "text " + path + ": " + std::to_string(bytes.size()) + " bytes, " +
-                     std::to_string(kept) + " training and " + std::to_string(held) +
-                     " held-out windows of " + std::to_string(window - 1) +
-                     "; unigram entropy " + std::to_string(entropy).substr(0, 5) + " nats";
+  data.description = "text " + path + ": " + std::to_string(size) + " bytes, " +
+                     std::to_string(train.size(0)) + " training windows (stride " + std::to_string(stride) +
+                     ") and " + std::to_string(held.size(0)) + " held-out windows of " +
+                     std::to_string(window - 1) + "; unigram entropy " + std::to_string(entropy).substr(0, 5) +
+                     " nats";
   return data;
 }
 
