@@ -109,25 +109,38 @@ struct Communicator::Impl {
   c10::intrusive_ptr<c10d::ProcessGroupGloo> worldGroup;
   c10::intrusive_ptr<c10d::ProcessGroupGloo> replicaGroup;  // D > 1 only
 
-  // Waits for `work`, turning any failure into an error naming `peer`.
-  void wait(const c10::intrusive_ptr<c10d::Work>& work, int peer, const std::string& what) {
+  // Runs `body` (posting or waiting for an operation with `peer`), turning
+  // any failure into an error naming the peer: Gloo reports a closed
+  // connection from the call itself or from the wait, and a silent peer
+  // as a timeout.
+  template <class Body>
+  auto withPeer(int peer, const std::string& what, Body body) -> decltype(body()) {
     try {
-      work->wait(timeout);
+      return body();
     } catch (const std::exception& error) {
       std::string reason = error.what();
       const auto newline = reason.find('\n');
       if (newline != std::string::npos) reason.resize(newline);
-      const bool timedOut = reason.find("imed out") != std::string::npos;
       std::ostringstream message;
       message << "lost rank " << peer << " (pipeline rank " << peer % pipelineRanks << ", replica "
               << peer / pipelineRanks << ") while " << what << ": ";
-      if (timedOut) {
+      if (reason.find("imed out") != std::string::npos) {
         message << "no answer within " << timeout.count() / 1000.0 << " s";
       } else {
         message << reason;
       }
       TORCH_CHECK(false, message.str());
     }
+  }
+
+  void wait(const c10::intrusive_ptr<c10d::Work>& work, int peer, const std::string& what) {
+    withPeer(peer, what, [&] { return work->wait(timeout); });
+  }
+
+  // Posts a collective and waits for it, any failure naming `peer`.
+  template <class Post>
+  void complete(int peer, const std::string& what, Post post) {
+    wait(withPeer(peer, what, post), peer, what);
   }
 };
 
@@ -178,7 +191,8 @@ std::chrono::milliseconds Communicator::timeout() const { return impl_->timeout;
 std::vector<double> Communicator::sum(const std::vector<double>& values) {
   std::vector<at::Tensor> tensors{at::empty({static_cast<int64_t>(values.size())}, at::kDouble)};
   std::copy(values.begin(), values.end(), tensors[0].data_ptr<double>());
-  impl_->wait(impl_->worldGroup->allreduce(tensors), rank() == 0 ? 1 % worldSize() : 0, "summing across the world");
+  impl_->complete(rank() == 0 ? 1 % worldSize() : 0, "summing across the world",
+                  [&] { return impl_->worldGroup->allreduce(tensors); });
   const double* data = tensors[0].data_ptr<double>();
   return std::vector<double>(data, data + values.size());
 }
@@ -186,7 +200,7 @@ std::vector<double> Communicator::sum(const std::vector<double>& values) {
 std::vector<int64_t> Communicator::broadcast(const std::vector<int64_t>& values) {
   std::vector<at::Tensor> tensors{at::empty({static_cast<int64_t>(values.size())}, at::kLong)};
   std::copy(values.begin(), values.end(), tensors[0].data_ptr<int64_t>());
-  impl_->wait(impl_->worldGroup->broadcast(tensors), 0, "receiving rank 0's broadcast");
+  impl_->complete(0, "receiving rank 0's broadcast", [&] { return impl_->worldGroup->broadcast(tensors); });
   const int64_t* data = tensors[0].data_ptr<int64_t>();
   return std::vector<int64_t>(data, data + values.size());
 }
@@ -201,8 +215,8 @@ void Communicator::averageAcrossReplicas(const std::vector<at::Tensor>& gradient
     std::vector<at::Tensor> flat;
     for (const auto& g : bucket) flat.push_back(g.reshape({-1}));
     std::vector<at::Tensor> joined{at::cat(flat)};
-    impl_->wait(impl_->replicaGroup->allreduce(joined), (replica() + 1) % replicas() * pipelineRanks() + stageRank(),
-                "averaging gradients across replicas");
+    impl_->complete((replica() + 1) % replicas() * pipelineRanks() + stageRank(),
+                    "averaging gradients across replicas", [&] { return impl_->replicaGroup->allreduce(joined); });
     joined[0].div_(replicas());
     int64_t offset = 0;
     for (auto& g : bucket) {
@@ -222,7 +236,7 @@ void Communicator::averageAcrossReplicas(const std::vector<at::Tensor>& gradient
 }
 
 void Communicator::barrier() {
-  impl_->wait(impl_->worldGroup->barrier(), 0, "waiting at a barrier");
+  impl_->complete(0, "waiting at a barrier", [&] { return impl_->worldGroup->barrier(); });
 }
 
 namespace runtime {
@@ -260,17 +274,27 @@ class ProcessGroupTransport final : public Transport {
     for (int64_t d = 0; d < tensor.dim(); ++d) h[6 + d] = tensor.size(d);
     std::vector<at::Tensor> headerList{header};
     std::vector<at::Tensor> dataList{tensor.contiguous()};
-    pending_.push_back({impl_.worldGroup->send(headerList, peer, tag(direction, boundary, microBatch, 0)), peer});
-    pending_.push_back({impl_.worldGroup->send(dataList, peer, tag(direction, boundary, microBatch, 1)), peer});
+    const std::string what = std::string("sending the ") +
+                             (direction == Direction::kActivation ? "activation" : "gradient") +
+                             " of micro-batch " + std::to_string(microBatch);
+    for (int part = 0; part < 2; ++part) {
+      auto& tensors = part == 0 ? headerList : dataList;
+      pending_.push_back({impl_.withPeer(peer, what, [&] {
+                            return impl_.worldGroup->send(tensors, peer, tag(direction, boundary, microBatch, part));
+                          }),
+                          peer});
+    }
   }
 
   Payload receive(Direction direction, int boundary, int microBatch) override {
     const int peer = direction == Direction::kActivation ? processOf(boundary) : processOf(boundary + 1);
     if (peer == communicator_.rank()) return local_.receive(direction, boundary, microBatch);
     const char* what = direction == Direction::kActivation ? "activation" : "gradient";
+    const std::string receiving = std::string("receiving the ") + what + " of micro-batch " + std::to_string(microBatch);
     std::vector<at::Tensor> header{at::empty({kHeaderSize}, at::kLong)};
-    waitReceive(impl_.worldGroup->recv(header, peer, tag(direction, boundary, microBatch, 0)), peer,
-                std::string("receiving the ") + what + " of micro-batch " + std::to_string(microBatch));
+    waitReceive(impl_.withPeer(peer, receiving,
+                               [&] { return impl_.worldGroup->recv(header, peer, tag(direction, boundary, microBatch, 0)); }),
+                peer, receiving);
     const int64_t* h = header[0].data_ptr<int64_t>();
     TORCH_CHECK(h[0] == kMagic && h[1] == microBatch && h[2] == boundary &&
                     h[3] == static_cast<int64_t>(direction) && h[5] >= 0 && h[5] <= kMaxDims,
@@ -281,8 +305,9 @@ class ProcessGroupTransport final : public Transport {
                 " sent an unknown dtype code ", h[4]);
     std::vector<int64_t> shape(h + 6, h + 6 + h[5]);
     std::vector<at::Tensor> data{at::empty(shape, at::TensorOptions().dtype(dtype))};
-    waitReceive(impl_.worldGroup->recv(data, peer, tag(direction, boundary, microBatch, 1)), peer,
-                std::string("receiving the ") + what + " of micro-batch " + std::to_string(microBatch));
+    waitReceive(impl_.withPeer(peer, receiving,
+                               [&] { return impl_.worldGroup->recv(data, peer, tag(direction, boundary, microBatch, 1)); }),
+                peer, receiving);
     return {data[0], nullptr};
   }
 
@@ -317,7 +342,7 @@ class ProcessGroupTransport final : public Transport {
       current_ = work;
     }
     try {
-      impl_.wait(work, peer, what);
+      impl_.wait(work, peer, what);  // NOLINT: rethrows naming the peer
     } catch (...) {
       std::lock_guard<std::mutex> lock(receiving_);
       current_.reset();
