@@ -57,7 +57,7 @@ TEST(ConfigTest, EveryBadConfigNamesItsPath) {
       {{"pipeline.micro_batches=\"four\""}, "pipeline.micro_batches: expected a positive integer, got \"four\""},
       {{"pipeline.mirco_batches=4"}, "pipeline.mirco_batches: unknown key 'mirco_batches' (did you mean 'micro_batches'?)"},
       {{"trian={}"}, "trian: unknown key 'trian' (did you mean 'train'?)"},
-      {{"pipeline.schedule=zigzag"}, "pipeline.schedule: unknown value 'zigzag'; expected one of gpipe, 1f1b, interleaved-1f1b, zb-h1"},
+      {{"pipeline.schedule=zigzag"}, "pipeline.schedule: unknown value 'zigzag'; expected one of gpipe, 1f1b, interleaved-1f1b, zb-h1, a schedule file (*.json)"},
       {{"pipeline.checkpoint=sometimes"}, "pipeline.checkpoint: unknown value 'sometimes'"},
       {{"pipeline.devices=[]"}, "pipeline.devices: expected a non-empty list"},
       {{"pipeline.devices=[\"tpu:0\"]"}, "pipeline.devices[0]: unknown device 'tpu:0'"},

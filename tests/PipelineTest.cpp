@@ -2,6 +2,9 @@
 
 #include <torch/torch.h>
 
+#include <fstream>
+#include <nlohmann/json.hpp>
+
 #include "tpipe/pipeline.h"
 
 namespace tpipe {
@@ -168,6 +171,46 @@ TEST(PipelineTest, DropoutMasksReplayUnderRecompute) {
       EXPECT_TRUE(torch::equal(kept[i], again[i])) << schedule << " parameter " << i;
     }
   }
+}
+
+TEST(PipelineTest, AScheduleFromAFileRunsTransparently) {
+  const std::string path = ::testing::TempDir() + "/tpipe-custom-schedule.json";
+  {
+    // zb-h1 written out, then edited by hand: rank 2 runs its W passes last.
+    nlohmann::json json = scheduleToJson(zeroBubbleH1Schedule(3, 4, CheckpointMode::kNever));
+    auto& list = json["stages"][2];
+    nlohmann::json weights = nlohmann::json::array(), rest = nlohmann::json::array();
+    for (const auto& item : list) (item["op"] == "backward_weight" ? weights : rest).push_back(item);
+    for (const auto& item : weights) rest.push_back(item);
+    list = rest;
+    std::ofstream(path) << json.dump();
+  }
+  torch::nn::Sequential reference = makeNet(torch::kDouble, 21);
+  torch::nn::Sequential piped = makeNet(torch::kDouble, 21);
+  PipelineOptions options;
+  options.devices = cpuDevices(3);
+  options.microBatches = 4;
+  options.schedule = path;
+  Pipeline pipe(layersOf(piped), options);
+  EXPECT_EQ(pipe.schedule().name, "zb-h1");
+  torch::Tensor x = torch::randn({9, 6}, torch::kDouble);
+  torch::Tensor y = torch::randint(0, 3, {9}, torch::kLong);
+  crossEntropy(reference->forward(x), y).backward();
+  pipe.trainStep(x, y, crossEntropy);
+  auto want = reference->parameters();
+  auto got = pipe.parameters();
+  for (size_t i = 0; i < want.size(); ++i) EXPECT_LE(relativeError(got[i].grad(), want[i].grad()), 1e-12);
+  // The file must fit the pipeline.
+  options.microBatches = 2;
+  try {
+    Pipeline wrong(layersOf(makeNet(torch::kDouble, 21)), options);
+    FAIL();
+  } catch (const c10::Error& error) {
+    EXPECT_NE(std::string(error.what_without_backtrace()).find("has 4 micro-batches; the pipeline has 2"),
+              std::string::npos);
+  }
+  options.schedule = ::testing::TempDir() + "/no-such-schedule.json";
+  EXPECT_THROW(Pipeline(layersOf(makeNet(torch::kDouble, 21)), options), c10::Error);
 }
 
 TEST(PipelineTest, ForwardMatchesTheModelInEvalMode) {

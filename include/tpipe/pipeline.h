@@ -76,7 +76,9 @@ struct PipelineOptions {
   PartitionMethod partition = PartitionMethod::kUniform;
   std::vector<int> balance;  // layers per stage; implies kBalance
   int microBatches = 1;
-  std::string schedule = "gpipe";  // see scheduleNames()
+  // A name from scheduleNames(), or a schedule file (*.json, as
+  // `tpipe schedule --json` writes it), validated before use.
+  std::string schedule = "gpipe";
   int virtualStages = 1;           // stages per device (interleaved-1f1b)
   CheckpointMode checkpoint = CheckpointMode::kExceptLast;
   // Intra-op threads of each device's worker; 0 shares the cores fairly.

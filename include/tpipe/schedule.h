@@ -130,7 +130,9 @@ Schedule interleavedSchedule(int ranks, int microBatches, int virtualStages,
 Schedule zeroBubbleH1Schedule(int ranks, int microBatches, CheckpointMode mode);
 // Inference: every rank forwards its stages' micro-batches in order.
 Schedule forwardOnlySchedule(int ranks, int virtualStages, int microBatches);
-// Dispatches on spec.name and validates the result.
+// Dispatches on spec.name and validates the result. A name ending in .json
+// is a schedule file; it must match the spec's ranks, virtual stages and
+// micro-batches.
 Schedule makeSchedule(const ScheduleSpec& spec);
 
 class ScheduleError : public std::invalid_argument {
@@ -195,6 +197,9 @@ void printSimulation(std::ostream& out, const Schedule& schedule,
 
 nlohmann::json scheduleToJson(const Schedule& schedule);
 Schedule scheduleFromJson(const nlohmann::json& json);  // then validate()
+// Reads, parses and validates a schedule file (as `tpipe schedule --json`
+// writes it); throws ScheduleError naming the file.
+Schedule loadScheduleFile(const std::string& path);
 nlohmann::json simulationToJson(const Schedule& schedule,
                                 const Simulation& simulation);
 

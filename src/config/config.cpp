@@ -408,7 +408,15 @@ Config parseConfig(const Json& json) {
     }
     p.stages = static_cast<int>(pipeline.integer("stages", 0, 1, "a positive integer"));
     p.microBatches = static_cast<int>(pipeline.integer("micro_batches", 1, 1, "a positive integer"));
-    p.schedule = pipeline.choice("schedule", "gpipe", scheduleNames());
+    if (const Json* custom = pipeline.find("schedule");
+        custom && custom->is_string() && custom->get<std::string>().size() > 5 &&
+        custom->get<std::string>().rfind(".json") == custom->get<std::string>().size() - 5) {
+      p.schedule = custom->get<std::string>();  // a schedule file, validated when the pipeline loads it
+    } else {
+      std::vector<std::string> names = scheduleNames();
+      names.push_back("a schedule file (*.json)");
+      p.schedule = pipeline.choice("schedule", "gpipe", names);
+    }
     p.virtualStages = static_cast<int>(pipeline.integer("virtual_stages", 1, 1, "a positive integer"));
     p.checkpoint = pipeline.choice("checkpoint", "except_last", {"always", "except_last", "never"});
     p.partition = pipeline.choice("partition", "uniform", {"uniform", "parameters", "time", "balance"});

@@ -1,6 +1,7 @@
 // Names, labels, printing and JSON for schedules and simulations.
 #include <algorithm>
 #include <cmath>
+#include <fstream>
 #include <iomanip>
 #include <ostream>
 
@@ -227,6 +228,24 @@ Schedule scheduleFromJson(const nlohmann::json& json) {
   schedule.microBatches =
       requireInt(json, "micro_batches", "schedule", maxMicroBatch + 1, false);
   return schedule;
+}
+
+Schedule loadScheduleFile(const std::string& path) {
+  std::ifstream file(path);
+  if (!file) throw ScheduleError("schedule file " + path + ": cannot open");
+  nlohmann::json json;
+  try {
+    json = nlohmann::json::parse(file);
+  } catch (const nlohmann::json::parse_error& error) {
+    throw ScheduleError("schedule file " + path + ": not valid JSON: " + error.what());
+  }
+  try {
+    Schedule schedule = scheduleFromJson(json);
+    validate(schedule);
+    return schedule;
+  } catch (const ScheduleError& error) {
+    throw ScheduleError("schedule file " + path + ": " + error.what());
+  }
 }
 
 nlohmann::json simulationToJson(const Schedule& schedule,

@@ -255,6 +255,21 @@ Schedule forwardOnlySchedule(int ranks, int virtualStages, int microBatches) {
 }
 
 Schedule makeSchedule(const ScheduleSpec& spec) {
+  const std::string& file = spec.name;
+  if (file.size() > 5 && file.compare(file.size() - 5, 5, ".json") == 0) {
+    Schedule loaded = loadScheduleFile(file);
+    if (loaded.ranks != spec.ranks || loaded.virtualStages != spec.virtualStages) {
+      throw ScheduleError("schedule " + file + " is for " + std::to_string(loaded.ranks) + " rank(s) x " +
+                          std::to_string(loaded.virtualStages) + " virtual stage(s); the pipeline has " +
+                          std::to_string(spec.ranks) + " x " + std::to_string(spec.virtualStages));
+    }
+    if (loaded.microBatches != spec.microBatches) {
+      throw ScheduleError("schedule " + file + " has " + std::to_string(loaded.microBatches) +
+                          " micro-batches; the pipeline has " + std::to_string(spec.microBatches));
+    }
+    if (!loaded.training) throw ScheduleError("schedule " + file + " is an inference schedule");
+    return loaded;
+  }
   Schedule schedule;
   const bool plain = spec.virtualStages == 1;
   if (spec.name == "gpipe" || spec.name == "1f1b" || spec.name == "zb-h1") {
