@@ -27,6 +27,9 @@ struct LinearFit {
   double at(double samples) const { return intercept + slope * samples; }
 };
 
+// Least-squares line through (size, time) points (Eigen, column-pivoting QR).
+LinearFit fitLine(const std::vector<int64_t>& sizes, const std::vector<double>& times);
+
 struct LayerProfile {
   LayerCost cost;  // at the profile's micro-batch size
   LinearFit forward, backward;

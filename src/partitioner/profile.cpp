@@ -62,7 +62,9 @@ Measurement measure(torch::nn::AnyModule& layer, const at::Tensor& x, const Prof
   return result;
 }
 
-LinearFit fit(const std::vector<int64_t>& sizes, const std::vector<double>& times) {
+}  // namespace
+
+LinearFit fitLine(const std::vector<int64_t>& sizes, const std::vector<double>& times) {
   Eigen::MatrixXd a(static_cast<Eigen::Index>(sizes.size()), 2);
   Eigen::VectorXd b(static_cast<Eigen::Index>(sizes.size()));
   for (size_t i = 0; i < sizes.size(); ++i) {
@@ -73,8 +75,6 @@ LinearFit fit(const std::vector<int64_t>& sizes, const std::vector<double>& time
   const Eigen::VectorXd solution = a.colPivHouseholderQr().solve(b);
   return {solution(0), solution(1)};
 }
-
-}  // namespace
 
 std::vector<LayerCost> Profile::costsAt(int64_t size) const {
   std::vector<LayerCost> costs;
@@ -139,8 +139,8 @@ Profile profileLayers(const LayerList& layers, const std::function<at::Tensor(in
     }
   }
   for (size_t l = 0; l < count; ++l) {
-    profile.layers[l].forward = fit(profile.fitSizes, forward[l]);
-    profile.layers[l].backward = fit(profile.fitSizes, backward[l]);
+    profile.layers[l].forward = fitLine(profile.fitSizes, forward[l]);
+    profile.layers[l].backward = fitLine(profile.fitSizes, backward[l]);
   }
   return profile;
 }
