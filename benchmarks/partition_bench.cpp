@@ -70,12 +70,7 @@ int main(int argc, char** argv) {
     config.pipeline.stages = static_cast<int>(config.pipeline.devices.size());
     const tpipe::BuiltModel model = tpipe::buildModel(config.model, 0);
     const tpipe::Profile profile = tpipe::profileModel(config, model, 7);
-    std::vector<int64_t> parameters;
-    for (const auto& layer : model.layers) {
-      int64_t count = 0;
-      for (const auto& p : layer.module.ptr()->parameters()) count += p.numel();
-      parameters.push_back(count);
-    }
+    const std::vector<int64_t> parameters = tpipe::parameterCounts(model.layers);
     const tpipe::PartitionProblem problem =
         tpipe::partitionProblem(config, profile.costsAt(profile.microBatchSize), profile.inputBytes);
     nlohmann::json row = {{"config", name}, {"stages", config.pipeline.stages}};

@@ -62,6 +62,9 @@ using LayerList = std::vector<NamedLayer>;
 // The children of a Sequential, named "0", "1", ... as PyTorch names them.
 LayerList layersOf(const torch::nn::Sequential& sequential);
 
+// Parameter elements per layer (what PartitionMethod::kParameters balances).
+std::vector<int64_t> parameterCounts(const LayerList& layers);
+
 enum class PartitionMethod {
   kUniform,     // layers per stage as even as possible
   kParameters,  // balance parameter counts (optimal min-max)

@@ -44,9 +44,9 @@ int validateConfig(const std::string& path, const std::vector<std::string>& over
   tpipe::checkLossFits(config, model);
   std::printf("%-6s %-18s %-18s %s\n", "layer", "type", "output", "parameters");
   std::printf("%-6s %-18s %-18s\n", "input", "", shapeText(model.shapes[0]).c_str());
+  const std::vector<int64_t> counts = tpipe::parameterCounts(model.layers);
   for (size_t i = 0; i < model.layers.size(); ++i) {
-    int64_t count = 0;
-    for (const auto& p : model.layers[i].module.ptr()->parameters()) count += p.numel();
+    const int64_t count = counts[i];
     std::printf("%-6zu %-18s %-18s %lld\n", i, config.model.layers[i].type.c_str(),
                 shapeText(model.shapes[i + 1]).c_str(), static_cast<long long>(count));
   }
@@ -187,12 +187,7 @@ int planCommand(const std::string& configPath, const std::vector<std::string>& o
     virtualStages = config.pipeline.virtualStages;
     const tpipe::BuiltModel model = tpipe::buildModel(config.model, config.train.seed);
     const tpipe::Profile profile = tpipe::profileModel(config, model);
-    std::vector<int64_t> parameters;
-    for (const auto& layer : model.layers) {
-      int64_t count = 0;
-      for (const auto& p : layer.module.ptr()->parameters()) count += p.numel();
-      parameters.push_back(count);
-    }
+    const std::vector<int64_t> parameters = tpipe::parameterCounts(model.layers);
     problem = tpipe::partitionProblem(config, profile.costsAt(profile.microBatchSize), profile.inputBytes);
     try {
       plan = tpipe::planFor(config, problem, parameters);

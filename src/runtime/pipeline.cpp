@@ -34,6 +34,16 @@ LayerList layersOf(const torch::nn::Sequential& sequential) {
   return layers;
 }
 
+std::vector<int64_t> parameterCounts(const LayerList& layers) {
+  std::vector<int64_t> counts;
+  for (const auto& layer : layers) {
+    int64_t count = 0;
+    for (const auto& parameter : layer.module.ptr()->parameters()) count += parameter.numel();
+    counts.push_back(count);
+  }
+  return counts;
+}
+
 namespace {
 
 c10::Device parseDevice(const std::string& name) {
@@ -71,14 +81,6 @@ bool drawsRandomness(const torch::nn::AnyModule& layer) {
     }
   }
   return false;
-}
-
-int64_t parameterCount(const torch::nn::AnyModule& layer) {
-  int64_t count = 0;
-  for (const auto& parameter : layer.ptr()->parameters()) {
-    count += parameter.numel();
-  }
-  return count;
 }
 
 template <class Body>
@@ -201,11 +203,8 @@ void Pipeline::Impl::resolve() {
       case PartitionMethod::kBalance:
         return balanceBoundaries(options.balance, layerCount);
       case PartitionMethod::kParameters: {
-        std::vector<double> weights;
-        for (const auto& layer : layers) {
-          weights.push_back(static_cast<double>(parameterCount(layer.module)));
-        }
-        return minMaxBoundaries(weights, stages);
+        const std::vector<int64_t> counts = parameterCounts(layers);
+        return minMaxBoundaries(std::vector<double>(counts.begin(), counts.end()), stages);
       }
       case PartitionMethod::kUniform:
         break;

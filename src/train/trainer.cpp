@@ -488,12 +488,7 @@ Profile profileModel(const Config& config, const BuiltModel& model, int repeats)
 }
 
 PartitionPlan planModel(const Config& config, const BuiltModel& model, const Profile& profile) {
-  std::vector<int64_t> parameters;
-  for (const auto& layer : model.layers) {
-    int64_t count = 0;
-    for (const auto& p : layer.module.ptr()->parameters()) count += p.numel();
-    parameters.push_back(count);
-  }
+  const std::vector<int64_t> parameters = parameterCounts(model.layers);
   const PartitionProblem problem = partitionProblem(config, profile.costsAt(profile.microBatchSize),
                                                     profile.inputBytes);
   try {
