@@ -1,7 +1,5 @@
 #include <gtest/gtest.h>
 
-#include <fstream>
-
 #include "tpipe/config.h"
 
 namespace tpipe {
@@ -41,7 +39,6 @@ TEST(ConfigTest, ShippedConfigsParse) {
                            "beyond_one_device"}) {
     const std::string path = std::string(TPIPE_SOURCE_DIR) + "/configs/" + name + ".json";
     SCOPED_TRACE(path);
-    if (std::string(name) == "beyond_one_device" && !std::ifstream(path)) continue;
     EXPECT_NO_THROW(loadConfig(path));
   }
 }

@@ -66,7 +66,7 @@ class StageGeneratorScope {
 
 class RankExecutor {
  public:
-  RankExecutor(StepState& state, int rank) : state_(state), rank_(rank) {}
+  explicit RankExecutor(StepState& state) : state_(state) {}
 
   void operator()(const Forward& op) {
     StageRuntime& stage = stageAt(op.stage);
@@ -291,14 +291,13 @@ class RankExecutor {
   }
 
   StepState& state_;
-  int rank_;
 };
 
 }  // namespace
 
 void runRank(StepState& state, int rank) {
   const auto& list = state.schedule->perRank[rank];
-  RankExecutor executor(state, rank);
+  RankExecutor executor(state);
   const StageRuntime& home = (*state.stages)[rank];  // stage `rank` lives here
   c10::optional<c10::StreamGuard> onCompute;
   if (home.computeStream) onCompute.emplace(*home.computeStream);

@@ -79,7 +79,7 @@ struct StepState {
 
 // Runs schedule.perRank[rank]. Never throws: a failure is recorded in
 // state.error with stage, device, micro-batch and instruction, and aborts
-// the exchange so every other rank stops too.
+// the transport so every other rank stops too.
 void runRank(StepState& state, int rank);
 
 }  // namespace runtime
