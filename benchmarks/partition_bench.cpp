@@ -40,10 +40,7 @@ tpipe::PartitionProblem bigProblem(bool capped) {
     problem.devices.push_back({"cpu:" + std::to_string(k), 1.0, capped ? total * 6 / 64 : 0, 0.0});
   }
   problem.stages = 64;
-  problem.memory.schedule = "1f1b";
-  problem.memory.checkpoint = "always";
-  problem.memory.microBatches = 128;
-  problem.memory.optimizerFactor = 2;
+  problem.memory = tpipe::memoryModelOf(tpipe::oneFOneBSchedule(64, 128, tpipe::CheckpointMode::kAlways), 2.0, 0);
   return problem;
 }
 
@@ -69,16 +66,15 @@ int main(int argc, char** argv) {
     config.pipeline.balance.clear();
     config.pipeline.stages = static_cast<int>(config.pipeline.devices.size());
     const tpipe::BuiltModel model = tpipe::buildModel(config.model, 0);
-    const tpipe::Profile profile = tpipe::profileModel(config, model, 7);
-    const std::vector<int64_t> parameters = tpipe::parameterCounts(model.layers);
-    const tpipe::PartitionProblem problem =
-        tpipe::partitionProblem(config, profile.costsAt(profile.microBatchSize), profile.inputBytes);
+    const tpipe::TrainingCosts costs = tpipe::trainingCosts(config, model, "", true);
     nlohmann::json row = {{"config", name}, {"stages", config.pipeline.stages}};
     double bottleneck[3];
     const char* methods[] = {"uniform", "parameters", "time"};
     for (int i = 0; i < 3; ++i) {
       config.pipeline.partition = methods[i];
-      const tpipe::PartitionPlan plan = tpipe::planFor(config, problem, parameters);
+      tpipe::PlanRequest request = tpipe::planRequest(config, costs);
+      request.costNoise = 0.0;  // the strictly fastest, not the simplest within noise
+      const tpipe::Plan plan = tpipe::resolvePlan(request);
       bottleneck[i] = plan.bottleneckMs;
       row[methods[i]] = {{"bottleneck_ms", plan.bottleneckMs}, {"boundaries", plan.boundaries}};
     }

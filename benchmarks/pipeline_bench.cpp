@@ -248,8 +248,8 @@ nlohmann::json exampleConfigs() {
     options.checkpoint = tpipe::parseCheckpointMode(config.pipeline.checkpoint);
     options.balance = config.pipeline.balance;
     if (config.pipeline.partition == "time") {
-      options.balance = tpipe::balanceOf(
-          tpipe::planModel(config, model, tpipe::profileModel(config, model)).boundaries);
+      const tpipe::TrainingCosts costs = tpipe::trainingCosts(config, model, "", true);
+      options.balance = tpipe::balanceOf(tpipe::resolvePlan(tpipe::planRequest(config, costs)).boundaries);
     }
     const auto piped = timeOf(options);
     tpipe::PipelineOptions single = options;
@@ -315,10 +315,8 @@ nlohmann::json memoryBySchedule() {
         std::snprintf(cell, sizeof cell, "%6.2f ", u);
         measured += cell;
         units.push_back(u);
-        tpipe::MemoryModel model;
-        model.schedule = schedule;
-        model.microBatches = m;
-        const int held = tpipe::inFlightMicroBatches(model, s, p);
+        const tpipe::MemoryModel model = tpipe::memoryModelOf(tpipe::makeSchedule({schedule, p, m, 1, mode}), 0, 0);
+        const int held = model.stashedAt(s);
         // A unit is a stage input plus the tanh output; stage 0's input is
         // the caller's batch, not the worker's. Remat keeps inputs only, and
         // one micro-batch is recomputed at a time.

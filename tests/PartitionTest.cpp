@@ -6,6 +6,8 @@
 #include <random>
 
 #include "tpipe/partition.h"
+#include "tpipe/plan.h"
+#include "tpipe/schedule.h"
 
 namespace tpipe {
 namespace {
@@ -108,12 +110,14 @@ PartitionProblem randomProblem(std::mt19937& rng, int n, int k) {
     problem.devices.push_back(device);
   }
   const char* schedules[] = {"gpipe", "1f1b", "zb-h1"};
-  const char* modes[] = {"always", "except_last", "never"};
-  problem.memory.schedule = schedules[rng() % 3];
-  problem.memory.checkpoint = modes[rng() % 3];
-  problem.memory.microBatches = 1 + static_cast<int>(rng() % 4);
-  problem.memory.optimizerFactor = static_cast<double>(rng() % 3);
-  problem.memory.inputBytes = bytes(rng);
+  const CheckpointMode modes[] = {CheckpointMode::kAlways, CheckpointMode::kExceptLast, CheckpointMode::kNever};
+  ScheduleSpec spec;
+  spec.name = schedules[rng() % 3];
+  spec.checkpoint = modes[rng() % 3];
+  spec.microBatches = 1 + static_cast<int>(rng() % 4);
+  spec.ranks = k;
+  const double optimizerFactor = static_cast<double>(rng() % 3);
+  problem.memory = memoryModelOf(makeSchedule(spec), optimizerFactor, bytes(rng));
   problem.stages = k;
   return problem;
 }
@@ -164,16 +168,6 @@ TEST(PartitionTest, ProfileOnlyPlanSumsForwardAndBackward) {
   EXPECT_DOUBLE_EQ(plan.bottleneckMs, 18.0);
 }
 
-TEST(PartitionTest, AStageCountBelowTheDeviceCountWinsWhenADeviceIsSlow) {
-  PartitionProblem problem;
-  for (int i = 0; i < 6; ++i) problem.layers.push_back({"", 1.0, 2.0, 0, 0, 0});
-  problem.devices = {{"fast0", 1.0, 0, 0.0}, {"fast1", 1.0, 0, 0.0}, {"slow", 0.05, 0, 0.0}};
-  problem.memory.microBatches = 8;
-  const PartitionPlan plan = optimalPartition(problem);
-  EXPECT_EQ(plan.stages.size(), 2u);
-  EXPECT_EQ(plan.boundaries, (std::vector<int>{0, 3, 6}));
-}
-
 TEST(PartitionTest, InfeasibleRequestsAreExplained) {
   PartitionProblem problem;
   for (int i = 0; i < 4; ++i) problem.layers.push_back({"l" + std::to_string(i), 1, 1, 100, 10, 10});
@@ -208,15 +202,19 @@ TEST(PartitionTest, InfeasibleRequestsAreExplained) {
 }
 
 TEST(PartitionTest, InFlightMicroBatchesFollowTheSchedule) {
-  MemoryModel memory;
-  memory.microBatches = 8;
-  memory.schedule = "gpipe";
-  EXPECT_EQ(inFlightMicroBatches(memory, 0, 4), 8);
-  memory.schedule = "1f1b";
-  EXPECT_EQ(inFlightMicroBatches(memory, 0, 4), 4);
-  EXPECT_EQ(inFlightMicroBatches(memory, 3, 4), 1);
-  memory.microBatches = 2;
-  EXPECT_EQ(inFlightMicroBatches(memory, 0, 4), 2);
+  const CheckpointMode never = CheckpointMode::kNever;
+  EXPECT_EQ(memoryModelOf(gpipeSchedule(4, 8, never), 0, 0).stashed, (std::vector<int>{8, 8, 8, 8}));
+  const MemoryModel oneFOneB = memoryModelOf(oneFOneBSchedule(4, 8, never), 0, 0);
+  EXPECT_EQ(oneFOneB.stashed, (std::vector<int>{4, 3, 2, 1}));
+  EXPECT_EQ(oneFOneB.live, oneFOneB.stashed);  // nothing rematerialized
+  EXPECT_TRUE(oneFOneB.keepsEverything());
+  EXPECT_EQ(memoryModelOf(oneFOneBSchedule(4, 2, never), 0, 0).stashedAt(0), 2);
+  // Rematerialization keeps the stage inputs, and whole graphs only for the
+  // micro-batch being recomputed (and the last, with except_last).
+  const MemoryModel remat = memoryModelOf(gpipeSchedule(4, 8, CheckpointMode::kAlways), 0, 0);
+  EXPECT_EQ(remat.stashed, (std::vector<int>{8, 8, 8, 8}));
+  EXPECT_EQ(remat.live, (std::vector<int>{1, 1, 1, 1}));
+  EXPECT_FALSE(remat.keepsEverything());
   EXPECT_EQ(formatBytes(512LL << 20), "512.00 MiB");
   EXPECT_EQ(formatBytes(12), "12 B");
 }

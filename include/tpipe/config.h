@@ -13,12 +13,9 @@
 
 #include <nlohmann/json.hpp>
 
-namespace tpipe {
+#include "tpipe/errors.h"
 
-class ConfigError : public std::invalid_argument {
- public:
-  using std::invalid_argument::invalid_argument;
-};
+namespace tpipe {
 
 struct LayerSpec {
   std::string type;       // "linear", "conv2d", ..., "transformer_block"

@@ -10,13 +10,14 @@
 #include <string>
 #include <vector>
 
-#include "tpipe/schedule.h"
+#include "tpipe/costs.h"
+#include "tpipe/errors.h"
 
 namespace tpipe {
 
-class PartitionError : public std::invalid_argument {
+class PartitionError : public UserError {
  public:
-  using std::invalid_argument::invalid_argument;
+  using UserError::UserError;
 };
 
 // Layers per stage as evenly as possible; earlier stages take the remainder.
@@ -37,42 +38,30 @@ std::vector<int> balanceOf(const std::vector<int>& boundaries);
 
 namespace tpipe {
 
-// What one layer costs, per micro-batch of the profiled size.
-struct LayerCost {
-  std::string name;
-  double forwardMs = 0.0;
-  double backwardMs = 0.0;
-  int64_t paramBytes = 0;
-  // The layer's output per micro-batch: what crosses a link when a stage
-  // ends here, and the stage input the next stage keeps under remat.
-  int64_t activationBytes = 0;
-  // Bytes the layer keeps alive for its backward when not rematerialized.
-  int64_t stashBytes = 0;
-};
-
-struct DeviceSpec {
-  std::string name;
-  double speed = 1.0;          // relative: a stage's time is divided by it
-  int64_t memoryBytes = 0;     // capacity; 0: unlimited
-  double linkBytesPerMs = 0.0; // to the next device; 0: transfers are free
-};
-
-// How many micro-batches of activations a stage keeps, from the schedule
-// and checkpoint mode; and the optimizer's state per parameter byte.
+// What a stage holds per micro-batch in flight, and the optimizer's state
+// per parameter byte. The counts come from the schedule's own simulation
+// (the plan resolver asks the simulator), so the partitioner knows nothing
+// of schedules: for stage k, stashed[k] micro-batches keep their stage input
+// and live[k] of them keep their whole activation graph (the rest are
+// rematerialized before their backward). Empty vectors mean one of each.
 struct MemoryModel {
-  std::string schedule = "gpipe";  // gpipe | 1f1b | interleaved-1f1b | zb-h1
-  std::string checkpoint = "never";  // always | except_last | never
-  int microBatches = 1;
+  std::vector<int> stashed;
+  std::vector<int> live;
   double optimizerFactor = 0.0;  // sgd 0, sgd+momentum 1, adam 2
   int64_t inputBytes = 0;        // the model input per micro-batch
+
+  int stashedAt(int stage) const;
+  int liveAt(int stage) const;
+  // No stage rematerializes: it keeps the whole graph of everything it holds.
+  bool keepsEverything() const;
 };
 
 struct PartitionProblem {
   std::vector<LayerCost> layers;
   std::vector<DeviceSpec> devices;
-  // Stage k runs on devices[k]. 0: choose the stage count (1 to the device
-  // count) that minimizes the predicted fill-drain step time.
-  int stages = 0;
+  // Stage k runs on devices[k]. Choosing the stage count is the plan
+  // resolver's job (it simulates each candidate's schedule).
+  int stages = 1;
   MemoryModel memory;
 };
 
@@ -99,9 +88,6 @@ struct PartitionPlan {
 // "1.50 GiB", "512.00 MiB", "12 B".
 std::string formatBytes(int64_t bytes);
 
-// Micro-batches stage k of p keeps in flight under the memory model.
-int inFlightMicroBatches(const MemoryModel& memory, int stage, int stages);
-
 // Evaluates one given partition (no search): times and memory per stage.
 PartitionPlan evaluatePartition(const PartitionProblem& problem,
                                 const std::vector<int>& boundaries);
@@ -112,10 +98,5 @@ PartitionPlan evaluatePartition(const PartitionProblem& problem,
 // PartitionError explaining infeasibility: a layer too large for every
 // device, or the number of devices of this size that would fit.
 PartitionPlan optimalPartition(const PartitionProblem& problem);
-
-// Per-stage costs for the schedule simulator: forward and backward sums
-// scaled by the device speed, B and W as halves of the backward, recompute
-// as one more forward, transfer from the link.
-std::vector<StageCosts> stageCostsOf(const PartitionProblem& problem, const PartitionPlan& plan);
 
 }  // namespace tpipe

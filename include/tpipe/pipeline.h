@@ -48,6 +48,7 @@
 #include <torch/nn/modules/container/sequential.h>
 
 #include "tpipe/distributed.h"
+#include "tpipe/plan.h"
 #include "tpipe/schedule.h"
 #include "tpipe/trace.h"
 
@@ -62,18 +63,23 @@ using LayerList = std::vector<NamedLayer>;
 // The children of a Sequential, named "0", "1", ... as PyTorch names them.
 LayerList layersOf(const torch::nn::Sequential& sequential);
 
-// Parameter elements per layer (what PartitionMethod::kParameters balances).
+// Parameter elements per layer.
 std::vector<int64_t> parameterCounts(const LayerList& layers);
 
-enum class PartitionMethod {
-  kUniform,     // layers per stage as even as possible
-  kParameters,  // balance parameter counts (optimal min-max)
-  kBalance,     // PipelineOptions::balance, layers per stage
-};
+// Costs known without running anything: each layer's parameter bytes (what
+// PartitionMethod::kParameters balances), no times.
+std::vector<LayerCost> parameterCosts(const LayerList& layers);
 
 struct PipelineOptions {
   // "cpu:K" is a virtual CPU device (its own worker); "cuda:K" a GPU.
   std::vector<std::string> devices{"cpu:0"};
+  // A resolved plan (resolvePlan over measured costs, as the trainer
+  // makes): its boundaries and schedule are run as they are, and stages,
+  // partition, balance, microBatches, schedule, virtualStages and checkpoint
+  // below must agree with it or stay at their defaults. Without one, the
+  // pipeline asks resolvePlan itself with parameterCosts(layers); kTime then
+  // needs a plan, since only measured costs can choose by time.
+  std::shared_ptr<const Plan> plan;
   // Total stages; 0 means one per device (times virtualStages).
   int stages = 0;
   PartitionMethod partition = PartitionMethod::kUniform;
@@ -157,6 +163,7 @@ class Pipeline {
 
   const LayerList& layers() const;
   const std::vector<int>& boundaries() const;  // stages + 1 layer indices
+  const Plan& plan() const;  // what runs: boundaries, schedule, predictions
   const Schedule& schedule() const;
   const PipelineOptions& options() const;
   // The device each stage runs on, as named in the options.

@@ -1,10 +1,21 @@
-// Measuring per-layer costs for the partitioner, and planning from them.
+// Measuring per-layer costs for the plan resolver (tpipe/plan.h).
 //
 // profileLayers runs each layer forward and backward on sample micro-batches
 // on the device it will run on: warm-up, then the median of several runs, at
 // a few micro-batch sizes, with a least-squares fit t = a + b * n so plans
-// for other micro-batch counts need no new measurement. Memory comes from
-// LibTorch's allocator (bytes the forward leaves alive for the backward).
+// for other micro-batch counts need no new measurement. Memory comes from the
+// device's own allocator statistics (the counting CPU allocator; CUDA's
+// caching allocator in CUDA builds): bytes the forward leaves alive for the
+// backward.
+//
+// Noise: measurement rounds repeat until the medians' relative uncertainty
+// (Profile::noise, about two standard errors of the summed medians) is below
+// ProfileOptions::noiseBound, or maxRounds pass (Profile::settled says
+// which). The plan resolver treats plans closer than the noise as equal.
+//
+// The caller's modules are left exactly as found: device, parameter values,
+// gradients (the .grad tensors themselves), buffers (batch norm statistics)
+// and the process's default CPU generator.
 #pragma once
 
 #include <cstdint>
@@ -15,8 +26,7 @@
 #include <ATen/core/Tensor.h>
 #include <nlohmann/json_fwd.hpp>
 
-#include "tpipe/config.h"
-#include "tpipe/partition.h"
+#include "tpipe/costs.h"
 #include "tpipe/pipeline.h"
 
 namespace tpipe {
@@ -41,6 +51,9 @@ struct Profile {
   int64_t inputBytes = 0;  // the model input per micro-batch
   std::vector<int64_t> fitSizes;
   std::vector<LayerProfile> layers;
+  double noise = 0.0;  // relative uncertainty of the summed medians
+  int rounds = 1;
+  bool settled = true;  // noise reached ProfileOptions::noiseBound
 
   // Costs at another micro-batch size: times from the fits, bytes scaled.
   std::vector<LayerCost> costsAt(int64_t microBatchSize) const;
@@ -51,6 +64,11 @@ struct ProfileOptions {
   int warmup = 2;
   int repeats = 5;
   std::string device = "cpu";
+  int maxRounds = 4;
+  double noiseBound = 0.03;
+  // The least noise the resolver is told: run-to-run drift of a shared
+  // machine that no repetition inside one call sees.
+  double noiseFloor = 0.02;
 };
 
 // `sample(n)` returns a model input batch of n samples.
@@ -59,15 +77,5 @@ Profile profileLayers(const LayerList& layers, const std::function<at::Tensor(in
 
 nlohmann::json profileToJson(const Profile& profile);
 Profile profileFromJson(const nlohmann::json& json);  // throws ConfigError
-
-// The partition problem a config poses: its devices (speed, memory), memory
-// model (schedule, checkpoint, micro-batches, optimizer) and stage count.
-PartitionProblem partitionProblem(const Config& config, const std::vector<LayerCost>& costs,
-                                  int64_t inputBytes);
-
-// Boundaries for the config's partition method: `time` is the optimal plan,
-// the others are evaluated as configured.
-PartitionPlan planFor(const Config& config, const PartitionProblem& problem,
-                      const std::vector<int64_t>& parameterCounts);
 
 }  // namespace tpipe

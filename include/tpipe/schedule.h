@@ -19,6 +19,9 @@
 
 #include <nlohmann/json_fwd.hpp>
 
+#include "tpipe/costs.h"
+#include "tpipe/errors.h"
+
 namespace tpipe {
 
 // Which micro-batches keep only their stage input during the forward and
@@ -135,9 +138,9 @@ Schedule forwardOnlySchedule(int ranks, int virtualStages, int microBatches);
 // micro-batches.
 Schedule makeSchedule(const ScheduleSpec& spec);
 
-class ScheduleError : public std::invalid_argument {
+class ScheduleError : public UserError {
  public:
-  using std::invalid_argument::invalid_argument;
+  using UserError::UserError;
 };
 
 // Throws ScheduleError naming the first violated rule: every micro-batch
@@ -149,15 +152,6 @@ void validate(const Schedule& schedule);
 
 // Per-stage costs in any time unit. Transfer is the time from the end of a
 // send on one stage to the data being available on the neighbour.
-struct StageCosts {
-  double forward = 1.0;
-  double backward = 2.0;        // a whole Backward
-  double backwardInput = 1.0;   // zero-bubble B
-  double backwardWeight = 1.0;  // zero-bubble W
-  double recompute = 1.0;
-  double transfer = 0.0;
-};
-
 struct TimedInstruction {
   int rank;
   int index;  // position in schedule.perRank[rank]

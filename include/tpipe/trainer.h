@@ -50,13 +50,33 @@ void checkLossFits(const Config& config, const BuiltModel& model);
 
 // Profiles the config's model at its micro-batch size (batch / micro-batches)
 // on the first pipeline device's type.
-Profile profileModel(const Config& config, const BuiltModel& model, int repeats = 5);
+Profile profileModel(const Config& config, const BuiltModel& model);
 
-// The boundaries training will use: the configured method, planned from a
-// fresh profile when the method is `time`.
-PartitionPlan planModel(const Config& config, const BuiltModel& model, const Profile& profile);
+// Per-layer costs for planning, and where they came from.
+struct TrainingCosts {
+  std::vector<LayerCost> layers;
+  int64_t inputBytes = 0;
+  double noise = 0.0;
+  std::string source;  // "parameter bytes", "measured now", "profile.json"
+};
+
+// Whether the config's plan needs measured times or bytes: partition `time`,
+// or a device with a memory capacity.
+bool needsMeasuredCosts(const Config& config);
+
+// Costs for the config's plan: read from a saved profile (`tpipe profile
+// --out`) when profilePath is given, measured now when `measure`, else
+// parameter bytes alone. A profile of another model is a ConfigError.
+TrainingCosts trainingCosts(const Config& config, const BuiltModel& model, const std::string& profilePath,
+                            bool measure);
+
+// The plan resolver's request for a config: its devices (speed, memory),
+// partition method, schedule, micro-batches, checkpoint mode and optimizer.
+PlanRequest planRequest(const Config& config, const TrainingCosts& costs);
 
 struct TrainOptions {
+  // Plan from this saved profile instead of measuring (reproducible plans).
+  std::string profilePath;
   std::string metricsPath;  // JSON lines; empty: none
   std::string saveDir;      // checkpoints; empty: none
   std::string resumeDir;    // continue from this checkpoint; empty: start

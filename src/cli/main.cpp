@@ -12,6 +12,7 @@
 #include "tpipe/config.h"
 #include "tpipe/distributed.h"
 #include "tpipe/partition.h"
+#include "tpipe/plan.h"
 #include "tpipe/profile.h"
 #include "tpipe/pipeline.h"
 #include "tpipe/trainer.h"
@@ -64,86 +65,43 @@ int validateConfig(const std::string& path, const std::vector<std::string>& over
   return 0;
 }
 
-nlohmann::json planToJson(const tpipe::PartitionPlan& plan) {
-  nlohmann::json stages = nlohmann::json::array();
-  for (const auto& stage : plan.stages) {
-    stages.push_back({{"device", stage.device},
-                      {"first_layer", stage.firstLayer},
-                      {"end_layer", stage.endLayer},
-                      {"compute_ms", stage.computeMs},
-                      {"transfer_ms", stage.transferMs},
-                      {"time_ms", stage.timeMs},
-                      {"param_bytes", stage.paramBytes},
-                      {"memory_bytes", stage.memoryBytes},
-                      {"activation_bytes", stage.activationBytes},
-                      {"capacity_bytes", stage.capacityBytes},
-                      {"in_flight_micro_batches", stage.inFlight}});
-  }
-  return {{"boundaries", plan.boundaries}, {"bottleneck_ms", plan.bottleneckMs}, {"stages", stages}};
-}
-
-tpipe::Schedule scheduleFor(const tpipe::MemoryModel& memory, int stages, int virtualStages) {
-  tpipe::ScheduleSpec spec;
-  spec.name = memory.schedule;
-  spec.ranks = stages / virtualStages;
-  spec.virtualStages = virtualStages;
-  spec.microBatches = memory.microBatches;
-  spec.checkpoint = tpipe::parseCheckpointMode(memory.checkpoint);
-  return tpipe::makeSchedule(spec);
-}
-
-void printPlan(const tpipe::PartitionProblem& problem, const tpipe::PartitionPlan& plan, int virtualStages) {
-  std::printf("%-5s %-8s %-14s %10s %10s %24s\n", "stage", "device", "layers", "time ms", "params",
-              "memory / capacity");
-  for (size_t k = 0; k < plan.stages.size(); ++k) {
-    const auto& s = plan.stages[k];
-    const std::string layers = std::to_string(s.firstLayer) + "-" + std::to_string(s.endLayer - 1) + " (" +
-                               std::to_string(s.endLayer - s.firstLayer) + ")";
-    const std::string memory = tpipe::formatBytes(s.memoryBytes) + " / " +
-                               (s.capacityBytes > 0 ? tpipe::formatBytes(s.capacityBytes) : std::string("-"));
-    const bool over = s.capacityBytes > 0 && s.memoryBytes > s.capacityBytes;
-    std::printf("%-5zu %-8s %-14s %10.3f %10s %24s%s\n", k, s.device.c_str(), layers.c_str(), s.timeMs,
-                tpipe::formatBytes(s.paramBytes).c_str(), memory.c_str(), over ? "  OVER CAPACITY" : "");
-  }
-  const tpipe::Schedule schedule = scheduleFor(problem.memory, static_cast<int>(plan.stages.size()), virtualStages);
-  const tpipe::Simulation simulation = tpipe::simulate(schedule, tpipe::stageCostsOf(problem, plan));
-  std::printf("bottleneck %.3f ms per micro-batch; %s with %d micro-batches, checkpoint %s:\n", plan.bottleneckMs,
-              schedule.name.c_str(), schedule.microBatches, problem.memory.checkpoint.c_str());
-  tpipe::printSimulation(std::cout, schedule, simulation);
-}
-
 // Variants of an infeasible request that would fit, so the user knows what
 // to change.
-void suggestFits(const tpipe::PartitionProblem& problem) {
+void suggestFits(const tpipe::PlanRequest& request) {
   struct Variant {
     std::string what;
-    tpipe::PartitionProblem problem;
+    tpipe::PlanRequest request;
   };
   std::vector<Variant> variants;
   auto add = [&](std::string what, auto change) {
-    tpipe::PartitionProblem copy = problem;
+    tpipe::PlanRequest copy = request;
+    copy.partition = tpipe::PartitionMethod::kTime;
+    copy.balance.clear();
     change(copy);
     variants.push_back({std::move(what), std::move(copy)});
   };
-  add("rematerialization (pipeline.checkpoint = always)", [](auto& p) { p.memory.checkpoint = "always"; });
-  add("1F1B (pipeline.schedule = 1f1b)", [](auto& p) { p.memory.schedule = "1f1b"; });
-  add("1F1B with rematerialization", [](auto& p) {
-    p.memory.schedule = "1f1b";
-    p.memory.checkpoint = "always";
+  add("rematerialization (pipeline.checkpoint = always)", [](auto& r) {
+    r.checkpoint = tpipe::CheckpointMode::kAlways;
   });
-  add("twice the micro-batches (half their size)", [](auto& p) {
-    p.memory.microBatches *= 2;
-    p.memory.inputBytes /= 2;
-    for (auto& layer : p.layers) {
+  add("1F1B (pipeline.schedule = 1f1b)", [](auto& r) { r.schedule = "1f1b"; });
+  add("1F1B with rematerialization", [](auto& r) {
+    r.schedule = "1f1b";
+    r.checkpoint = tpipe::CheckpointMode::kAlways;
+  });
+  add("twice the micro-batches (half their size)", [](auto& r) {
+    r.microBatches *= 2;
+    r.inputBytes /= 2;
+    for (auto& layer : r.layers) {
       layer.activationBytes /= 2;
       layer.stashBytes /= 2;
     }
   });
-  const int devices = static_cast<int>(problem.devices.size());
-  for (int more = devices + 1; more <= std::min<int>(static_cast<int>(problem.layers.size()), devices * 8); ++more) {
-    add(std::to_string(more) + " devices like " + problem.devices.front().name, [&](auto& p) {
-      p.devices.assign(more, problem.devices.front());
-      p.stages = more;
+  const int devices = static_cast<int>(request.devices.size());
+  const int layers = static_cast<int>(request.layers.size());
+  for (int more = devices + 1; more <= std::min(layers, devices * 8); ++more) {
+    add(std::to_string(more) + " devices like " + request.devices.front().name, [&](auto& r) {
+      r.devices.assign(more, request.devices.front());
+      r.stages = more;
     });
   }
   bool anyDeviceCount = false;
@@ -151,72 +109,69 @@ void suggestFits(const tpipe::PartitionProblem& problem) {
     const bool deviceVariant = variant.what.find(" devices like ") != std::string::npos;
     if (deviceVariant && anyDeviceCount) continue;
     try {
-      const tpipe::PartitionPlan plan = tpipe::optimalPartition(variant.problem);
+      const tpipe::Plan plan = tpipe::resolvePlan(variant.request);
       int64_t peak = 0;
       for (const auto& stage : plan.stages) peak = std::max(peak, stage.memoryBytes);
       std::printf("  would fit: %s (largest stage %s)\n", variant.what.c_str(), tpipe::formatBytes(peak).c_str());
       anyDeviceCount = anyDeviceCount || deviceVariant;
-    } catch (const tpipe::PartitionError&) {
+    } catch (const tpipe::UserError&) {
     }
   }
 }
 
+// A saved profile without a config: `stages` identical CPU devices.
+tpipe::PlanRequest profileOnlyRequest(const std::string& profilePath, int stages) {
+  if (stages < 1) throw tpipe::ConfigError("--stages: required with --profile and no CONFIG (a positive integer)");
+  std::ifstream file(profilePath);
+  if (!file) throw tpipe::ConfigError("--profile: cannot read " + profilePath);
+  nlohmann::json profileJson;
+  try {
+    profileJson = nlohmann::json::parse(file);
+  } catch (const nlohmann::json::parse_error& error) {
+    throw tpipe::ConfigError("--profile: " + profilePath + " is not valid JSON: " + error.what());
+  }
+  const tpipe::Profile profile = tpipe::profileFromJson(profileJson);
+  tpipe::PlanRequest request;
+  request.layers = profile.costsAt(profile.microBatchSize);
+  request.costSource = profilePath;
+  request.costNoise = profile.noise;
+  for (int k = 0; k < stages; ++k) request.devices.push_back({"cpu:" + std::to_string(k)});
+  request.stages = stages;
+  request.partition = tpipe::PartitionMethod::kTime;
+  return request;
+}
+
+// `plan` resolves exactly what `train` would run: the same request builder
+// and resolver; with the same --profile file, the same plan.
 int planCommand(const std::string& configPath, const std::vector<std::string>& overrides,
                 const std::string& profilePath, int stages, bool json) {
-  tpipe::PartitionProblem problem;
-  tpipe::PartitionPlan plan;
-  int virtualStages = 1;
-  if (!profilePath.empty()) {
-    std::ifstream file(profilePath);
-    if (!file) throw tpipe::ConfigError("--profile: cannot read " + profilePath);
-    nlohmann::json profileJson;
-    try {
-      profileJson = nlohmann::json::parse(file);
-    } catch (const nlohmann::json::parse_error& error) {
-      throw tpipe::ConfigError("--profile: " + profilePath + " is not valid JSON: " + error.what());
-    }
-    const tpipe::Profile profile = tpipe::profileFromJson(profileJson);
-    if (stages < 1) throw tpipe::ConfigError("--stages: required with --profile (a positive integer)");
-    problem.layers = profile.costsAt(profile.microBatchSize);
-    for (int k = 0; k < stages; ++k) problem.devices.push_back({"cpu:" + std::to_string(k), 1.0, 0, 0.0});
-    problem.stages = stages;
-    plan = tpipe::optimalPartition(problem);
+  tpipe::PlanRequest request;
+  if (configPath.empty()) {
+    request = profileOnlyRequest(profilePath, stages);
   } else {
     tpipe::Config config = tpipe::parseConfig(configJson(configPath, overrides));
     if (stages > 0) config.pipeline.stages = stages;
-    virtualStages = config.pipeline.virtualStages;
     const tpipe::BuiltModel model = tpipe::buildModel(config.model, config.train.seed);
-    const tpipe::Profile profile = tpipe::profileModel(config, model);
-    const std::vector<int64_t> parameters = tpipe::parameterCounts(model.layers);
-    problem = tpipe::partitionProblem(config, profile.costsAt(profile.microBatchSize), profile.inputBytes);
-    try {
-      plan = tpipe::planFor(config, problem, parameters);
-    } catch (const tpipe::PartitionError& error) {
-      std::printf("INFEASIBLE: %s\n", error.what());
-      suggestFits(problem);
-      return 1;
-    }
-    bool over = false;
-    for (const auto& stage : plan.stages) over = over || (stage.capacityBytes > 0 && stage.memoryBytes > stage.capacityBytes);
-    if (!json) {
-      std::printf("partition '%s', profiled at %lld samples per micro-batch on %s\n", config.pipeline.partition.c_str(),
-                  static_cast<long long>(profile.microBatchSize), profile.device.c_str());
-    }
-    if (over && !json) {
-      printPlan(problem, plan, virtualStages);
-      std::printf("INFEASIBLE: a stage exceeds its device's capacity with partition '%s'\n",
-                  config.pipeline.partition.c_str());
-      suggestFits(problem);
-      return 1;
-    }
+    request = tpipe::planRequest(config, tpipe::trainingCosts(config, model, profilePath, true));
+  }
+  tpipe::Plan plan;
+  try {
+    plan = tpipe::resolvePlan(request);
+  } catch (const tpipe::PartitionError& error) {
+    std::printf("INFEASIBLE: %s\n", error.what());
+    suggestFits(request);
+    return 2;
   }
   if (json) {
-    nlohmann::json out = planToJson(plan);
-    const tpipe::Schedule schedule = scheduleFor(problem.memory, static_cast<int>(plan.stages.size()), virtualStages);
-    out["simulation"] = tpipe::simulationToJson(schedule, tpipe::simulate(schedule, tpipe::stageCostsOf(problem, plan)));
-    std::cout << out.dump(1) << '\n';
-  } else {
-    printPlan(problem, plan, virtualStages);
+    std::cout << tpipe::planToJson(plan).dump(1) << '\n';
+    return plan.overCapacity() ? 2 : 0;
+  }
+  tpipe::printPlan(std::cout, plan);
+  if (plan.overCapacity()) {
+    std::printf("INFEASIBLE: a stage exceeds its device's capacity with partition '%s'\n",
+                tpipe::partitionMethodName(plan.partition));
+    suggestFits(request);
+    return 2;
   }
   return 0;
 }
@@ -233,8 +188,9 @@ int profileCommand(const std::string& configPath, const std::vector<std::string>
                 tpipe::formatBytes(layer.cost.activationBytes).c_str(),
                 tpipe::formatBytes(layer.cost.stashBytes).c_str());
   }
-  std::printf("(median of 5 runs at %lld samples per micro-batch on %s)\n",
-              static_cast<long long>(profile.microBatchSize), profile.device.c_str());
+  std::printf("(medians over %d round(s) at %lld samples per micro-batch on %s; noise %.1f%%%s)\n",
+              profile.rounds, static_cast<long long>(profile.microBatchSize), profile.device.c_str(),
+              100.0 * profile.noise, profile.settled ? "" : ", still above the bound");
   if (!outPath.empty()) {
     std::ofstream out(outPath);
     out << tpipe::profileToJson(profile).dump(1) << '\n';
@@ -282,6 +238,9 @@ int main(int argc, char** argv) {
   train->add_flag("--memory-report", trainOptions.memoryReport,
                   "measure memory per device next to the partitioner's prediction");
   train->add_option("--record-steps", trainOptions.recordSteps, "how many final steps to record (default 5)");
+  train->add_option("--profile", trainOptions.profilePath,
+                    "plan from this saved profile (tpipe profile --out) instead of measuring")
+      ->check(CLI::ExistingFile);
   train->add_option("--stop-after", trainOptions.stopAfter,
                     "stop after this many steps (a preemption: the schedule still spans train.steps)");
 
@@ -302,9 +261,9 @@ int main(int argc, char** argv) {
   bool planJson = false;
   plan->add_option("config", configPath, "JSON config file")->check(CLI::ExistingFile);
   plan->add_option("--set", overrides, "override a config value: key.path=value");
-  plan->add_option("--profile", profilePath, "plan from a saved profile instead of a config")
+  plan->add_option("--profile", profilePath, "plan from a saved profile (with or without a CONFIG)")
       ->check(CLI::ExistingFile);
-  plan->add_option("--stages", planStages, "stage count (required with --profile)");
+  plan->add_option("--stages", planStages, "stage count (required with --profile and no CONFIG)");
   plan->add_flag("--json", planJson, "print JSON");
 
   auto* profile = app.add_subcommand("profile", "measure each layer's time and memory");
@@ -364,10 +323,7 @@ int main(int argc, char** argv) {
       spec.checkpoint = tpipe::parseCheckpointMode(checkpoint);
       return printSchedule(spec, json);
     }
-  } catch (const tpipe::ConfigError& error) {
-    std::cerr << "tpipe: error: " << error.what() << '\n';
-    return 2;
-  } catch (const std::invalid_argument& error) {  // schedule and partition errors
+  } catch (const tpipe::UserError& error) {  // configs, files, schedules, partitions, peers
     std::cerr << "tpipe: error: " << error.what() << '\n';
     return 2;
   } catch (const c10::Error& error) {

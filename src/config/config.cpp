@@ -429,6 +429,10 @@ Config parseConfig(const Json& json) {
             (*balance)[i], "pipeline.balance[" + std::to_string(i) + "]", 1, "a positive integer")));
       }
       if (!pipeline.find("partition")) p.partition = "balance";
+      if (p.partition != "balance") {
+        fail("pipeline.balance", "given together with partition '" + p.partition +
+                                     "': a balance fixes the partition; drop one of the two");
+      }
     }
     if (p.partition == "balance" && p.balance.empty()) {
       fail("pipeline.balance", "missing (required by partition 'balance')");

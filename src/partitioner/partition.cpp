@@ -115,11 +115,20 @@ std::string formatBytes(int64_t bytes) {
   return text;
 }
 
-int inFlightMicroBatches(const MemoryModel& memory, int stage, int stages) {
-  const int m = std::max(1, memory.microBatches);
-  if (memory.schedule == "gpipe") return m;
-  if (memory.schedule == "zb-h1") return std::min(m, stages);  // W deferred
-  return std::min(m, stages - stage);                         // 1F1B family
+int MemoryModel::stashedAt(int stage) const {
+  return stage < static_cast<int>(stashed.size()) ? std::max(1, stashed[stage]) : 1;
+}
+
+int MemoryModel::liveAt(int stage) const {
+  return stage < static_cast<int>(live.size()) ? std::max(1, live[stage]) : 1;
+}
+
+bool MemoryModel::keepsEverything() const {
+  const size_t stages = std::max(stashed.size(), live.size());
+  for (size_t k = 0; k < stages; ++k) {
+    if (stashedAt(static_cast<int>(k)) != liveAt(static_cast<int>(k))) return false;
+  }
+  return true;
 }
 
 namespace {
@@ -191,19 +200,15 @@ class Costs {
     return first == 0 ? problem_.memory.inputBytes : problem_.layers[first - 1].activationBytes;
   }
 
-  // Stage inputs and stashed activations of the micro-batches in flight (with
-  // remat, inputs only and one micro-batch recomputed), plus the backward's
-  // workspace: one layer's weight gradient before it is accumulated and the
-  // gradients of one layer's input and output.
+  // The stage inputs of the micro-batches it holds, the whole activation
+  // graphs of those not rematerialized, plus the backward's workspace: one
+  // layer's weight gradient before it is accumulated and the gradients of one
+  // layer's input and output.
   int64_t activationMemory(int first, int end, int stage) const {
-    const int64_t inFlight = inFlightMicroBatches(problem_.memory, stage, stages_);
     const int64_t stash = prefix_.stash[end] - prefix_.stash[first];
     const int64_t workspace = largestParams_.over(first, end) + 2 * largestOutput_.over(first, end);
-    const std::string& mode = problem_.memory.checkpoint;
     const int64_t input = inputBytes(first);  // each micro-batch's stage input
-    if (mode == "always") return inFlight * input + stash + workspace;
-    if (mode == "except_last") return inFlight * input + stash + workspace;
-    return inFlight * (input + stash) + workspace;
+    return problem_.memory.stashedAt(stage) * input + problem_.memory.liveAt(stage) * stash + workspace;
   }
 
   int64_t memory(int first, int end, int stage) const {
@@ -240,7 +245,7 @@ class Costs {
     }
     // Rematerialization charges the stage input, which a shorter stage may
     // have larger: sub-ranges are not always cheaper then.
-    return device(0).memoryBytes <= 0 || problem_.memory.checkpoint == "never";
+    return device(0).memoryBytes <= 0 || problem_.memory.keepsEverything();
   }
 
   bool hasLinks() const {
@@ -361,9 +366,17 @@ std::string explainInfeasible(const PartitionProblem& problem, int stages) {
   std::string message = "the model needs " + formatBytes(whole.stages[0].memoryBytes) +
                         " on one device; it does not fit in " + std::to_string(stages) + " stage(s) on " +
                         std::to_string(stages) + " device(s) of " + formatBytes(problem.devices[0].memoryBytes);
+  // Residency for stage counts nobody simulated: every stage holds as much as
+  // the fullest stage of this one (conservative for the 1F1B family).
   PartitionProblem more = problem;
+  auto fullest = [](const std::vector<int>& counts) {
+    return counts.empty() ? 1 : *std::max_element(counts.begin(), counts.end());
+  };
+  const int stashed = fullest(problem.memory.stashed), live = fullest(problem.memory.live);
   for (int count = stages + 1; count <= costs.layers(); ++count) {
     more.devices.assign(count, problem.devices[0]);
+    more.memory.stashed.assign(count, stashed);
+    more.memory.live.assign(count, live);
     for (auto& device : more.devices) device.linkBytesPerMs = 0.0;
     const Costs moreCosts(more, count);
     std::vector<std::vector<int>> memoryEnd(count, std::vector<int>(costs.layers()));
@@ -433,33 +446,11 @@ PartitionPlan evaluatePartition(const PartitionProblem& problem, const std::vect
     report.memoryBytes = costs.memory(report.firstLayer, report.endLayer, k);
     report.activationBytes = costs.activationMemory(report.firstLayer, report.endLayer, k);
     report.capacityBytes = problem.devices[k].memoryBytes;
-    report.inFlight = inFlightMicroBatches(problem.memory, k, stages);
+    report.inFlight = problem.memory.stashedAt(k);
     plan.bottleneckMs = std::max(plan.bottleneckMs, report.timeMs);
     plan.stages.push_back(report);
   }
   return plan;
-}
-
-std::vector<StageCosts> stageCostsOf(const PartitionProblem& problem, const PartitionPlan& plan) {
-  std::vector<StageCosts> costs;
-  for (size_t k = 0; k < plan.stages.size(); ++k) {
-    const StageReport& stage = plan.stages[k];
-    double forward = 0.0, backward = 0.0;
-    for (int l = stage.firstLayer; l < stage.endLayer; ++l) {
-      forward += problem.layers[l].forwardMs;
-      backward += problem.layers[l].backwardMs;
-    }
-    const double speed = problem.devices[k].speed;
-    StageCosts c;
-    c.forward = forward / speed;
-    c.backward = backward / speed;
-    c.backwardInput = c.backward / 2;
-    c.backwardWeight = c.backward / 2;
-    c.recompute = c.forward;
-    c.transfer = stage.transferMs;
-    costs.push_back(c);
-  }
-  return costs;
 }
 
 PartitionPlan optimalPartition(const PartitionProblem& problem) {
@@ -470,32 +461,12 @@ PartitionPlan optimalPartition(const PartitionProblem& problem) {
   for (const auto& device : problem.devices) {
     if (!(device.speed > 0.0)) throw PartitionError("device '" + device.name + "' has a non-positive speed");
   }
-  if (problem.stages > 0) {
-    requireSplittable(n, problem.stages);
-    if (problem.stages > devices) {
-      throw PartitionError(std::to_string(problem.stages) + " stages need " + std::to_string(problem.stages) +
-                           " devices, got " + std::to_string(devices));
-    }
-    return optimalForStages(problem, problem.stages);
+  requireSplittable(n, problem.stages);
+  if (problem.stages > devices) {
+    throw PartitionError(std::to_string(problem.stages) + " stages need " + std::to_string(problem.stages) +
+                         " devices, got " + std::to_string(devices));
   }
-  // Choose the stage count: the fill-drain step is (m + p - 1) bottlenecks.
-  PartitionPlan best;
-  double bestStep = std::numeric_limits<double>::infinity();
-  std::string lastError;
-  for (int stages = 1; stages <= std::min(n, devices); ++stages) {
-    try {
-      PartitionPlan plan = optimalForStages(problem, stages);
-      const double step = plan.bottleneckMs * (std::max(1, problem.memory.microBatches) + stages - 1);
-      if (step < bestStep * (1 - 1e-12)) {
-        bestStep = step;
-        best = std::move(plan);
-      }
-    } catch (const PartitionError& error) {
-      lastError = error.what();
-    }
-  }
-  if (best.boundaries.empty()) throw PartitionError(lastError);
-  return best;
+  return optimalForStages(problem, problem.stages);
 }
 
 }  // namespace tpipe

@@ -113,7 +113,7 @@ std::array<bool, kMaxDevices> slotTaken{};
 
 int acquireSlot() {
   std::lock_guard<std::mutex> lock(slotMutex);
-  for (int slot = 0; slot < kMaxDevices - 1; ++slot) {  // the last is the profiler's
+  for (int slot = 0; slot < kMaxDevices; ++slot) {
     if (slotTaken[slot]) continue;
     slotTaken[slot] = true;
     DeviceCounters& c = counters()[slot];
@@ -121,7 +121,7 @@ int acquireSlot() {
     c.peak = c.live.load();
     return slot;
   }
-  TORCH_CHECK(false, "memory accounting: more than ", kMaxDevices - 1, " devices in live pipelines");
+  TORCH_CHECK(false, "memory accounting: more than ", kMaxDevices, " devices in live pipelines and profilers");
 }
 
 void releaseSlot(int slot) {

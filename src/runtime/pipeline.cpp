@@ -34,6 +34,19 @@ LayerList layersOf(const torch::nn::Sequential& sequential) {
   return layers;
 }
 
+std::vector<LayerCost> parameterCosts(const LayerList& layers) {
+  std::vector<LayerCost> costs;
+  for (const auto& layer : layers) {
+    LayerCost cost;
+    cost.name = layer.name;
+    for (const auto& parameter : layer.module.ptr()->parameters()) {
+      cost.paramBytes += static_cast<int64_t>(parameter.nbytes());
+    }
+    costs.push_back(cost);
+  }
+  return costs;
+}
+
 std::vector<int64_t> parameterCounts(const LayerList& layers) {
   std::vector<int64_t> counts;
   for (const auto& layer : layers) {
@@ -129,7 +142,11 @@ struct Pipeline::Impl {
     for (int slot : memorySlots) memory::releaseSlot(slot);
   }
 
+  Plan plan;
+
   void resolve();
+  PlanRequest planRequest(size_t deviceCount) const;
+  void checkAgreesWithPlan() const;
   void place();
   void run(runtime::StepState& state, const Schedule& plan);
   std::vector<at::Tensor> split(const at::Tensor& tensor, int chunks,
@@ -145,10 +162,6 @@ void Pipeline::Impl::resolve() {
     TORCH_CHECK(names.insert(layers[i].name).second,
                 "two layers are named '", layers[i].name, "'");
   }
-  TORCH_CHECK(options.microBatches >= 1,
-              "micro-batches must be >= 1, got ", options.microBatches);
-  TORCH_CHECK(options.virtualStages >= 1,
-              "virtual stages must be >= 1, got ", options.virtualStages);
   TORCH_CHECK(options.threadsPerDevice >= 0,
               "threads per device must be >= 0, got ",
               options.threadsPerDevice);
@@ -162,32 +175,17 @@ void Pipeline::Impl::resolve() {
     TORCH_CHECK(seen.insert(name).second || !devices.back().is_cpu(), "device '", name,
                 "' is listed twice; each virtual CPU device runs one worker");
   }
-  if (!options.balance.empty()) {
-    options.partition = PartitionMethod::kBalance;
-    TORCH_CHECK(options.stages == 0 ||
-                    options.stages == static_cast<int>(options.balance.size()),
-                "stages (", options.stages, ") and balance (",
-                options.balance.size(), " entries) disagree");
-    options.stages = static_cast<int>(options.balance.size());
-  }
-  TORCH_CHECK(options.partition != PartitionMethod::kBalance ||
-                  !options.balance.empty(),
-              "partition method 'balance' needs a balance list");
-  const int stages = options.stages > 0
-                         ? options.stages
-                         : static_cast<int>(devices.size()) * options.virtualStages;
-  TORCH_CHECK(options.stages >= 0, "stages must be >= 1, got ", options.stages);
-  TORCH_CHECK(stages <= static_cast<int>(layers.size()), "more stages (",
-              stages, ") than layers (", layers.size(),
-              "): every stage needs at least one layer");
-  TORCH_CHECK(stages % options.virtualStages == 0, "stages (", stages,
-              ") must be a multiple of virtual stages (",
-              options.virtualStages, ")");
-  const int ranks = stages / options.virtualStages;
-  TORCH_CHECK(ranks <= static_cast<int>(devices.size()), stages,
-              " stages with ", options.virtualStages,
-              " virtual stage(s) per device need ", ranks, " devices, got ",
+  const std::shared_ptr<const Plan> given = options.plan;
+  plan = given ? *given : checked([&] { return resolvePlan(planRequest(devices.size())); });
+  TORCH_CHECK(plan.boundaries.size() >= 2 && plan.boundaries.front() == 0 &&
+                  plan.boundaries.back() == static_cast<int>(layers.size()),
+              "the plan's boundaries do not cover the ", layers.size(), " layers");
+  const int ranks = plan.schedule.ranks;
+  TORCH_CHECK(plan.schedule.stages() == plan.stageCount(), "the plan's schedule has ",
+              plan.schedule.stages(), " stages, its boundaries ", plan.stageCount());
+  TORCH_CHECK(ranks <= static_cast<int>(devices.size()), "the plan needs ", ranks, " devices, got ",
               devices.size());
+  if (given) checkAgreesWithPlan();
   rankDevices.assign(devices.begin(), devices.begin() + ranks);
   if (options.communicator) {
     TORCH_CHECK(options.communicator->pipelineRanks() == ranks, "the communicator spans ",
@@ -197,27 +195,42 @@ void Pipeline::Impl::resolve() {
     for (int rank = 0; rank < ranks; ++rank) localRanks.push_back(rank);
   }
 
-  const int layerCount = static_cast<int>(layers.size());
-  boundaries = checked([&] {
-    switch (options.partition) {
-      case PartitionMethod::kBalance:
-        return balanceBoundaries(options.balance, layerCount);
-      case PartitionMethod::kParameters: {
-        const std::vector<int64_t> counts = parameterCounts(layers);
-        return minMaxBoundaries(std::vector<double>(counts.begin(), counts.end()), stages);
-      }
-      case PartitionMethod::kUniform:
-        break;
-    }
-    return uniformBoundaries(layerCount, stages);
-  });
-  ScheduleSpec spec;
-  spec.name = options.schedule;
-  spec.ranks = ranks;
-  spec.microBatches = options.microBatches;
-  spec.virtualStages = options.virtualStages;
-  spec.checkpoint = options.checkpoint;
-  schedule = checked([&] { return makeSchedule(spec); });
+  boundaries = plan.boundaries;
+  schedule = plan.schedule;
+}
+
+PlanRequest Pipeline::Impl::planRequest(size_t deviceCount) const {
+  TORCH_CHECK(options.partition != PartitionMethod::kTime,
+              "partition kTime needs measured costs: pass PipelineOptions::plan from resolvePlan over "
+              "profileLayers' costs (as the trainer does)");
+  PlanRequest request;
+  request.layers = parameterCosts(layers);
+  for (size_t d = 0; d < deviceCount; ++d) request.devices.push_back({options.devices[d]});
+  request.stages = options.stages;
+  // A balance alone implies kBalance; with another method it is an error.
+  request.partition = !options.balance.empty() && options.partition == PartitionMethod::kUniform
+                          ? PartitionMethod::kBalance
+                          : options.partition;
+  request.balance = options.balance;
+  request.schedule = options.schedule;
+  request.microBatches = options.microBatches;
+  request.virtualStages = options.virtualStages;
+  request.checkpoint = options.checkpoint;
+  return request;
+}
+
+// Options that contradict a given plan are errors, not silently ignored.
+void Pipeline::Impl::checkAgreesWithPlan() const {
+  const PipelineOptions defaults;
+  auto agrees = [&](bool same, bool isDefault, const char* what) {
+    TORCH_CHECK(same || isDefault, "PipelineOptions::", what, " disagrees with PipelineOptions::plan");
+  };
+  agrees(options.stages == plan.stageCount(), options.stages == 0, "stages");
+  agrees(options.balance == balanceOf(plan.boundaries), options.balance.empty(), "balance");
+  agrees(options.microBatches == plan.schedule.microBatches, options.microBatches == defaults.microBatches,
+         "microBatches");
+  agrees(options.virtualStages == plan.schedule.virtualStages, options.virtualStages == 1, "virtualStages");
+  agrees(options.checkpoint == plan.checkpoint, options.checkpoint == defaults.checkpoint, "checkpoint");
 }
 
 void Pipeline::Impl::place() {
@@ -447,6 +460,8 @@ std::vector<std::pair<std::string, torch::Tensor>> Pipeline::namedParameters()
 }
 
 const LayerList& Pipeline::layers() const { return impl_->layers; }
+const Plan& Pipeline::plan() const { return impl_->plan; }
+
 const std::vector<int>& Pipeline::boundaries() const {
   return impl_->boundaries;
 }

@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iomanip>
@@ -286,41 +287,64 @@ int64_t loadCheckpoint(const fs::path& root, Pipeline& pipe, torch::optim::Optim
   return step;
 }
 
-PipelineOptions pipelineOptions(const Config& config, const BuiltModel& model,
+// Measured costs are measured once, on rank 0, and sent to every rank as
+// raw numbers, so every process resolves the same plan.
+TrainingCosts sharedCosts(const TrainingCosts& mine, Communicator& world) {
+  auto bits = [](double value) {
+    int64_t out;
+    std::memcpy(&out, &value, sizeof out);
+    return out;
+  };
+  auto number = [](int64_t value) {
+    double out;
+    std::memcpy(&out, &value, sizeof out);
+    return out;
+  };
+  std::vector<int64_t> packed{static_cast<int64_t>(mine.layers.size()), mine.inputBytes, bits(mine.noise)};
+  for (const auto& layer : mine.layers) {
+    packed.insert(packed.end(), {bits(layer.forwardMs), bits(layer.backwardMs), layer.paramBytes,
+                                 layer.activationBytes, layer.stashBytes});
+  }
+  packed = world.broadcast(packed);
+  TrainingCosts costs = mine;
+  if (world.rank() == 0) return costs;
+  costs.inputBytes = packed[1];
+  costs.noise = number(packed[2]);
+  for (size_t l = 0; l < costs.layers.size(); ++l) {
+    const int64_t* item = &packed[3 + 5 * l];
+    costs.layers[l].forwardMs = number(item[0]);
+    costs.layers[l].backwardMs = number(item[1]);
+    costs.layers[l].paramBytes = item[2];
+    costs.layers[l].activationBytes = item[3];
+    costs.layers[l].stashBytes = item[4];
+  }
+  costs.source += " (on rank 0)";
+  return costs;
+}
+
+Plan planFor(const Config& config, const BuiltModel& model, const TrainOptions& options, bool measure,
+             Communicator* world) {
+  const bool measured = measure || !options.profilePath.empty();
+  const bool here = !world || world->rank() == 0;
+  // Ranks other than 0 start from parameter bytes and take rank 0's numbers.
+  TrainingCosts costs = trainingCosts(config, model, here ? options.profilePath : "", measured && here);
+  if (world && measured) costs = sharedCosts(costs, *world);
+  return resolvePlan(planRequest(config, costs));
+}
+
+PipelineOptions pipelineOptions(const Config& config, const BuiltModel& model, const Plan& plan,
                                 const std::shared_ptr<Communicator>& communicator) {
   const auto& p = config.pipeline;
   PipelineOptions options;
   options.devices.clear();
   for (const auto& device : p.devices) options.devices.push_back(device.name);
-  options.stages = p.stages;
-  options.balance = p.balance;
-  options.partition = p.partition == "parameters" ? PartitionMethod::kParameters : PartitionMethod::kUniform;
+  options.plan = std::make_shared<const Plan>(plan);
   options.microBatches = p.microBatches;
   options.schedule = p.schedule;
   options.virtualStages = p.virtualStages;
-  options.checkpoint = parseCheckpointMode(p.checkpoint);
+  options.checkpoint = plan.checkpoint;
   options.threadsPerDevice = p.threadsPerDevice;
   options.seed = config.train.seed;
-  if (p.partition == "time") {
-    // Measured once, on rank 0: every process must cut the model alike.
-    std::vector<int64_t> balance;
-    if (!communicator || communicator->rank() == 0) {
-      for (int layers : balanceOf(planModel(config, model, profileModel(config, model)).boundaries)) {
-        balance.push_back(layers);
-      }
-    }
-    if (communicator) {
-      std::vector<int64_t> sized(model.layers.size() + 1, 0);
-      if (communicator->rank() == 0) {
-        sized[0] = static_cast<int64_t>(balance.size());
-        std::copy(balance.begin(), balance.end(), sized.begin() + 1);
-      }
-      sized = communicator->broadcast(sized);
-      balance.assign(sized.begin() + 1, sized.begin() + 1 + sized[0]);
-    }
-    options.balance.assign(balance.begin(), balance.end());
-    options.stages = static_cast<int>(options.balance.size());
-  }
   options.layerOutputShapes.assign(model.shapes.begin() + 1, model.shapes.end());
   options.communicator = communicator;
   return options;
@@ -374,13 +398,10 @@ std::string duration(double seconds) {
 
 // Sized parts per device and the caps on what workers may allocate: the
 // declared capacity less the parameters and optimizer state living there.
-std::vector<MemoryRow> prepareMemory(const Config& config, const BuiltModel& model, Pipeline& pipe) {
+std::vector<MemoryRow> prepareMemory(const Config& config, Pipeline& pipe) {
   const auto& o = config.train.optimizer;
-  const double factor = o.type == "sgd" ? (o.momentum > 0 ? 1.0 : 0.0) : 2.0;
-  const Profile profile = profileModel(config, model, 1);
-  const PartitionProblem problem = partitionProblem(config, profile.costsAt(profile.microBatchSize),
-                                                    profile.inputBytes);
-  const PartitionPlan predicted = evaluatePartition(problem, pipe.boundaries());
+  const double factor = optimizerStateFactor(o.type, o.momentum);
+  const std::vector<StageReport>& predicted = pipe.plan().stages;
   const int ranks = pipe.schedule().ranks;
   std::vector<MemoryRow> rows(ranks);
   const auto& boundaries = pipe.boundaries();
@@ -388,7 +409,7 @@ std::vector<MemoryRow> prepareMemory(const Config& config, const BuiltModel& mod
     MemoryRow& row = rows[s % ranks];
     row.device = config.pipeline.devices[s % ranks].name;
     row.capacityBytes = config.pipeline.devices[s % ranks].memoryBytes;
-    row.predictedBytes += predicted.stages[s].memoryBytes;
+    row.predictedBytes += predicted[s].memoryBytes;
     for (int l = boundaries[s]; l < boundaries[s + 1]; ++l) {
       for (const auto& p : pipe.layers()[l].module.ptr()->parameters()) {
         const auto bytes = static_cast<int64_t>(p.nbytes());
@@ -468,36 +489,6 @@ void writeTraceOutputs(const Trace& trace, const TrainOptions& options, TrainSum
 
 }  // namespace
 
-Profile profileModel(const Config& config, const BuiltModel& model, int repeats) {
-  ProfileOptions options;
-  const int64_t m = config.pipeline.microBatches;
-  options.microBatchSize = (config.train.batchSize + m - 1) / m;
-  options.repeats = repeats;
-  const std::string& first = config.pipeline.devices.front().name;
-  options.device = first.rfind("cuda", 0) == 0 ? first : "cpu";
-  torch::manual_seed(config.train.seed);
-  const std::vector<int64_t>& shape = model.shapes.front();
-  auto sample = [&](int64_t n) {
-    std::vector<int64_t> sizes{n};
-    sizes.insert(sizes.end(), shape.begin(), shape.end());
-    if (!model.integerInput) return torch::randn(sizes);
-    const int64_t vocab = config.model.layers.front().params["num_embeddings"].get<int64_t>();
-    return torch::randint(vocab, sizes, torch::kLong);
-  };
-  return profileLayers(model.layers, sample, options);
-}
-
-PartitionPlan planModel(const Config& config, const BuiltModel& model, const Profile& profile) {
-  const std::vector<int64_t> parameters = parameterCounts(model.layers);
-  const PartitionProblem problem = partitionProblem(config, profile.costsAt(profile.microBatchSize),
-                                                    profile.inputBytes);
-  try {
-    return planFor(config, problem, parameters);
-  } catch (const PartitionError& error) {
-    throw ConfigError(std::string("pipeline: ") + error.what());
-  }
-}
-
 TrainSummary train(const Config& config, const TrainOptions& givenOptions) {
   const std::shared_ptr<Communicator> communicator = joinWorld(config);
   Communicator* const world = communicator.get();
@@ -518,14 +509,15 @@ TrainSummary train(const Config& config, const TrainOptions& givenOptions) {
   BuiltModel model = buildModel(config.model, config.train.seed);
   setBatchNormMicroBatches(model, config.pipeline.microBatches);
   const Dataset data = loadDataset(config, model);
-  PipelineOptions pipeOptions = pipelineOptions(config, model, communicator);
   bool capped = false;
   for (const auto& device : config.pipeline.devices) capped = capped || device.memoryBytes > 0;
   const bool measureMemory = !world && (capped || options.memoryReport);
+  const Plan plan = planFor(config, model, options, needsMeasuredCosts(config) || measureMemory, world);
+  PipelineOptions pipeOptions = pipelineOptions(config, model, plan, communicator);
   pipeOptions.trackMemory = measureMemory;
   Pipeline pipe(model.layers, pipeOptions);
   std::vector<MemoryRow> memoryRows;
-  if (measureMemory) memoryRows = prepareMemory(config, model, pipe);
+  if (measureMemory) memoryRows = prepareMemory(config, pipe);
   auto optimizer = makeOptimizer(config.train.optimizer, pipe.parameters());
   const LossFunction lossFn = makeLoss(config.train.loss);
   const bool classification = config.train.loss == "cross_entropy";
@@ -556,6 +548,11 @@ TrainSummary train(const Config& config, const TrainOptions& givenOptions) {
   for (int b : pipe.boundaries()) log << ' ' << b;
   log << ", " << config.pipeline.microBatches << " micro-batches, " << config.pipeline.schedule << ", checkpoint "
       << config.pipeline.checkpoint << "\n";
+  log << "plan: partition " << partitionMethodName(plan.partition) << ", costs from " << plan.costSource;
+  if (plan.simulation.makespan > 0) log << ", predicted step " << std::fixed << std::setprecision(2)
+                                        << plan.simulation.makespan << " ms" << std::defaultfloat;
+  log << "\n";
+  for (const auto& note : plan.notes) log << "plan: " << note << "\n";
   if (summary.startStep > 0) log << "resumed at step " << summary.startStep << "\n";
 
   const int64_t total = config.train.steps;

@@ -1,0 +1,114 @@
+// The plan resolver: the one place that decides how a run is laid out.
+//
+// resolvePlan turns (per-layer costs, devices, options) into a Plan: stage
+// boundaries, the schedule, the checkpoint mode, and the predicted step and
+// memory per stage. Pipeline, the trainer, `tpipe plan`, `tpipe profile` and
+// the benchmarks all ask it; nobody else dispatches on the partition method.
+// Pure: no LibTorch, no threads; the same request gives the same plan.
+//
+// Memory per stage comes from the schedule that will run: the resolver
+// simulates it and hands the partitioner each stage's peak count of held
+// micro-batches (so schedule files and new schedules are counted right).
+//
+// Choosing among near-equal plans: measured costs carry noise (costNoise, the
+// relative spread the profiler saw). Candidates are ordered from simple to
+// elaborate: fewer stages first, then the parameter-balanced partition before
+// the time-optimal one. The simplest candidate whose predicted step is within
+// the noise of the fastest wins, so small timing jitter does not move the
+// plan; Plan::notes says which candidates were within noise.
+//
+//   tpipe::PlanRequest request;
+//   request.layers = costs;                     // measured, or parameter bytes
+//   request.devices = {{"cpu:0"}, {"cpu:1"}};
+//   request.partition = tpipe::PartitionMethod::kTime;
+//   request.microBatches = 8;
+//   request.schedule = "1f1b";
+//   tpipe::Plan plan = tpipe::resolvePlan(request);  // throws UserError
+//   tpipe::printPlan(std::cout, plan);
+#pragma once
+
+#include <cstdint>
+#include <iosfwd>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json_fwd.hpp>
+
+#include "tpipe/costs.h"
+#include "tpipe/partition.h"
+#include "tpipe/schedule.h"
+
+namespace tpipe {
+
+enum class PartitionMethod {
+  kUniform,     // layers per stage as even as possible
+  kParameters,  // balance parameter bytes (optimal min-max)
+  kTime,        // the fastest plan by measured costs, within memory
+  kBalance,     // an explicit balance (layers per stage)
+};
+
+PartitionMethod parsePartitionMethod(const std::string& name);  // UserError
+const char* partitionMethodName(PartitionMethod method);
+
+// The optimizer's state per parameter byte: sgd 0, sgd with momentum 1,
+// adam and adamw 2.
+double optimizerStateFactor(const std::string& optimizer, double momentum);
+
+struct PlanRequest {
+  std::vector<LayerCost> layers;
+  // Where the costs came from, for the reader ("parameter bytes", "measured
+  // now", "profile.json"); and their relative noise (0: exact).
+  std::string costSource = "parameter bytes";
+  double costNoise = 0.0;
+  // The devices available, one per pipeline rank.
+  std::vector<DeviceSpec> devices;
+  // Total stages; 0: one per device times virtualStages, or (kTime with one
+  // virtual stage) the count from 1 to the devices that predicts fastest.
+  int stages = 0;
+  PartitionMethod partition = PartitionMethod::kUniform;
+  std::vector<int> balance;  // layers per stage, with kBalance
+  std::string schedule = "gpipe";  // a built-in name or a schedule file
+  int microBatches = 1;
+  int virtualStages = 1;
+  CheckpointMode checkpoint = CheckpointMode::kExceptLast;
+  double optimizerFactor = 0.0;
+  int64_t inputBytes = 0;  // the model input per micro-batch
+};
+
+struct Plan {
+  PartitionMethod partition = PartitionMethod::kUniform;
+  std::vector<int> boundaries;  // stages + 1 layer indices
+  Schedule schedule;
+  CheckpointMode checkpoint = CheckpointMode::kExceptLast;
+  std::vector<StageReport> stages;  // predicted time and memory per stage
+  double bottleneckMs = 0.0;
+  Simulation simulation;  // the predicted step under the plan's costs
+  std::string costSource;
+  double costNoise = 0.0;
+  std::vector<std::string> notes;  // near-equal alternatives, choices made
+  // A stage exceeds its device's capacity (only for methods that do not
+  // search: uniform, parameters, balance; kTime throws instead).
+  bool overCapacity() const;
+  int stageCount() const { return static_cast<int>(boundaries.size()) - 1; }
+};
+
+// Throws UserError (PartitionError, ScheduleError) naming what is wrong.
+Plan resolvePlan(const PlanRequest& request);
+
+// Per-stage costs for the simulator: forward and backward sums scaled by the
+// device speed, B and W as halves of the backward, recompute as one more
+// forward, transfer from the link.
+std::vector<StageCosts> stageCostsOf(const std::vector<LayerCost>& layers,
+                                     const std::vector<DeviceSpec>& devices,
+                                     const std::vector<int>& boundaries);
+
+// The partitioner's memory model for a schedule: each stage's peak held and
+// live micro-batches from its unit-cost simulation.
+MemoryModel memoryModelOf(const Schedule& schedule, double optimizerFactor,
+                          int64_t inputBytes);
+
+nlohmann::json planToJson(const Plan& plan);
+// The per-stage table, the simulated timeline, the cost source and notes.
+void printPlan(std::ostream& out, const Plan& plan);
+
+}  // namespace tpipe
