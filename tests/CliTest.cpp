@@ -57,3 +57,68 @@ TEST(CliTest, BadScheduleExitsWithStatusTwo) {
 }
 
 }  // namespace
+
+namespace {
+
+std::string firstLineWith(const std::string& text, const std::string& prefix) {
+  size_t at = text.find(prefix);
+  if (at == std::string::npos) return "";
+  return text.substr(at, text.find('\n', at) - at);
+}
+
+// "pipeline: 4 stages on cpu:0 ..., boundaries 0 3 7 11 15, 4 micro-batches"
+std::vector<int> trainBoundaries(const std::string& output) {
+  const std::string line = firstLineWith(output, "pipeline: ");
+  const size_t at = line.find("boundaries ");
+  std::vector<int> boundaries;
+  if (at == std::string::npos) return boundaries;
+  std::string rest = line.substr(at + 11, line.find(',', at) - at - 11);
+  size_t position = 0;
+  while (position < rest.size()) {
+    size_t used = 0;
+    boundaries.push_back(std::stoi(rest.substr(position), &used));
+    position += used;
+  }
+  return boundaries;
+}
+
+// `plan --json` and `train` read one saved profile and show and run one plan.
+TEST(CliTest, PlanAndTrainRunTheSamePlanFromOneProfile) {
+  const std::string root = TPIPE_SOURCE_DIR;
+  const std::string profile = testing::TempDir() + "/tpipe_cli_profile.json";
+  for (const char* name : {"mlp_synthetic", "beyond_one_device", "char_transformer", "fashion_mnist_cnn"}) {
+    SCOPED_TRACE(name);
+    const std::string config = root + "/configs/" + name + ".json";
+    const Result profiled = runTpipe("profile " + config + " --out " + profile);
+    ASSERT_EQ(profiled.status, 0) << profiled.output;
+    std::vector<std::vector<int>> seen;
+    for (int run = 0; run < 2; ++run) {
+      const Result plan = runTpipe("plan " + config + " --profile " + profile + " --json");
+      ASSERT_EQ(plan.status, 0) << plan.output;
+      const auto json = nlohmann::json::parse(plan.output);
+      seen.push_back(json["boundaries"].get<std::vector<int>>());
+      EXPECT_EQ(json["stage_count"].get<size_t>() + 1, seen.back().size());
+      EXPECT_NE(json["cost_source"].get<std::string>().find(profile), std::string::npos);
+    }
+    for (int run = 0; run < 2; ++run) {
+      const Result train = runTpipe("train " + config + " --profile " + profile +
+                                    " --set train.steps=1 --set train.eval_every=0");
+      ASSERT_EQ(train.status, 0) << train.output;
+      seen.push_back(trainBoundaries(train.output));
+      EXPECT_NE(firstLineWith(train.output, "plan: ").find("costs from " + profile), std::string::npos)
+          << train.output;
+    }
+    for (const auto& boundaries : seen) EXPECT_EQ(boundaries, seen.front());
+  }
+}
+
+TEST(CliTest, AProfileOfAnotherModelIsAClearError) {
+  const std::string root = TPIPE_SOURCE_DIR;
+  const std::string profile = testing::TempDir() + "/tpipe_cli_other_profile.json";
+  ASSERT_EQ(runTpipe("profile " + root + "/configs/mlp_synthetic.json --out " + profile).status, 0);
+  const Result r = runTpipe("train " + root + "/configs/beyond_one_device.json --profile " + profile);
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("holds 5 layers, the config's model 15"), std::string::npos) << r.output;
+}
+
+}  // namespace
