@@ -571,4 +571,60 @@ Config loadConfig(const std::string& path, const std::vector<std::string>& overr
   return parseConfig(readConfigJson(path, overrides));
 }
 
+nlohmann::json describeConfig(const Config& config) {
+  nlohmann::json layers = nlohmann::json::array();
+  for (const auto& layer : config.model.layers) {
+    nlohmann::json item = layer.params;
+    item["type"] = layer.type;
+    layers.push_back(item);
+  }
+  const auto& d = config.data;
+  const auto& p = config.pipeline;
+  const auto& t = config.train;
+  const auto& o = t.optimizer;
+  nlohmann::json devices = nlohmann::json::array();
+  for (const auto& device : p.devices) {
+    devices.push_back({{"name", device.name}, {"memory", device.memoryBytes}, {"speed", device.speed}});
+  }
+  return {{"model", {{"input_shape", config.model.inputShape}, {"layers", layers}}},
+          {"data", {{"dataset", d.dataset}, {"path", d.path}, {"shuffle", d.shuffle}, {"normalize", d.normalize},
+                    {"seq_len", d.seqLen}, {"stride", d.stride}, {"samples", d.samples},
+                    {"eval_samples", d.evalSamples}}},
+          {"pipeline", {{"devices", devices}, {"stages", p.stages}, {"micro_batches", p.microBatches},
+                        {"schedule", p.schedule}, {"virtual_stages", p.virtualStages},
+                        {"checkpoint", p.checkpoint}, {"partition", p.partition}, {"balance", p.balance},
+                        {"threads_per_device", p.threadsPerDevice}, {"data_parallel", p.dataParallel},
+                        {"timeout_s", p.timeoutS}}},
+          {"train", {{"batch_size", t.batchSize}, {"steps", t.steps}, {"loss", t.loss}, {"seed", t.seed},
+                     {"eval_every", t.evalEvery}, {"checkpoint_every", t.checkpointEvery},
+                     {"optimizer", {{"type", o.type}, {"lr", o.lr}, {"momentum", o.momentum},
+                                    {"weight_decay", o.weightDecay}, {"beta1", o.beta1}, {"beta2", o.beta2},
+                                    {"eps", o.eps}, {"warmup_steps", o.warmupSteps}, {"decay", o.decay},
+                                    {"min_lr", o.minLr}}}}}};
+}
+
+std::string firstDifference(const nlohmann::json& a, const nlohmann::json& b, const std::string& path) {
+  if (a.type() != b.type()) return path.empty() ? "(the whole value)" : path;
+  if (a.is_object()) {
+    for (const auto& item : a.items()) {
+      const std::string key = path.empty() ? item.key() : path + "." + item.key();
+      if (!b.contains(item.key())) return key;
+      const std::string inner = firstDifference(item.value(), b.at(item.key()), key);
+      if (!inner.empty()) return inner;
+    }
+    for (const auto& item : b.items()) {
+      if (!a.contains(item.key())) return path.empty() ? item.key() : path + "." + item.key();
+    }
+    return "";
+  }
+  if (a.is_array()) {
+    for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) {
+      const std::string inner = firstDifference(a[i], b[i], path + "[" + std::to_string(i) + "]");
+      if (!inner.empty()) return inner;
+    }
+    return a.size() == b.size() ? "" : path;
+  }
+  return a == b ? "" : (path.empty() ? "(the whole value)" : path);
+}
+
 }  // namespace tpipe

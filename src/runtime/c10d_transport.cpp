@@ -19,7 +19,7 @@ WorldInfo worldFromEnvironment() {
   return WorldInfo{};
 }
 struct Communicator::Impl {};
-Communicator::Communicator(const WorldInfo&, int, std::chrono::milliseconds) {
+Communicator::Communicator(const WorldInfo&, int, std::chrono::milliseconds, const std::string&) {
   TORCH_CHECK(false, "this tpipe was built without c10d (Gloo headers missing)");
 }
 Communicator::~Communicator() = default;
@@ -42,9 +42,20 @@ std::unique_ptr<Transport> makeProcessGroupTransport(Communicator&, int, int) {
 }  // namespace tpipe
 #else
 
+#include <unistd.h>
+
+#include <future>
+#include <iostream>
+#include <thread>
+
+#include <nlohmann/json.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
-#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include "runtime/network.h"
+#include "runtime/store.h"
+#include "tpipe/config.h"
+#include "tpipe/errors.h"
 
 namespace tpipe {
 namespace {
@@ -55,21 +66,10 @@ int environmentInt(const char* name, int fallback, bool* found = nullptr) {
   if (found) *found = true;
   char* end = nullptr;
   const long parsed = std::strtol(value, &end, 10);
-  TORCH_CHECK(end != value && *end == '\0' && parsed >= 0 && parsed < (1L << 30), "environment variable ", name,
-              "='", value, "' is not a non-negative integer");
-  return static_cast<int>(parsed);
-}
-
-bool isLoopback(const std::string& address) {
-  return address.rfind("127.", 0) == 0 || address == "localhost" || address == "::1";
-}
-
-std::shared_ptr<::gloo::transport::Device> glooDevice(const std::string& masterAddr) {
-  if (const char* interface = std::getenv("TPIPE_GLOO_INTERFACE")) {
-    return c10d::ProcessGroupGloo::createDeviceForInterface(interface);
+  if (end == value || *end != '\0' || parsed < 0 || parsed >= (1L << 30)) {
+    throw UserError(std::string("environment variable ") + name + "='" + value + "' is not a non-negative integer");
   }
-  if (isLoopback(masterAddr)) return c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1");
-  return c10d::ProcessGroupGloo::createDefaultDevice();
+  return static_cast<int>(parsed);
 }
 
 }  // namespace
@@ -88,15 +88,19 @@ WorldInfo worldFromEnvironment() {
   if (world.localRank < 0) world.localRank = environmentInt("OMPI_COMM_WORLD_LOCAL_RANK", -1);
   if (world.localRank < 0) world.localRank = environmentInt("SLURM_LOCALID", 0);
   if (!rankFound && !sizeFound) return WorldInfo{};
-  TORCH_CHECK(rankFound && sizeFound, "a rank and a world size must both be set (RANK and WORLD_SIZE)");
-  TORCH_CHECK(world.worldSize >= 1, "WORLD_SIZE must be >= 1, got ", world.worldSize);
-  TORCH_CHECK(world.rank < world.worldSize, "RANK ", world.rank, " is not below WORLD_SIZE ", world.worldSize);
+  if (!rankFound || !sizeFound) throw UserError("a rank and a world size must both be set (RANK and WORLD_SIZE)");
+  if (world.worldSize < 1) throw UserError("WORLD_SIZE must be >= 1, got " + std::to_string(world.worldSize));
+  if (world.rank >= world.worldSize) {
+    throw UserError("RANK " + std::to_string(world.rank) + " is not below WORLD_SIZE " +
+                    std::to_string(world.worldSize));
+  }
   if (const char* addr = std::getenv("MASTER_ADDR")) {
     if (*addr) world.masterAddr = addr;
   }
   world.masterPort = environmentInt("MASTER_PORT", 29500);
-  TORCH_CHECK(world.masterPort > 0 && world.masterPort < 65536, "MASTER_PORT must be a TCP port, got ",
-              world.masterPort);
+  if (world.masterPort <= 0 || world.masterPort >= 65536) {
+    throw UserError("MASTER_PORT must be a TCP port, got " + std::to_string(world.masterPort));
+  }
   world.fromEnvironment = true;
   return world;
 }
@@ -105,6 +109,7 @@ struct Communicator::Impl {
   WorldInfo world;
   int pipelineRanks = 1;
   std::chrono::milliseconds timeout{60000};
+  std::shared_ptr<runtime::StoreServer> storeServer;  // rank 0
   c10::intrusive_ptr<c10d::Store> store;
   c10::intrusive_ptr<c10d::ProcessGroupGloo> worldGroup;
   c10::intrusive_ptr<c10d::ProcessGroupGloo> replicaGroup;  // D > 1 only
@@ -144,37 +149,150 @@ struct Communicator::Impl {
   }
 };
 
-Communicator::Communicator(const WorldInfo& world, int pipelineRanks, std::chrono::milliseconds timeout)
+namespace {
+
+std::string jobToken(const WorldInfo& world) {
+  const char* token = std::getenv("TPIPE_JOB_TOKEN");
+  if (token && *token) return token;
+  if (world.rank == 0 && !runtime::isLoopbackAddress(runtime::numericAddress(world.masterAddr))) {
+    std::cerr << "tpipe: warning: TPIPE_JOB_TOKEN is not set: any process that reaches " << world.masterAddr << ":"
+              << world.masterPort << " can join this job (set the same secret on every host)\n";
+  }
+  return "";
+}
+
+std::string rankList(const std::vector<int>& ranks) {
+  std::string text;
+  for (int rank : ranks) text += (text.empty() ? "" : ", ") + std::to_string(rank);
+  return text;
+}
+
+// Every rank publishes what it advertises and what it runs, then waits for
+// all the others (naming those that never come) and compares.
+std::vector<nlohmann::json> agreeOnRun(c10d::Store& store, const WorldInfo& world, const runtime::LocalAddress& local,
+                                       const std::string& runDescription, std::chrono::milliseconds timeout) {
+  char host[256] = "?";
+  gethostname(host, sizeof host - 1);
+  nlohmann::json mine = {{"address", local.address}, {"interface", local.interface}, {"host", host}};
+  try {
+    mine["run"] = nlohmann::json::parse(runDescription);
+  } catch (const nlohmann::json::exception&) {
+    TORCH_INTERNAL_ASSERT(false, "the run description is not JSON");
+  }
+  const std::string text = mine.dump();
+  store.set("tpipe/rank/" + std::to_string(world.rank), std::vector<uint8_t>(text.begin(), text.end()));
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  std::vector<nlohmann::json> ranks(world.worldSize);
+  std::vector<int> missing;
+  for (;;) {
+    missing.clear();
+    for (int r = 0; r < world.worldSize; ++r) {
+      if (!ranks[r].is_null()) continue;
+      const std::string key = "tpipe/rank/" + std::to_string(r);
+      if (!store.check({key})) {
+        missing.push_back(r);
+        continue;
+      }
+      const std::vector<uint8_t> value = store.get(key);
+      ranks[r] = nlohmann::json::parse(std::string(value.begin(), value.end()));
+    }
+    if (missing.empty() || std::chrono::steady_clock::now() > deadline) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  if (!missing.empty()) {
+    throw UserError("rank(s) " + rankList(missing) + " of WORLD_SIZE " + std::to_string(world.worldSize) +
+                    " did not join within " + std::to_string(timeout.count() / 1000) + " s (started? same MASTER_ADDR, "
+                    "MASTER_PORT and WORLD_SIZE?)");
+  }
+  std::vector<int> differing;
+  std::string key;
+  for (int r = 0; r < world.worldSize; ++r) {
+    const std::string difference = firstDifference(ranks[0]["run"], ranks[r]["run"]);
+    if (difference.empty()) continue;
+    differing.push_back(r);
+    if (key.empty()) key = difference;
+  }
+  if (!differing.empty()) {
+    throw UserError("the ranks disagree about the run: rank(s) " + rankList(differing) +
+                    " differ from rank 0, first at '" + key + "' (give every rank the same config and overrides)");
+  }
+  return ranks;
+}
+
+// Runs `make` on a thread of its own and gives up after `limit`: a peer
+// whose Gloo connection never completes cannot hold this rank longer.
+template <class Make>
+auto bounded(std::chrono::milliseconds limit, const std::function<std::string()>& explain, Make make)
+    -> decltype(make()) {
+  using Result = decltype(make());
+  auto task = std::make_shared<std::packaged_task<Result()>>(std::move(make));
+  std::future<Result> result = task->get_future();
+  std::thread([task] { (*task)(); }).detach();
+  if (result.wait_for(limit) != std::future_status::ready) throw UserError(explain());
+  try {
+    return result.get();
+  } catch (const std::exception& error) {
+    const std::string reason = error.what();
+    throw UserError(explain() + " (" + reason.substr(0, reason.find('\n')) + ")");
+  }
+}
+
+}  // namespace
+
+Communicator::Communicator(const WorldInfo& world, int pipelineRanks, std::chrono::milliseconds timeout,
+                           const std::string& runDescription)
     : impl_(std::make_unique<Impl>()) {
   TORCH_CHECK(pipelineRanks >= 1, "pipeline ranks must be >= 1");
-  TORCH_CHECK(world.worldSize % pipelineRanks == 0, "a world of ", world.worldSize,
-              " processes cannot hold replicas of a ", pipelineRanks,
-              "-rank pipeline: WORLD_SIZE must be data_parallel x pipeline ranks");
+  if (world.worldSize % pipelineRanks != 0) {
+    throw UserError("a world of " + std::to_string(world.worldSize) + " processes cannot hold replicas of a " +
+                    std::to_string(pipelineRanks) + "-rank pipeline: WORLD_SIZE must be data_parallel x pipeline ranks");
+  }
   impl_->world = world;
   impl_->pipelineRanks = pipelineRanks;
   impl_->timeout = timeout;
-  c10d::TCPStoreOptions options;
-  options.port = static_cast<std::uint16_t>(world.masterPort);
-  options.isServer = world.rank == 0;
-  options.numWorkers = static_cast<std::size_t>(world.worldSize);
-  options.waitWorkers = true;
-  options.timeout = timeout;
+  const runtime::LocalAddress local = runtime::advertisedAddress(world.masterAddr, world.masterPort);
+  std::cout << "rank " << world.rank << ": interface " << local.interface << ", address " << local.address << " ("
+            << local.why << ")" << std::endl;
+  const std::string token = jobToken(world);
+  const std::string master = runtime::numericAddress(world.masterAddr);
   try {
-    impl_->store = c10::make_intrusive<c10d::TCPStore>(world.masterAddr, options);
-  } catch (const std::exception& error) {
-    TORCH_CHECK(false, "rendezvous at ", world.masterAddr, ":", world.masterPort, " failed for rank ", world.rank,
-                ": ", std::string(error.what()).substr(0, std::string(error.what()).find('\n')));
+    if (world.rank == 0) {
+      impl_->storeServer = runtime::startStoreServer(runtime::isLoopbackAddress(master) ? "127.0.0.1" : master,
+                                                     world.masterPort, token, std::min(timeout, std::chrono::milliseconds(10000)));
+    }
+    impl_->store = c10::make_intrusive<runtime::RendezvousStore>(master, world.masterPort, world.rank, token, timeout);
+  } catch (const c10::Error& error) {
+    throw UserError("rendezvous failed for rank " + std::to_string(world.rank) + ": " +
+                    error.what_without_backtrace());
   }
+  const std::vector<nlohmann::json> ranks = agreeOnRun(*impl_->store, world, local, runDescription, timeout);
+  auto explain = [ranks, timeout] {
+    std::string where;
+    for (size_t r = 0; r < ranks.size(); ++r) {
+      where += (r ? ", " : "") + std::to_string(r) + " at " + ranks[r].value("address", "?") + " (" +
+               ranks[r].value("host", "?") + ")";
+    }
+    return "could not connect to every rank over Gloo within " + std::to_string(timeout.count() / 1000) +
+           " s; the ranks advertise: " + where + ". Each host must reach the others' addresses on any TCP port "
+           "(Gloo listens on ephemeral ports)";
+  };
   auto groupOptions = c10d::ProcessGroupGloo::Options::create(timeout);
-  groupOptions->devices.push_back(glooDevice(world.masterAddr));
+  groupOptions->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(local.address));
   groupOptions->threads = 2;
-  impl_->worldGroup = c10::make_intrusive<c10d::ProcessGroupGloo>(
-      c10::make_intrusive<c10d::PrefixStore>("tpipe/world", impl_->store), world.rank, world.worldSize,
-      groupOptions);
+  const auto store = impl_->store;
+  const int rank = world.rank, size = world.worldSize;
+  const auto limit = timeout + std::chrono::milliseconds(2000);
+  impl_->worldGroup = bounded(limit, explain, [store, rank, size, groupOptions] {
+    return c10::make_intrusive<c10d::ProcessGroupGloo>(c10::make_intrusive<c10d::PrefixStore>("tpipe/world", store),
+                                                        rank, size, groupOptions);
+  });
   if (replicas() > 1) {
-    impl_->replicaGroup = c10::make_intrusive<c10d::ProcessGroupGloo>(
-        c10::make_intrusive<c10d::PrefixStore>("tpipe/stage" + std::to_string(stageRank()), impl_->store),
-        replica(), replicas(), groupOptions);
+    const std::string prefix = "tpipe/stage" + std::to_string(stageRank());
+    const int replica = this->replica(), count = replicas();
+    impl_->replicaGroup = bounded(limit, explain, [store, prefix, replica, count, groupOptions] {
+      return c10::make_intrusive<c10d::ProcessGroupGloo>(c10::make_intrusive<c10d::PrefixStore>(prefix, store),
+                                                          replica, count, groupOptions);
+    });
   }
 }
 
@@ -245,6 +363,8 @@ namespace {
 constexpr int64_t kMagic = 0x7470697065;  // "tpipe"
 constexpr int kHeaderSize = 12;
 constexpr int kMaxDims = kHeaderSize - 6;
+
+}  // namespace
 
 class ProcessGroupTransport final : public Transport {
  public:
@@ -362,7 +482,6 @@ class ProcessGroupTransport final : public Transport {
   c10::intrusive_ptr<c10d::Work> current_;
 };
 
-}  // namespace
 
 std::unique_ptr<Transport> makeProcessGroupTransport(Communicator& communicator, int stages, int microBatches) {
   return std::make_unique<ProcessGroupTransport>(communicator, stages, microBatches);

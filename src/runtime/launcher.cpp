@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -81,6 +82,17 @@ int launchLocal(const std::string& executable, int processes, const std::vector<
   const std::string masterAddr = addr && *addr ? addr : "127.0.0.1";
   const std::string masterPort = std::getenv("MASTER_PORT") ? std::getenv("MASTER_PORT")
                                                             : std::to_string(freePort());
+  // The ranks prove to each other that they belong to this launch.
+  const char* givenToken = std::getenv("TPIPE_JOB_TOKEN");
+  std::string token = givenToken && *givenToken ? givenToken : "";
+  if (token.empty()) {
+    std::random_device random;
+    char hex[17];
+    for (int part = 0; part < 2; ++part) {
+      std::snprintf(hex, sizeof hex, "%08x%08x", random(), random());
+      token += hex;
+    }
+  }
   std::vector<Child> children(static_cast<size_t>(processes));
   struct sigaction action {};
   action.sa_handler = onSignal;
@@ -105,6 +117,7 @@ int launchLocal(const std::string& executable, int processes, const std::vector<
       ::setenv("WORLD_SIZE", std::to_string(processes).c_str(), 1);
       ::setenv("MASTER_ADDR", masterAddr.c_str(), 1);
       ::setenv("MASTER_PORT", masterPort.c_str(), 1);
+      ::setenv("TPIPE_JOB_TOKEN", token.c_str(), 1);
       std::vector<std::string> words{executable, "train"};
       words.insert(words.end(), arguments.begin(), arguments.end());
       std::vector<char*> argv;

@@ -368,7 +368,9 @@ std::shared_ptr<Communicator> joinWorld(const Config& config) {
                       std::to_string(replicas) + ") x pipeline ranks (" + std::to_string(ranks) + ")");
   }
   const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(config.pipeline.timeoutS * 1000));
-  return std::make_shared<Communicator>(world, ranks, timeout);
+  nlohmann::json run = describeConfig(config);
+  run["world"] = {{"size", world.worldSize}, {"pipeline_ranks", ranks}};
+  return std::make_shared<Communicator>(world, ranks, timeout, run.dump());
 }
 
 // TPIPE_FAULT=rank:step:exit|hang makes one process die or stop answering
