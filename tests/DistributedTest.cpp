@@ -41,6 +41,12 @@ std::string binary() {
   return path ? path : "tpipe";
 }
 
+// The same commands with the tests' fault hook (TPIPE_FAULT).
+std::string faultyBinary() {
+  const char* path = std::getenv("TPIPE_FAULTY_BINARY");
+  return path ? path : "tpipe_faulty";
+}
+
 class DistributedTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -134,7 +140,7 @@ TEST_F(DistributedTest, ADeadRankIsNamedAtOnceWithoutALauncher) {
   const int port = 20000 + static_cast<int>(::getpid() % 20000);
   const std::string env = "MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(port) + " WORLD_SIZE=2 ";
   const std::string timeout = " --set pipeline.timeout_s=30";
-  const Result r = shell("(" + env + "RANK=1 TPIPE_FAULT=1:3:exit " + binary() + " train " + config_ + timeout +
+  const Result r = shell("(" + env + "RANK=1 TPIPE_FAULT=1:3:exit " + faultyBinary() + " train " + config_ + timeout +
                          " > " + path("rank1.log") + " 2>&1 &) ; " + env + "RANK=0 " + binary() + " train " +
                          config_ + timeout);
   EXPECT_EQ(r.status, 1) << r.output;
@@ -144,7 +150,7 @@ TEST_F(DistributedTest, ADeadRankIsNamedAtOnceWithoutALauncher) {
 }
 
 TEST_F(DistributedTest, AHungRankTimesOutAndTheLauncherEndsIt) {
-  const Result r = shell("TPIPE_FAULT=1:3:hang " + binary() + " launch --nproc 2 " + config_ +
+  const Result r = shell("TPIPE_FAULT=1:3:hang " + faultyBinary() + " launch --nproc 2 " + config_ +
                          " --set pipeline.timeout_s=2");
   EXPECT_NE(r.status, 0);
   EXPECT_NE(r.output.find("lost rank 1 (pipeline rank 1, replica 0)"), std::string::npos) << r.output;

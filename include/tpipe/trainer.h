@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <iosfwd>
 #include <string>
 #include <vector>
@@ -77,6 +78,9 @@ PlanRequest planRequest(const Config& config, const TrainingCosts& costs);
 struct TrainOptions {
   // Plan from this saved profile instead of measuring (reproducible plans).
   std::string profilePath;
+  // --save into a directory that holds another checkpoint: refused unless
+  // set (or the run resumes from that directory).
+  bool overwrite = false;
   std::string metricsPath;  // JSON lines; empty: none
   std::string saveDir;      // checkpoints; empty: none
   std::string resumeDir;    // continue from this checkpoint; empty: start
@@ -120,8 +124,20 @@ struct TrainSummary {
   std::vector<double> losses;  // per step run in this call
   BubbleReport bubble;         // over the recorded steps
   std::vector<MemoryRow> memory;  // when measured
+  // SIGINT or SIGTERM stopped the run after `steps` (with a checkpoint, when
+  // saving); 0: it ran to its end.
+  int stopSignal = 0;
 };
 
+// Trains the config. SIGINT and SIGTERM are handled while it runs: the first
+// finishes the current step (on every rank), checkpoints with --save, and
+// returns with stopSignal set; a second one exits at once.
 TrainSummary train(const Config& config, const TrainOptions& options);
+
+// Called at the start of every training step with (rank, step), on the
+// training thread. For tests: a hook that exits or stops stands in for a
+// crashed or stuck host. Not thread-safe to change while training.
+using StepHook = std::function<void(int rank, int64_t step)>;
+void setStepHook(StepHook hook);
 
 }  // namespace tpipe

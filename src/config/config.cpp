@@ -7,6 +7,7 @@
 #include <set>
 #include <sstream>
 
+#include "json_input.h"
 #include "tpipe/schedule.h"
 
 namespace tpipe {
@@ -524,8 +525,8 @@ void applyOverride(Json& json, const std::string& assignment) {
   const std::string text = assignment.substr(equals + 1);
   Json value;
   try {
-    value = Json::parse(text);
-  } catch (const Json::parse_error&) {
+    value = parseJsonText(text, "--set " + path);
+  } catch (const ConfigError&) {
     value = text;  // a bare string such as cpu:0 or 1f1b
   }
   Json* node = &json;
@@ -555,14 +556,9 @@ void applyOverride(Json& json, const std::string& assignment) {
 }
 
 Json readConfigJson(const std::string& path, const std::vector<std::string>& overrides) {
-  std::ifstream file(path);
-  if (!file) throw ConfigError(path + ": cannot open the config file");
-  Json json;
-  try {
-    json = Json::parse(file, nullptr, true, /*ignore_comments=*/true);
-  } catch (const Json::parse_error& error) {
-    throw ConfigError(path + ": not valid JSON: " + error.what());
-  }
+  std::ifstream probe(path);
+  if (!probe) throw ConfigError(path + ": cannot open the config file");
+  Json json = readJsonFile(path, path, /*allowComments=*/true);
   for (const auto& assignment : overrides) applyOverride(json, assignment);
   return json;
 }

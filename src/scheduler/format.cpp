@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "overloaded.h"
+#include "json_input.h"
 #include "tpipe/schedule.h"
 
 namespace tpipe {
@@ -231,13 +232,11 @@ Schedule scheduleFromJson(const nlohmann::json& json) {
 }
 
 Schedule loadScheduleFile(const std::string& path) {
-  std::ifstream file(path);
-  if (!file) throw ScheduleError("schedule file " + path + ": cannot open");
   nlohmann::json json;
   try {
-    json = nlohmann::json::parse(file);
-  } catch (const nlohmann::json::parse_error& error) {
-    throw ScheduleError("schedule file " + path + ": not valid JSON: " + error.what());
+    json = readJsonFile(path, "schedule file " + path);
+  } catch (const ConfigError& error) {
+    throw ScheduleError(error.what());
   }
   try {
     Schedule schedule = scheduleFromJson(json);

@@ -1,24 +1,25 @@
 // From a config to the plan resolver's request: costs (saved, measured or
 // parameter bytes) and the config's pipeline options. The decision itself is
 // resolvePlan's (src/plan/).
+#include <cstring>
 #include <fstream>
 
 #include <nlohmann/json.hpp>
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/types.h>
 
-#include "tpipe/trainer.h"
+#include "json_input.h"
+#include "train/parts.h"
 
 namespace tpipe {
 namespace {
 
 Profile readProfile(const std::string& path) {
-  std::ifstream file(path);
-  if (!file) throw ConfigError("--profile: cannot read " + path);
+  const nlohmann::json json = readJsonFile(path, "--profile " + path);
   try {
-    return profileFromJson(nlohmann::json::parse(file));
+    return profileFromJson(json);
   } catch (const nlohmann::json::exception& error) {
-    throw ConfigError("--profile: " + path + " is not a profile (" + error.what() + ")");
+    throw ConfigError("--profile: " + path + " is not a profile (a value of the wrong type)");
   }
 }
 
@@ -41,6 +42,42 @@ TrainingCosts savedCosts(const Config& config, const BuiltModel& model, const st
   costs.inputBytes = static_cast<int64_t>(static_cast<double>(profile.inputBytes) * scale);
   costs.noise = profile.noise;
   costs.source = path + " (profiled at " + std::to_string(profile.microBatchSize) + " samples per micro-batch)";
+  return costs;
+}
+
+
+// Measured costs are measured once, on rank 0, and sent to every rank as
+// raw numbers, so every process resolves the same plan.
+TrainingCosts sharedCosts(const TrainingCosts& mine, Communicator& world) {
+  auto bits = [](double value) {
+    int64_t out;
+    std::memcpy(&out, &value, sizeof out);
+    return out;
+  };
+  auto number = [](int64_t value) {
+    double out;
+    std::memcpy(&out, &value, sizeof out);
+    return out;
+  };
+  std::vector<int64_t> packed{static_cast<int64_t>(mine.layers.size()), mine.inputBytes, bits(mine.noise)};
+  for (const auto& layer : mine.layers) {
+    packed.insert(packed.end(), {bits(layer.forwardMs), bits(layer.backwardMs), layer.paramBytes,
+                                 layer.activationBytes, layer.stashBytes});
+  }
+  packed = world.broadcast(packed);
+  TrainingCosts costs = mine;
+  if (world.rank() == 0) return costs;
+  costs.inputBytes = packed[1];
+  costs.noise = number(packed[2]);
+  for (size_t l = 0; l < costs.layers.size(); ++l) {
+    const int64_t* item = &packed[3 + 5 * l];
+    costs.layers[l].forwardMs = number(item[0]);
+    costs.layers[l].backwardMs = number(item[1]);
+    costs.layers[l].paramBytes = item[2];
+    costs.layers[l].activationBytes = item[3];
+    costs.layers[l].stashBytes = item[4];
+  }
+  costs.source = "measured on rank 0";
   return costs;
 }
 
@@ -109,6 +146,39 @@ PlanRequest planRequest(const Config& config, const TrainingCosts& costs) {
   const auto& o = config.train.optimizer;
   request.optimizerFactor = optimizerStateFactor(o.type, o.momentum);
   return request;
+}
+
+std::shared_ptr<Communicator> joinWorld(const Config& config) {
+  const WorldInfo world = worldFromEnvironment();
+  const int ranks = pipelineRanks(config.pipeline);
+  const int replicas = config.pipeline.dataParallel;
+  if (world.worldSize == 1) {
+    if (replicas > 1) {
+      throw ConfigError("pipeline.data_parallel: " + std::to_string(replicas) + " replicas of " +
+                        std::to_string(ranks) + " pipeline ranks need " + std::to_string(replicas * ranks) +
+                        " processes; start them with `tpipe launch --nproc " + std::to_string(replicas * ranks) +
+                        "`");
+    }
+    return nullptr;
+  }
+  if (world.worldSize != replicas * ranks) {
+    throw ConfigError("WORLD_SIZE " + std::to_string(world.worldSize) + " is not pipeline.data_parallel (" +
+                      std::to_string(replicas) + ") x pipeline ranks (" + std::to_string(ranks) + ")");
+  }
+  const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(config.pipeline.timeoutS * 1000));
+  nlohmann::json run = describeConfig(config);
+  run["world"] = {{"size", world.worldSize}, {"pipeline_ranks", ranks}};
+  return std::make_shared<Communicator>(world, ranks, timeout, run.dump());
+}
+
+Plan planTraining(const Config& config, const BuiltModel& model, const std::string& profilePath, bool measure,
+                  Communicator* world) {
+  const bool measured = measure || !profilePath.empty();
+  const bool here = !world || world->rank() == 0;
+  // Ranks other than 0 start from parameter bytes and take rank 0's numbers.
+  TrainingCosts costs = trainingCosts(config, model, here ? profilePath : "", measured && here);
+  if (world && measured) costs = sharedCosts(costs, *world);
+  return resolvePlan(planRequest(config, costs));
 }
 
 }  // namespace tpipe

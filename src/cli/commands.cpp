@@ -1,0 +1,359 @@
+// The tpipe command line.
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <algorithm>
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+#include <c10/util/Exception.h>
+
+#include "cli/commands.h"
+#include "json_input.h"
+#include "tpipe/config.h"
+#include "tpipe/distributed.h"
+#include "tpipe/partition.h"
+#include "tpipe/plan.h"
+#include "tpipe/profile.h"
+#include "tpipe/pipeline.h"
+#include "tpipe/trainer.h"
+#include "tpipe/schedule.h"
+
+namespace {
+
+// `tpipe train` without a config trains this one (configs/fashion_mnist_cnn.json).
+const char* const kDefaultConfig =
+#include "default_config.inc"
+    ;
+
+nlohmann::json configJson(const std::string& path, const std::vector<std::string>& overrides) {
+  if (!path.empty()) return tpipe::readConfigJson(path, overrides);
+  nlohmann::json json = nlohmann::json::parse(kDefaultConfig);
+  for (const auto& assignment : overrides) tpipe::applyOverride(json, assignment);
+  return json;
+}
+
+std::string shapeText(const std::vector<int64_t>& shape) {
+  std::string text = "[";
+  for (size_t i = 0; i < shape.size(); ++i) text += (i ? ", " : "") + std::to_string(shape[i]);
+  return text + "]";
+}
+
+// Every check short of training: config, shape inference, loss fit, data.
+int validateConfig(const std::string& path, const std::vector<std::string>& overrides) {
+  const tpipe::Config config = tpipe::parseConfig(configJson(path, overrides));
+  const tpipe::BuiltModel model = tpipe::buildModel(config.model, config.train.seed);
+  tpipe::checkLossFits(config, model);
+  std::printf("%-6s %-18s %-18s %s\n", "layer", "type", "output", "parameters");
+  std::printf("%-6s %-18s %-18s\n", "input", "", shapeText(model.shapes[0]).c_str());
+  const std::vector<int64_t> counts = tpipe::parameterCounts(model.layers);
+  for (size_t i = 0; i < model.layers.size(); ++i) {
+    const int64_t count = counts[i];
+    std::printf("%-6zu %-18s %-18s %lld\n", i, config.model.layers[i].type.c_str(),
+                shapeText(model.shapes[i + 1]).c_str(), static_cast<long long>(count));
+  }
+  const tpipe::Dataset data = tpipe::loadDataset(config, model);
+  std::printf("%s\n", data.description.c_str());
+  tpipe::ScheduleSpec spec;
+  spec.name = config.pipeline.schedule;
+  spec.ranks = tpipe::pipelineRanks(config.pipeline);
+  spec.microBatches = config.pipeline.microBatches;
+  spec.virtualStages = config.pipeline.virtualStages;
+  spec.checkpoint = tpipe::parseCheckpointMode(config.pipeline.checkpoint);
+  const tpipe::Schedule schedule = tpipe::makeSchedule(spec);
+  std::printf("config OK: %lld parameters, %d stages, schedule %s valid\n",
+              static_cast<long long>(model.parameterCount), schedule.stages(), schedule.name.c_str());
+  return 0;
+}
+
+// Variants of an infeasible request that would fit, so the user knows what
+// to change.
+void suggestFits(const tpipe::PlanRequest& request) {
+  struct Variant {
+    std::string what;
+    tpipe::PlanRequest request;
+  };
+  std::vector<Variant> variants;
+  auto add = [&](std::string what, auto change) {
+    tpipe::PlanRequest copy = request;
+    copy.partition = tpipe::PartitionMethod::kTime;
+    copy.balance.clear();
+    change(copy);
+    variants.push_back({std::move(what), std::move(copy)});
+  };
+  add("rematerialization (pipeline.checkpoint = always)", [](auto& r) {
+    r.checkpoint = tpipe::CheckpointMode::kAlways;
+  });
+  add("1F1B (pipeline.schedule = 1f1b)", [](auto& r) { r.schedule = "1f1b"; });
+  add("1F1B with rematerialization", [](auto& r) {
+    r.schedule = "1f1b";
+    r.checkpoint = tpipe::CheckpointMode::kAlways;
+  });
+  add("twice the micro-batches (half their size)", [](auto& r) {
+    r.microBatches *= 2;
+    r.inputBytes /= 2;
+    for (auto& layer : r.layers) {
+      layer.activationBytes /= 2;
+      layer.stashBytes /= 2;
+    }
+  });
+  const int devices = static_cast<int>(request.devices.size());
+  const int layers = static_cast<int>(request.layers.size());
+  for (int more = devices + 1; more <= std::min(layers, devices * 8); ++more) {
+    add(std::to_string(more) + " devices like " + request.devices.front().name, [&](auto& r) {
+      r.devices.assign(more, request.devices.front());
+      r.stages = more;
+    });
+  }
+  bool anyDeviceCount = false;
+  for (const auto& variant : variants) {
+    const bool deviceVariant = variant.what.find(" devices like ") != std::string::npos;
+    if (deviceVariant && anyDeviceCount) continue;
+    try {
+      const tpipe::Plan plan = tpipe::resolvePlan(variant.request);
+      int64_t peak = 0;
+      for (const auto& stage : plan.stages) peak = std::max(peak, stage.memoryBytes);
+      std::printf("  would fit: %s (largest stage %s)\n", variant.what.c_str(), tpipe::formatBytes(peak).c_str());
+      anyDeviceCount = anyDeviceCount || deviceVariant;
+    } catch (const tpipe::UserError&) {
+    }
+  }
+}
+
+// A saved profile without a config: `stages` identical CPU devices.
+tpipe::PlanRequest profileOnlyRequest(const std::string& profilePath, int stages) {
+  if (stages < 1) throw tpipe::ConfigError("--stages: required with --profile and no CONFIG (a positive integer)");
+  const tpipe::Profile profile = tpipe::profileFromJson(tpipe::readJsonFile(profilePath, "--profile " + profilePath));
+  tpipe::PlanRequest request;
+  request.layers = profile.costsAt(profile.microBatchSize);
+  request.costSource = profilePath;
+  request.costNoise = profile.noise;
+  for (int k = 0; k < stages; ++k) request.devices.push_back({"cpu:" + std::to_string(k)});
+  request.stages = stages;
+  request.partition = tpipe::PartitionMethod::kTime;
+  return request;
+}
+
+// `plan` resolves exactly what `train` would run: the same request builder
+// and resolver; with the same --profile file, the same plan.
+int planCommand(const std::string& configPath, const std::vector<std::string>& overrides,
+                const std::string& profilePath, int stages, bool json) {
+  tpipe::PlanRequest request;
+  if (configPath.empty()) {
+    request = profileOnlyRequest(profilePath, stages);
+  } else {
+    tpipe::Config config = tpipe::parseConfig(configJson(configPath, overrides));
+    if (stages > 0) config.pipeline.stages = stages;
+    const tpipe::BuiltModel model = tpipe::buildModel(config.model, config.train.seed);
+    request = tpipe::planRequest(config, tpipe::trainingCosts(config, model, profilePath, true));
+  }
+  tpipe::Plan plan;
+  try {
+    plan = tpipe::resolvePlan(request);
+  } catch (const tpipe::PartitionError& error) {
+    std::printf("INFEASIBLE: %s\n", error.what());
+    suggestFits(request);
+    return 2;
+  }
+  if (json) {
+    std::cout << tpipe::planToJson(plan).dump(1) << '\n';
+    return plan.overCapacity() ? 2 : 0;
+  }
+  tpipe::printPlan(std::cout, plan);
+  if (plan.overCapacity()) {
+    std::printf("INFEASIBLE: a stage exceeds its device's capacity with partition '%s'\n",
+                tpipe::partitionMethodName(plan.partition));
+    suggestFits(request);
+    return 2;
+  }
+  return 0;
+}
+
+int profileCommand(const std::string& configPath, const std::vector<std::string>& overrides,
+                   const std::string& outPath) {
+  const tpipe::Config config = tpipe::parseConfig(configJson(configPath, overrides));
+  const tpipe::BuiltModel model = tpipe::buildModel(config.model, config.train.seed);
+  const tpipe::Profile profile = tpipe::profileModel(config, model);
+  std::printf("%-24s %10s %10s %12s %12s %12s\n", "layer", "fwd ms", "bwd ms", "params", "output", "kept");
+  for (const auto& layer : profile.layers) {
+    std::printf("%-24s %10.4f %10.4f %12s %12s %12s\n", layer.cost.name.substr(0, 24).c_str(), layer.cost.forwardMs,
+                layer.cost.backwardMs, tpipe::formatBytes(layer.cost.paramBytes).c_str(),
+                tpipe::formatBytes(layer.cost.activationBytes).c_str(),
+                tpipe::formatBytes(layer.cost.stashBytes).c_str());
+  }
+  std::printf("(medians over %d round(s) at %lld samples per micro-batch on %s; noise %.1f%%%s)\n",
+              profile.rounds, static_cast<long long>(profile.microBatchSize), profile.device.c_str(),
+              100.0 * profile.noise, profile.settled ? "" : ", still above the bound");
+  if (!outPath.empty()) {
+    std::ofstream out(outPath);
+    out << tpipe::profileToJson(profile).dump(1) << '\n';
+    if (!out) throw tpipe::ConfigError("--out: cannot write " + outPath);
+    std::printf("wrote %s\n", outPath.c_str());
+  }
+  return 0;
+}
+
+int printSchedule(const tpipe::ScheduleSpec& spec, bool json) {
+  const tpipe::Schedule schedule = tpipe::makeSchedule(spec);
+  const tpipe::Simulation simulation = tpipe::simulate(schedule, {tpipe::StageCosts{}});
+  if (json) {
+    nlohmann::json out = tpipe::scheduleToJson(schedule);
+    out["simulation"] = tpipe::simulationToJson(schedule, simulation);
+    std::cout << out.dump(1) << '\n';
+    return 0;
+  }
+  tpipe::printInstructions(std::cout, schedule);
+  std::cout << "\nunit costs: forward 1, backward 2 (input 1 + weight 1), "
+               "recompute 1, transfer 0\n";
+  tpipe::printSimulation(std::cout, schedule, simulation);
+  return 0;
+}
+
+// Translating errors to exit codes happens here and nowhere else: user
+// errors exit 2, everything else 1. Exits at once rather than returning: a
+// thread stuck on a peer that never answered must not hold the exit.
+[[noreturn]] void exitWith(int code, const std::string& message) {
+  if (!message.empty()) std::cerr << "tpipe: error: " << message << std::endl;
+  std::cout.flush();
+  std::fflush(nullptr);
+  std::_Exit(code);
+}
+
+// "[json.exception.type_error.302] type must be number" -> "type must be number".
+std::string libraryText(const std::string& message) {
+  const size_t close = message.find("] ");
+  return message.rfind("[json.exception.", 0) == 0 && close != std::string::npos ? message.substr(close + 2)
+                                                                                 : message;
+}
+
+}  // namespace
+
+int tpipe::runCommandLine(int argc, char** argv) {
+  CLI::App app{"tpipe: pipeline-parallel training on LibTorch"};
+  app.require_subcommand(1);
+
+  std::string configPath;
+  std::vector<std::string> overrides;
+  auto* train = app.add_subcommand(
+      "train", "train from a JSON config (default: the built-in Fashion-MNIST CNN config)");
+  tpipe::TrainOptions trainOptions;
+  train->add_option("config", configPath, "JSON config file")->check(CLI::ExistingFile);
+  train->add_option("--set", overrides, "override a config value: key.path=value (repeatable)");
+  train->add_option("--metrics", trainOptions.metricsPath, "write JSON lines, one per step");
+  train->add_option("--save", trainOptions.saveDir, "checkpoint directory");
+  train->add_option("--resume", trainOptions.resumeDir, "continue from this checkpoint directory");
+  train->add_option("--trace", trainOptions.tracePath, "write a Chrome trace (Perfetto) of the recorded steps");
+  train->add_option("--timeline", trainOptions.timelinePath, "draw the last recorded step as an SVG Gantt chart");
+  train->add_option("--report", trainOptions.reportPath, "write the bubble report as JSON");
+  train->add_flag("--memory-report", trainOptions.memoryReport,
+                  "measure memory per device next to the partitioner's prediction");
+  train->add_option("--record-steps", trainOptions.recordSteps, "how many final steps to record (default 5)");
+  train->add_option("--profile", trainOptions.profilePath,
+                    "plan from this saved profile (tpipe profile --out) instead of measuring")
+      ->check(CLI::ExistingFile);
+  train->add_flag("--overwrite", trainOptions.overwrite,
+                  "let --save replace a checkpoint already in the directory");
+  train->add_option("--stop-after", trainOptions.stopAfter,
+                    "stop after this many steps (a preemption: the schedule still spans train.steps)");
+
+  auto* launch = app.add_subcommand(
+      "launch", "run `tpipe train` as N local processes (one pipeline rank each) over c10d");
+  int processes = 1;
+  launch->add_option("--nproc", processes, "processes: pipeline ranks x data-parallel replicas")->required();
+  launch->prefix_command();  // CONFIG and the train options follow, passed on as they are
+  launch->footer("Everything after --nproc N is handed to `tpipe train` in every rank.");
+
+  auto* validate = app.add_subcommand("validate", "check a config without training");
+  validate->add_option("config", configPath, "JSON config file")->required()->check(CLI::ExistingFile);
+  validate->add_option("--set", overrides, "override a config value: key.path=value");
+
+  auto* plan = app.add_subcommand("plan", "partition a config's model (or a saved profile) and predict the step");
+  std::string profilePath;
+  int planStages = 0;
+  bool planJson = false;
+  plan->add_option("config", configPath, "JSON config file")->check(CLI::ExistingFile);
+  plan->add_option("--set", overrides, "override a config value: key.path=value");
+  plan->add_option("--profile", profilePath, "plan from a saved profile (with or without a CONFIG)")
+      ->check(CLI::ExistingFile);
+  plan->add_option("--stages", planStages, "stage count (required with --profile and no CONFIG)");
+  plan->add_flag("--json", planJson, "print JSON");
+
+  auto* profile = app.add_subcommand("profile", "measure each layer's time and memory");
+  std::string profileOut;
+  profile->add_option("config", configPath, "JSON config file")->required()->check(CLI::ExistingFile);
+  profile->add_option("--set", overrides, "override a config value: key.path=value");
+  profile->add_option("--out", profileOut, "write the profile as JSON");
+  int profileSteps = 0;
+  profile->add_option("--steps", profileSteps, "also run this many pipelined steps and report the bubble");
+  profile->add_option("--trace", trainOptions.tracePath, "with --steps: write a Chrome trace");
+  profile->add_option("--timeline", trainOptions.timelinePath, "with --steps: write an SVG timeline");
+  profile->add_option("--report", trainOptions.reportPath, "with --steps: write the bubble report as JSON");
+
+  auto* schedule = app.add_subcommand(
+      "schedule", "print a schedule's instruction lists and simulated timeline");
+  tpipe::ScheduleSpec spec;
+  std::string checkpoint = "except_last";
+  bool json = false;
+  schedule->add_option("--stages", spec.ranks, "pipeline ranks (devices)")->required();
+  schedule->add_option("--micro-batches", spec.microBatches, "micro-batches")->required();
+  schedule->add_option("--schedule", spec.name, "gpipe | 1f1b | interleaved-1f1b | zb-h1");
+  schedule->add_option("--virtual", spec.virtualStages, "stages per device");
+  schedule->add_option("--checkpoint", checkpoint, "always | except_last | never");
+  schedule->add_flag("--json", json, "print JSON");
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::Success&) {
+    std::cout << app.help();  // --help
+    return 0;
+  } catch (const CLI::ParseError& error) {
+    // CLI11's own exit codes (105, 106, ...) are not tpipe's: a usage error
+    // is a user error.
+    std::cerr << app.help() << std::endl;
+    exitWith(2, error.what());
+  }
+  try {
+    if (*train) {
+      const tpipe::Config config = tpipe::parseConfig(configJson(configPath, overrides));
+      const tpipe::TrainSummary summary = tpipe::train(config, trainOptions);
+      return summary.stopSignal ? 128 + summary.stopSignal : 0;
+    }
+    if (*launch) {
+      const std::vector<std::string> arguments = launch->remaining();
+      if (arguments.empty()) throw tpipe::ConfigError("launch: give a CONFIG after --nproc N");
+      return tpipe::launchLocal("/proc/self/exe", processes, arguments);
+    }
+    if (*validate) return validateConfig(configPath, overrides);
+    if (*plan) {
+      if (configPath.empty() && profilePath.empty()) throw tpipe::ConfigError("plan: give a CONFIG or --profile FILE");
+      return planCommand(configPath, overrides, profilePath, planStages, planJson);
+    }
+    if (*profile) {
+      profileCommand(configPath, overrides, profileOut);
+      if (profileSteps > 0) {
+        tpipe::Config config = tpipe::parseConfig(configJson(configPath, overrides));
+        config.train.steps = profileSteps + 2;  // two warm-up steps
+        config.train.evalEvery = 0;
+        trainOptions.recordSteps = profileSteps;
+        trainOptions.evaluate = false;
+        std::cout << "\nrunning " << profileSteps << " recorded steps (after 2 warm-up steps)\n";
+        tpipe::train(config, trainOptions);
+      }
+      return 0;
+    }
+    if (*schedule) {
+      spec.checkpoint = tpipe::parseCheckpointMode(checkpoint);
+      return printSchedule(spec, json);
+    }
+  } catch (const tpipe::UserError& error) {  // configs, files, schedules, partitions, peers
+    exitWith(2, error.what());
+  } catch (const nlohmann::json::exception& error) {  // a value of the wrong type in a user's file
+    exitWith(2, "a JSON value of the wrong type: " + libraryText(error.what()));
+  } catch (const c10::Error& error) {
+    exitWith(1, error.what_without_backtrace());
+  } catch (const std::exception& error) {
+    exitWith(1, error.what());
+  }
+  return 0;
+}

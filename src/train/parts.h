@@ -1,0 +1,66 @@
+// The parts the training loop (trainer.cpp) is made of; private to src/train.
+#pragma once
+
+#include <cstdint>
+#include <iosfwd>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <torch/optim/optimizer.h>
+
+#include "tpipe/distributed.h"
+#include "tpipe/trainer.h"
+
+namespace tpipe {
+
+// ---- optimization.cpp: loss, optimizer, learning rate, batches ----------
+
+LossFunction makeLoss(const std::string& name);
+std::unique_ptr<torch::optim::Optimizer> makeOptimizer(const OptimizerConfig& optimizer,
+                                                       std::vector<torch::Tensor> parameters);
+// Linear warm-up over warmupSteps, then constant or cosine decay to minLr
+// at the final step. `step` counts from 0.
+double learningRate(const TrainConfig& train, int64_t step);
+
+// Batch k of the run: epoch k / batchesPerEpoch; with shuffle the epoch's
+// order is a permutation drawn from (seed, epoch) alone, so any step's batch
+// can be found again on resume.
+class BatchSource {
+ public:
+  BatchSource(const Dataset& data, int64_t batchSize, bool shuffle, uint64_t seed);
+  std::pair<torch::Tensor, torch::Tensor> batch(int64_t step);
+
+ private:
+  const Dataset& data_;
+  int64_t batchSize_;
+  bool shuffle_;
+  uint64_t seed_;
+  int64_t batchesPerEpoch_ = 1;
+  int64_t epoch_ = -1;
+  torch::Tensor order_;
+};
+
+// ---- planning.cpp: the world and the plan --------------------------------
+
+// The communicator of a multi-process run (null for one process), after
+// rendezvous has compared every rank's config.
+std::shared_ptr<Communicator> joinWorld(const Config& config);
+
+// The plan this run trains with: costs measured (or read) once, on rank 0,
+// and shared, so every process resolves the same plan.
+Plan planTraining(const Config& config, const BuiltModel& model, const std::string& profilePath, bool measure,
+                  Communicator* world);
+
+// ---- reports.cpp: memory table, bubble report and trace files -----------
+
+// Sized parts per device and the caps on what workers may allocate: the
+// declared capacity less the parameters and optimizer state living there.
+std::vector<MemoryRow> prepareMemory(const Config& config, Pipeline& pipe);
+std::vector<MemoryRow> finishMemory(const Pipeline& pipe, std::vector<MemoryRow> rows);
+void printMemory(std::ostream& log, const std::vector<MemoryRow>& rows);
+void writeTraceOutputs(const Trace& trace, const TrainOptions& options, TrainSummary& summary, std::ostream& log);
+std::string duration(double seconds);
+
+}  // namespace tpipe
