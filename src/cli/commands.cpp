@@ -260,7 +260,9 @@ int tpipe::runCommandLine(int argc, char** argv) {
   auto* launch = app.add_subcommand(
       "launch", "run `tpipe train` as N local processes (one pipeline rank each) over c10d");
   int processes = 1;
-  launch->add_option("--nproc", processes, "processes: pipeline ranks x data-parallel replicas")->required();
+  launch->add_option("--nproc", processes, "processes: pipeline ranks x data-parallel replicas")
+      ->required()
+      ->check(CLI::Range(1, 1024));
   launch->prefix_command();  // CONFIG and the train options follow, passed on as they are
   launch->footer("Everything after --nproc N is handed to `tpipe train` in every rank.");
 
@@ -276,7 +278,8 @@ int tpipe::runCommandLine(int argc, char** argv) {
   plan->add_option("--set", overrides, "override a config value: key.path=value");
   plan->add_option("--profile", profilePath, "plan from a saved profile (with or without a CONFIG)")
       ->check(CLI::ExistingFile);
-  plan->add_option("--stages", planStages, "stage count (required with --profile and no CONFIG)");
+  plan->add_option("--stages", planStages, "stage count (required with --profile and no CONFIG)")
+      ->check(CLI::Range(1, 4096));
   plan->add_flag("--json", planJson, "print JSON");
 
   auto* profile = app.add_subcommand("profile", "measure each layer's time and memory");
@@ -295,10 +298,14 @@ int tpipe::runCommandLine(int argc, char** argv) {
   tpipe::ScheduleSpec spec;
   std::string checkpoint = "except_last";
   bool json = false;
-  schedule->add_option("--stages", spec.ranks, "pipeline ranks (devices)")->required();
-  schedule->add_option("--micro-batches", spec.microBatches, "micro-batches")->required();
+  schedule->add_option("--stages", spec.ranks, "pipeline ranks (devices)")
+      ->required()
+      ->check(CLI::Range(1, 4096));
+  schedule->add_option("--micro-batches", spec.microBatches, "micro-batches")
+      ->required()
+      ->check(CLI::Range(1, 65536));
   schedule->add_option("--schedule", spec.name, "gpipe | 1f1b | interleaved-1f1b | zb-h1");
-  schedule->add_option("--virtual", spec.virtualStages, "stages per device");
+  schedule->add_option("--virtual", spec.virtualStages, "stages per device")->check(CLI::Range(1, 64));
   schedule->add_option("--checkpoint", checkpoint, "always | except_last | never");
   schedule->add_flag("--json", json, "print JSON");
 

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <set>
 #include <sstream>
@@ -18,6 +19,9 @@ const char* const kDefaultTextPath = "/usr/share/common-licenses/GPL-3";
 namespace {
 
 using Json = nlohmann::json;
+
+// The default ceiling of an integer in a config: what an int holds.
+constexpr int64_t kLargestInteger = 2147483647;
 
 [[noreturn]] void fail(const std::string& path, const std::string& what) {
   throw ConfigError(path + ": " + what);
@@ -77,7 +81,7 @@ class ObjectReader {
   }
 
   const Json* find(const std::string& key) {
-    known_.push_back(key);
+    if (std::find(known_.begin(), known_.end(), key) == known_.end()) known_.push_back(key);
     auto it = json_.find(key);
     return it == json_.end() ? nullptr : &*it;
   }
@@ -89,10 +93,10 @@ class ObjectReader {
   }
 
   int64_t integer(const std::string& key, int64_t fallback, int64_t min,
-                  const char* expectation) {
+                  const char* expectation, int64_t max = kLargestInteger) {
     const Json* value = find(key);
     if (value == nullptr) return fallback;
-    return checkInteger(*value, at(key), min, expectation);
+    return checkInteger(*value, at(key), min, expectation, max);
   }
 
   double number(const std::string& key, double fallback, double min,
@@ -144,10 +148,17 @@ class ObjectReader {
     }
   }
 
+  // Integers beyond `max` are refused rather than truncated (a count of
+  // 2^32 + 1 must not run as 1).
   static int64_t checkInteger(const Json& value, const std::string& path,
-                              int64_t min, const char* expectation) {
-    if (!value.is_number_integer() || value.get<int64_t>() < min) {
-      fail(path, std::string("expected ") + expectation + ", got " + shown(value));
+                              int64_t min, const char* expectation,
+                              int64_t max = kLargestInteger) {
+    const bool tooLarge = value.is_number_unsigned() &&
+                          value.get<uint64_t>() > static_cast<uint64_t>(max);
+    if (!value.is_number_integer() || tooLarge || value.get<int64_t>() < min ||
+        value.get<int64_t>() > max) {
+      fail(path, std::string("expected ") + expectation + " up to " + std::to_string(max) +
+                     ", got " + shown(value));
     }
     return value.get<int64_t>();
   }
@@ -324,11 +335,14 @@ int64_t parseBytes(const Json& value, const std::string& path) {
       {"KiB", 1024.0}, {"MiB", 1048576.0}, {"GiB", 1073741824.0},
       {"TiB", 1099511627776.0}};
   auto it = units.find(unit);
-  if (it == units.end() || number <= 0) {
+  if (it == units.end() || !std::isfinite(number) || number <= 0) {
     fail(path, "expected a size such as \"512MiB\" (units B, KB, MB, GB, KiB, MiB, GiB), got " +
                    shown(value));
   }
-  return static_cast<int64_t>(std::llround(number * it->second));
+  const double bytes = number * it->second;
+  if (bytes < 1.0) fail(path, "less than one byte: " + shown(value));
+  if (bytes > 9.0e18) fail(path, "too large: " + shown(value));
+  return static_cast<int64_t>(std::llround(bytes));
 }
 
 Config parseConfig(const Json& json) {
@@ -407,8 +421,8 @@ Config parseConfig(const Json& json) {
       }
       if (!seen.insert(name).second) fail(path, "device '" + name + "' is listed twice");
     }
-    p.stages = static_cast<int>(pipeline.integer("stages", 0, 1, "a positive integer"));
-    p.microBatches = static_cast<int>(pipeline.integer("micro_batches", 1, 1, "a positive integer"));
+    p.stages = static_cast<int>(pipeline.integer("stages", 0, 1, "a positive integer", 4096));
+    p.microBatches = static_cast<int>(pipeline.integer("micro_batches", 1, 1, "a positive integer", 65536));
     if (const Json* custom = pipeline.find("schedule");
         custom && custom->is_string() && custom->get<std::string>().size() > 5 &&
         custom->get<std::string>().rfind(".json") == custom->get<std::string>().size() - 5) {
@@ -418,7 +432,7 @@ Config parseConfig(const Json& json) {
       names.push_back("a schedule file (*.json)");
       p.schedule = pipeline.choice("schedule", "gpipe", names);
     }
-    p.virtualStages = static_cast<int>(pipeline.integer("virtual_stages", 1, 1, "a positive integer"));
+    p.virtualStages = static_cast<int>(pipeline.integer("virtual_stages", 1, 1, "a positive integer", 64));
     p.checkpoint = pipeline.choice("checkpoint", "except_last", {"always", "except_last", "never"});
     p.partition = pipeline.choice("partition", "uniform", {"uniform", "parameters", "time", "balance"});
     if (const Json* balance = pipeline.find("balance")) {
@@ -439,8 +453,8 @@ Config parseConfig(const Json& json) {
       fail("pipeline.balance", "missing (required by partition 'balance')");
     }
     p.threadsPerDevice = static_cast<int>(
-        pipeline.integer("threads_per_device", 0, 0, "a non-negative integer"));
-    p.dataParallel = static_cast<int>(pipeline.integer("data_parallel", 1, 1, "a positive integer"));
+        pipeline.integer("threads_per_device", 0, 0, "a non-negative integer", 1024));
+    p.dataParallel = static_cast<int>(pipeline.integer("data_parallel", 1, 1, "a positive integer", 65536));
     p.timeoutS = pipeline.number("timeout_s", 60.0, 0.1, 86400.0, "a number of seconds in [0.1, 86400]");
     pipeline.finish();
     const int stages = configuredStages(p);
@@ -472,9 +486,10 @@ Config parseConfig(const Json& json) {
     ObjectReader train(root.require("train"), "train");
     auto& t = config.train;
     t.batchSize = train.integer("batch_size", 64, 1, "a positive integer");
-    t.steps = train.integer("steps", 100, 0, "a non-negative integer");
+    t.steps = train.integer("steps", 100, 0, "a non-negative integer", int64_t{1} << 40);
     t.loss = train.choice("loss", "cross_entropy", {"cross_entropy", "mse"});
-    t.seed = static_cast<uint64_t>(train.integer("seed", 0, 0, "a non-negative integer"));
+    t.seed = static_cast<uint64_t>(
+        train.integer("seed", 0, 0, "a non-negative integer", std::numeric_limits<int64_t>::max()));
     t.evalEvery = train.integer("eval_every", 0, 0, "a non-negative integer");
     t.checkpointEvery = train.integer("checkpoint_every", 0, 0, "a non-negative integer");
     t.logEvery = train.integer("log_every", 0, 0, "a non-negative integer");

@@ -270,6 +270,15 @@ Schedule makeSchedule(const ScheduleSpec& spec) {
     if (!loaded.training) throw ScheduleError("schedule " + file + " is an inference schedule");
     return loaded;
   }
+  // Every rank lists every micro-batch of each of its stages: bounded so a
+  // typo cannot ask for gigabytes of instructions.
+  const int64_t size = int64_t{spec.ranks} * spec.virtualStages * spec.microBatches;
+  if (spec.ranks < 1 || spec.microBatches < 1 || spec.virtualStages < 1 || size > (int64_t{1} << 22)) {
+    throw ScheduleError("a schedule of " + std::to_string(spec.ranks) + " rank(s) x " +
+                        std::to_string(spec.virtualStages) + " virtual stage(s) x " +
+                        std::to_string(spec.microBatches) + " micro-batches is out of range (each at least 1, "
+                        "their product at most 4194304)");
+  }
   Schedule schedule;
   const bool plain = spec.virtualStages == 1;
   if (spec.name == "gpipe" || spec.name == "1f1b" || spec.name == "zb-h1") {

@@ -135,6 +135,7 @@ class TrainingRun {
   }
 
   TrainSummary run() {
+    StopSignals signals;  // from the start: a signal during set-up stops before the first step
     setUp();
     resume();
     openMetrics();
@@ -288,6 +289,7 @@ class TrainingRun {
 
   void save(int64_t done) {
     saveCheckpoint(options_.saveDir, done, *pipe_, *optimizer_, identity_, world());
+    saved_ = true;
   }
 
   void loop() {
@@ -297,9 +299,9 @@ class TrainingRun {
     const bool saving = !options_.saveDir.empty();
     if (saving && total == 0) save(0);
     start_ = Clock::now();
-    StopSignals signals;
     int64_t done = summary_.startStep;
-    for (int64_t step = summary_.startStep; step < last; ++step) {
+    summary_.stopSignal = agreedStop();
+    for (int64_t step = summary_.startStep; step < last && !summary_.stopSignal; ++step) {
       if (step == recordFrom && options_.recordSteps > 0) pipe_->setRecording(true);
       const double loss = trainStep(step);
       summary_.losses.push_back(loss);
@@ -311,7 +313,6 @@ class TrainingRun {
       summary_.stopSignal = agreedStop();
       const bool periodic = config_.train.checkpointEvery > 0 && done % config_.train.checkpointEvery == 0;
       if (saving && (done == last || periodic || summary_.stopSignal)) save(done);
-      if (summary_.stopSignal) break;
     }
     summary_.steps = done;
     if (live_) *log_ << '\n';
@@ -326,7 +327,7 @@ class TrainingRun {
     if (summary_.stopSignal) {
       log << "stopped by " << (summary_.stopSignal == SIGINT ? "SIGINT" : "SIGTERM") << " after step "
           << summary_.steps
-          << (options_.saveDir.empty() ? " (no --save: nothing kept)" : "; checkpoint saved to " + options_.saveDir)
+          << (saved_ ? "; checkpoint saved to " + options_.saveDir : " (nothing new saved)")
           << std::endl;
       return;
     }
@@ -364,6 +365,7 @@ class TrainingRun {
   std::unique_ptr<BatchSource> batches_;
   std::ofstream metrics_;
   std::string resumeNote_;
+  bool saved_ = false;
   Clock::time_point start_ = Clock::now();
   TrainSummary summary_;
 };
