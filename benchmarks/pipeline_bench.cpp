@@ -338,6 +338,43 @@ nlohmann::json memoryBySchedule() {
 
 }  // namespace
 
+// The cost of replaying random numbers: every layer declared as drawing
+// (each forward swaps the stage's generator in under the shared lock) against
+// declared deterministic, side by side, alternating.
+nlohmann::json randomnessCost() {
+  const int p = 2, m = 8;
+  torch::nn::Sequential net = balancedStack(8, 512);
+  torch::manual_seed(1);
+  const torch::Tensor x = torch::randn({256, 512});
+  const torch::Tensor y = torch::randint(0, 512, {256}, torch::kLong);
+  std::printf("\nrandomness replay, %d stages x 4 x (Linear 512 + Tanh), batch 256, %d micro-batches\n", p, m);
+  std::printf("%-12s %12s %12s %8s\n", "checkpoint", "none ms", "draws ms", "cost");
+  nlohmann::json rows = nlohmann::json::array();
+  for (auto mode : {CheckpointMode::kNever, CheckpointMode::kAlways}) {
+    std::vector<double> none, draws;
+    for (int round = 0; round < 5; ++round) {
+      for (auto declared : {tpipe::Randomness::kNone, tpipe::Randomness::kDraws}) {
+        tpipe::LayerList layers = tpipe::layersOf(net);
+        for (auto& layer : layers) layer.randomness = declared;
+        tpipe::PipelineOptions options;
+        options.devices = cpus(p);
+        options.microBatches = m;
+        options.schedule = "1f1b";
+        options.checkpoint = mode;
+        options.threadsPerDevice = 1;
+        const double ms = timePipeline(layers, options, x, y, 1, 3, false).stepMs;
+        (declared == tpipe::Randomness::kNone ? none : draws).push_back(ms);
+      }
+    }
+    const double cost = median(draws) / median(none) - 1.0;
+    std::printf("%-12s %12.2f %12.2f %+7.1f%%\n", tpipe::checkpointModeName(mode), median(none), median(draws),
+                100.0 * cost);
+    rows.push_back({{"checkpoint", tpipe::checkpointModeName(mode)}, {"none_ms", median(none)},
+                    {"draws_ms", median(draws)}, {"relative_cost", cost}});
+  }
+  return rows;
+}
+
 int main(int argc, char** argv) {
   const std::string out = argc > 1 ? argv[1] : "pipeline.json";
   const std::string only = argc > 2 ? argv[2] : "all";
@@ -347,6 +384,7 @@ int main(int argc, char** argv) {
   if (only == "all" || only == "dispatch") json["dispatch"] = dispatchOverhead();
   if (only == "all" || only == "configs") json["configs"] = exampleConfigs();
   if (only == "all" || only == "memory") json["memory"] = memoryBySchedule();
+  if (only == "all" || only == "randomness") json["randomness"] = randomnessCost();
   std::ofstream(out) << json.dump(1) << '\n';
   std::printf("\nwrote %s\n", out.c_str());
   return 0;

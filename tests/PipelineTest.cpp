@@ -173,6 +173,44 @@ TEST(PipelineTest, DropoutMasksReplayUnderRecompute) {
   }
 }
 
+// A user's own random layer, unknown to tpipe by name: x + noise.
+struct NoiseImpl : torch::nn::Module {
+  torch::Tensor forward(const torch::Tensor& x) { return x + 0.3 * torch::randn_like(x); }
+};
+TORCH_MODULE(Noise);
+
+TEST(PipelineTest, AUserDefinedRandomLayerReplaysUnderRecompute) {
+  auto gradientsWith = [](CheckpointMode mode, Randomness declared) {
+    torch::manual_seed(5);
+    torch::nn::Sequential net(torch::nn::Linear(6, 12), Noise(), torch::nn::Tanh(), torch::nn::Linear(12, 12),
+                              Noise(), torch::nn::Linear(12, 3));
+    LayerList layers = layersOf(net);
+    for (auto& layer : layers) layer.randomness = declared;
+    PipelineOptions options;
+    options.devices = cpuDevices(2);
+    options.microBatches = 3;
+    options.checkpoint = mode;
+    options.seed = 11;
+    Pipeline pipe(layers, options);
+    torch::manual_seed(6);
+    const torch::Tensor x = torch::randn({9, 6}, torch::kFloat);
+    const torch::Tensor y = torch::randint(0, 3, {9}, torch::kLong);
+    pipe.trainStep(x, y, crossEntropy);
+    std::vector<torch::Tensor> grads;
+    for (const auto& p : pipe.parameters()) grads.push_back(p.grad().clone());
+    return grads;
+  };
+  const auto kept = gradientsWith(CheckpointMode::kNever, Randomness::kAuto);
+  const auto remat = gradientsWith(CheckpointMode::kAlways, Randomness::kAuto);
+  for (size_t i = 0; i < kept.size(); ++i) EXPECT_TRUE(torch::equal(kept[i], remat[i])) << "parameter " << i;
+  // Declared deterministic, the layer draws from the shared stream: the
+  // recompute draws other numbers (what kAuto protects against).
+  const auto declaredNone = gradientsWith(CheckpointMode::kAlways, Randomness::kNone);
+  bool anyDiffers = false;
+  for (size_t i = 0; i < kept.size(); ++i) anyDiffers = anyDiffers || !torch::equal(kept[i], declaredNone[i]);
+  EXPECT_TRUE(anyDiffers);
+}
+
 TEST(PipelineTest, AScheduleFromAFileRunsTransparently) {
   const std::string path = ::testing::TempDir() + "/tpipe-custom-schedule.json";
   {

@@ -104,3 +104,44 @@ TEST(ProfileTest, AllocatorChargesTheThreadsDevice) {
 
 }  // namespace
 }  // namespace tpipe
+
+namespace tpipe {
+namespace {
+
+// Profiling runs the caller's own modules: it must hand them back exactly as
+// it found them (values, gradients, buffers, device, random stream).
+TEST(ProfileTest, LeavesTheCallersModulesAsFound) {
+  torch::manual_seed(3);
+  torch::nn::Sequential net(torch::nn::Linear(8, 8), torch::nn::BatchNorm1d(8), torch::nn::Dropout(0.5),
+                            torch::nn::Linear(8, 4));
+  const LayerList layers = layersOf(net);
+  for (auto& p : net->parameters()) p.mutable_grad() = torch::full_like(p, 0.25);
+  std::vector<torch::Tensor> grads, gradValues, values, buffers;
+  for (auto& p : net->parameters()) {
+    grads.push_back(p.grad());
+    gradValues.push_back(p.grad().clone());
+    values.push_back(p.detach().clone());
+  }
+  for (auto& b : net->buffers()) buffers.push_back(b.clone());
+  const torch::Tensor nextRandom = [] {
+    auto generator = at::detail::getDefaultCPUGenerator().clone();
+    return torch::rand({4}, generator);
+  }();
+  ProfileOptions options;
+  options.microBatchSize = 4;
+  options.repeats = 2;
+  profileLayers(layers, [](int64_t n) { return torch::randn({n, 8}); }, options);
+  const auto parameters = net->parameters();
+  for (size_t i = 0; i < parameters.size(); ++i) {
+    EXPECT_TRUE(torch::equal(parameters[i], values[i])) << "parameter " << i;
+    EXPECT_TRUE(parameters[i].grad().is_same(grads[i])) << "the caller's .grad tensor " << i;
+    EXPECT_TRUE(torch::equal(parameters[i].grad(), gradValues[i])) << "gradient " << i;
+    EXPECT_TRUE(parameters[i].device().is_cpu());
+  }
+  const auto after = net->buffers();
+  for (size_t i = 0; i < after.size(); ++i) EXPECT_TRUE(torch::equal(after[i], buffers[i])) << "buffer " << i;
+  EXPECT_TRUE(torch::equal(torch::rand({4}), nextRandom)) << "the default generator moved";
+}
+
+}  // namespace
+}  // namespace tpipe

@@ -85,13 +85,31 @@ c10::Device parseDevice(const std::string& name) {
               "' (expected cpu:N for a virtual CPU device or cuda:N)");
 }
 
-bool drawsRandomness(const torch::nn::AnyModule& layer) {
-  for (const auto& module : layer.ptr()->modules()) {
-    const std::string& name = module->name();
-    if (name.find("Dropout") != std::string::npos ||
-        name.find("RReLU") != std::string::npos) {
-      return true;
-    }
+// "torch::nn::LinearImpl" -> "Linear"; "(anonymous namespace)::NoiseImpl" -> "Noise".
+std::string moduleKind(const std::string& name) {
+  std::string kind = name.substr(name.rfind(':') == std::string::npos ? 0 : name.rfind(':') + 1);
+  if (kind.size() > 4 && kind.compare(kind.size() - 4, 4, "Impl") == 0) kind.resize(kind.size() - 4);
+  return kind;
+}
+
+// LibTorch's and tpipe's modules known to draw no random numbers.
+bool knownDeterministic(const std::string& kind) {
+  static const std::set<std::string> kinds = {
+      "Linear", "Bilinear", "Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d",
+      "ConvTranspose3d", "ReLU", "ReLU6", "LeakyReLU", "PReLU", "ELU", "SELU", "CELU", "GELU", "SiLU",
+      "Mish", "Tanh", "Sigmoid", "Softplus", "Softmax", "LogSoftmax", "Hardtanh", "Identity",
+      "LayerNorm", "GroupNorm", "BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "InstanceNorm1d",
+      "InstanceNorm2d", "Embedding", "Flatten", "Unflatten", "MaxPool1d", "MaxPool2d", "MaxPool3d",
+      "AvgPool1d", "AvgPool2d", "AvgPool3d", "AdaptiveAvgPool1d", "AdaptiveAvgPool2d",
+      "AdaptiveMaxPool2d", "Sequential", "ModuleList", "ModuleDict", "TransformerBlock",
+      "DeferredBatchNorm2d"};
+  return kinds.count(kind) > 0;
+}
+
+bool drawsRandomness(const NamedLayer& layer) {
+  if (layer.randomness != Randomness::kAuto) return layer.randomness == Randomness::kDraws;
+  for (const auto& module : layer.module.ptr()->modules()) {
+    if (!knownDeterministic(moduleKind(module->name()))) return true;  // dropout, or unknown
   }
   return false;
 }
@@ -248,7 +266,7 @@ void Pipeline::Impl::place() {
       torch::nn::AnyModule& layer = layers[l].module;
       if (local) layer.ptr()->to(stage.device);
       stage.layers.push_back(layer);
-      stage.stochastic = stage.stochastic || drawsRandomness(layer);
+      stage.stochastic = stage.stochastic || drawsRandomness(layers[l]);
       for (const auto& parameter : layer.ptr()->parameters()) {
         if (parameter.requires_grad()) stage.parameters.push_back(parameter);
       }
