@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "json_input.h"
+#include "model/layer_types.h"
 #include "tpipe/schedule.h"
 
 namespace tpipe {
@@ -155,8 +156,10 @@ class ObjectReader {
                               int64_t max = kLargestInteger) {
     const bool tooLarge = value.is_number_unsigned() &&
                           value.get<uint64_t>() > static_cast<uint64_t>(max);
-    if (!value.is_number_integer() || tooLarge || value.get<int64_t>() < min ||
-        value.get<int64_t>() > max) {
+    if (!value.is_number_integer() || value.get<int64_t>() < min) {
+      fail(path, std::string("expected ") + expectation + ", got " + shown(value));
+    }
+    if (tooLarge || value.get<int64_t>() > max) {
       fail(path, std::string("expected ") + expectation + " up to " + std::to_string(max) +
                      ", got " + shown(value));
     }
@@ -169,49 +172,6 @@ class ObjectReader {
   std::vector<std::string> known_;
 };
 
-// Layer parameters: each type's keys, their kind and default.
-enum class Kind { kPositive, kNonNegative, kSize2, kSize2NonNegative, kBool,
-                  kProbability, kPositiveNumber, kNumber };
-
-struct ParamRule {
-  const char* key;
-  Kind kind;
-  Json fallback;  // null: required
-};
-
-const std::map<std::string, std::vector<ParamRule>>& layerRules() {
-  static const std::map<std::string, std::vector<ParamRule>> rules = {
-      {"linear", {{"out_features", Kind::kPositive, nullptr},
-                  {"bias", Kind::kBool, true}}},
-      {"conv2d", {{"out_channels", Kind::kPositive, nullptr},
-                  {"kernel_size", Kind::kSize2, nullptr},
-                  {"stride", Kind::kSize2, 1},
-                  {"padding", Kind::kSize2NonNegative, 0},
-                  {"bias", Kind::kBool, true}}},
-      {"maxpool2d", {{"kernel_size", Kind::kSize2, nullptr},
-                     {"stride", Kind::kSize2, nullptr},
-                     {"padding", Kind::kSize2NonNegative, 0}}},
-      {"avgpool2d", {{"kernel_size", Kind::kSize2, nullptr},
-                     {"stride", Kind::kSize2, nullptr},
-                     {"padding", Kind::kSize2NonNegative, 0}}},
-      {"flatten", {}},
-      {"relu", {}},
-      {"gelu", {}},
-      {"tanh", {}},
-      {"sigmoid", {}},
-      {"dropout", {{"p", Kind::kProbability, 0.5}}},
-      {"layernorm", {{"eps", Kind::kPositiveNumber, 1e-5}}},
-      {"batchnorm2d", {{"eps", Kind::kPositiveNumber, 1e-5},
-                       {"momentum", Kind::kProbability, 0.1}}},
-      {"embedding", {{"num_embeddings", Kind::kPositive, nullptr},
-                     {"embedding_dim", Kind::kPositive, nullptr}}},
-      {"transformer_block", {{"heads", Kind::kPositive, nullptr},
-                             {"mlp_ratio", Kind::kPositive, 4},
-                             {"dropout", Kind::kProbability, 0.0}}},
-  };
-  return rules;
-}
-
 Json checkParam(const ParamRule& rule, const Json& value, const std::string& path) {
   auto positivePair = [&](int64_t min, const char* expectation) {
     if (value.is_array()) {
@@ -222,6 +182,7 @@ Json checkParam(const ParamRule& rule, const Json& value, const std::string& pat
     const int64_t n = ObjectReader::checkInteger(value, path, min, expectation);
     return Json::array({n, n});
   };
+  using Kind = ParamKind;
   switch (rule.kind) {
     case Kind::kPositive:
       return ObjectReader::checkInteger(value, path, 1, "a positive integer");
@@ -244,9 +205,6 @@ Json checkParam(const ParamRule& rule, const Json& value, const std::string& pat
         fail(path, "expected a positive number, got " + shown(value));
       }
       return value;
-    case Kind::kNumber:
-      if (!value.is_number()) fail(path, "expected a number, got " + shown(value));
-      return value;
   }
   return value;
 }
@@ -255,17 +213,17 @@ LayerSpec parseLayer(const Json& json, const std::string& path) {
   ObjectReader reader(json, path);
   const Json& typeValue = reader.require("type");
   std::vector<std::string> types;
-  for (const auto& entry : layerRules()) types.push_back(entry.first);
+  for (const auto& entry : layerTypes()) types.push_back(entry.name);
   if (!typeValue.is_string()) fail(reader.at("type"), "expected a layer type string, got " + shown(typeValue));
   const std::string type = typeValue.get<std::string>();
-  auto rules = layerRules().find(type);
-  if (rules == layerRules().end()) {
+  const LayerType* rules = findLayerType(type);
+  if (rules == nullptr) {
     std::string hint = didYouMean(type, types);
     hint.replace(hint.find("; known keys"), 12, "; known types");
     fail(reader.at("type"), "unknown layer type '" + type + "'" + hint);
   }
   LayerSpec spec{type, Json::object()};
-  for (const ParamRule& rule : rules->second) {
+  for (const ParamRule& rule : rules->params) {
     const Json* value = reader.find(rule.key);
     if (value != nullptr) {
       spec.params[rule.key] = checkParam(rule, *value, reader.at(rule.key));

@@ -14,9 +14,16 @@
 #include <torch/types.h>
 #include <torch/utils.h>
 
+#include "model/layer_types.h"
 #include "tpipe/trainer.h"
 
 namespace tpipe {
+
+struct BuiltLayer {
+  torch::nn::AnyModule module;
+  std::vector<int64_t> output;
+};
+
 namespace {
 
 using Shape = std::vector<int64_t>;
@@ -123,131 +130,168 @@ class DeferredBatchNorm2dImpl : public torch::nn::Module {
 };
 TORCH_MODULE(DeferredBatchNorm2d);
 
-struct Built {
-  torch::nn::AnyModule module;
-  Shape output;
-};
-
 std::vector<int64_t> pair(const nlohmann::json& value) {
   return {value[0].get<int64_t>(), value[1].get<int64_t>()};
 }
 
-class LayerBuilder {
- public:
-  LayerBuilder(const LayerSpec& spec, size_t index, const Shape& input, bool integer)
-      : spec_(spec), input_(input), integer_(integer),
-        where_("model.layers[" + std::to_string(index) + "] (" + spec.type + ")") {}
+void requireImage(const LayerInput& in) {
+  in.require(in.shape.size() == 3, "expects [channels, height, width] per sample, got " + shapeText(in.shape));
+}
 
-  Built build() {
-    const auto& p = spec_.params;
-    const std::string& type = spec_.type;
-    if (type == "embedding") {
-      require(integer_, "expects integer token ids, got a float input of shape " + shapeText(input_));
-      Shape out = input_;
-      out.push_back(p["embedding_dim"].get<int64_t>());
-      return {torch::nn::AnyModule(torch::nn::Embedding(p["num_embeddings"].get<int64_t>(),
-                                                        p["embedding_dim"].get<int64_t>())),
-              out};
-    }
-    require(!integer_, "expects a float input, got integer token ids of shape " + shapeText(input_) +
-                           " (put an embedding first)");
-    if (type == "linear") {
-      const int64_t in = input_.back();
-      Shape out = input_;
-      out.back() = p["out_features"].get<int64_t>();
-      return {torch::nn::AnyModule(torch::nn::Linear(
-                  torch::nn::LinearOptions(in, out.back()).bias(p["bias"].get<bool>()))),
-              out};
-    }
-    if (type == "conv2d") {
-      requireImage();
-      const auto kernel = pair(p["kernel_size"]), stride = pair(p["stride"]), padding = pair(p["padding"]);
-      const int64_t channels = p["out_channels"].get<int64_t>();
-      Shape out = {channels, window(input_[1], kernel[0], stride[0], padding[0]),
-                   window(input_[2], kernel[1], stride[1], padding[1])};
-      return {torch::nn::AnyModule(torch::nn::Conv2d(
-                  torch::nn::Conv2dOptions(input_[0], channels, {kernel[0], kernel[1]})
-                      .stride({stride[0], stride[1]})
-                      .padding({padding[0], padding[1]})
-                      .bias(p["bias"].get<bool>()))),
-              out};
-    }
-    if (type == "maxpool2d" || type == "avgpool2d") {
-      requireImage();
-      const auto kernel = pair(p["kernel_size"]), stride = pair(p["stride"]), padding = pair(p["padding"]);
-      require(padding[0] * 2 <= kernel[0] && padding[1] * 2 <= kernel[1],
-              "padding must be at most half the kernel size");
-      Shape out = {input_[0], window(input_[1], kernel[0], stride[0], padding[0]),
-                   window(input_[2], kernel[1], stride[1], padding[1])};
-      if (type == "maxpool2d") {
-        return {torch::nn::AnyModule(torch::nn::MaxPool2d(
-                    torch::nn::MaxPool2dOptions({kernel[0], kernel[1]})
-                        .stride({stride[0], stride[1]})
-                        .padding({padding[0], padding[1]}))),
-                out};
-      }
-      return {torch::nn::AnyModule(torch::nn::AvgPool2d(
-                  torch::nn::AvgPool2dOptions({kernel[0], kernel[1]})
-                      .stride({stride[0], stride[1]})
-                      .padding({padding[0], padding[1]}))),
-              out};
-    }
-    if (type == "flatten") {
-      int64_t size = 1;
-      for (int64_t d : input_) size *= d;
-      return {torch::nn::AnyModule(torch::nn::Flatten()), {size}};
-    }
-    if (type == "relu") return {torch::nn::AnyModule(torch::nn::ReLU()), input_};
-    if (type == "gelu") return {torch::nn::AnyModule(torch::nn::GELU()), input_};
-    if (type == "tanh") return {torch::nn::AnyModule(torch::nn::Tanh()), input_};
-    if (type == "sigmoid") return {torch::nn::AnyModule(torch::nn::Sigmoid()), input_};
-    if (type == "dropout") {
-      return {torch::nn::AnyModule(torch::nn::Dropout(p["p"].get<double>())), input_};
-    }
-    if (type == "layernorm") {
-      return {torch::nn::AnyModule(torch::nn::LayerNorm(
-                  torch::nn::LayerNormOptions({input_.back()}).eps(p["eps"].get<double>()))),
-              input_};
-    }
-    if (type == "batchnorm2d") {
-      requireImage();
-      return {torch::nn::AnyModule(DeferredBatchNorm2d(input_[0], p["eps"].get<double>(),
-                                                       p["momentum"].get<double>())),
-              input_};
-    }
-    if (type == "transformer_block") {
-      require(input_.size() == 2, "expects [seq_len, dim] per sample, got " + shapeText(input_));
-      const int64_t heads = p["heads"].get<int64_t>();
-      require(input_[1] % heads == 0, "dim " + std::to_string(input_[1]) +
-                                          " is not divisible by heads " + std::to_string(heads));
-      return {torch::nn::AnyModule(TransformerBlock(input_[1], heads, p["mlp_ratio"].get<int64_t>(),
-                                                    p["dropout"].get<double>())),
-              input_};
-    }
-    fail("unknown layer type");
-  }
+int64_t window(const LayerInput& in, int64_t size, int64_t kernel, int64_t stride, int64_t padding) {
+  const int64_t out = (size + 2 * padding - kernel) / stride + 1;
+  in.require(size + 2 * padding >= kernel && out >= 1,
+             "kernel " + std::to_string(kernel) + " does not fit an input of shape " + shapeText(in.shape) +
+                 " with padding " + std::to_string(padding));
+  return out;
+}
 
- private:
-  [[noreturn]] void fail(const std::string& what) const { throw ConfigError(where_ + ": " + what); }
-  void require(bool ok, const std::string& what) const {
-    if (!ok) fail(what);
-  }
-  void requireImage() const {
-    require(input_.size() == 3, "expects [channels, height, width] per sample, got " + shapeText(input_));
-  }
-  int64_t window(int64_t size, int64_t kernel, int64_t stride, int64_t padding) const {
-    const int64_t out = (size + 2 * padding - kernel) / stride + 1;
-    require(size + 2 * padding >= kernel && out >= 1,
-            "kernel " + std::to_string(kernel) + " does not fit an input of shape " + shapeText(input_) +
-                " with padding " + std::to_string(padding));
-    return out;
-  }
+// Float layers that keep the shape.
+template <class Module>
+BuiltLayer elementwise(const LayerInput& in) {
+  return {torch::nn::AnyModule(Module()), in.shape};
+}
 
-  const LayerSpec& spec_;
-  const Shape& input_;
-  bool integer_;
-  std::string where_;
-};
+BuiltLayer embedding(const LayerInput& in) {
+  const auto& p = in.params;
+  Shape out = in.shape;
+  out.push_back(p["embedding_dim"].get<int64_t>());
+  return {torch::nn::AnyModule(
+              torch::nn::Embedding(p["num_embeddings"].get<int64_t>(), p["embedding_dim"].get<int64_t>())),
+          out};
+}
+
+BuiltLayer linear(const LayerInput& in) {
+  Shape out = in.shape;
+  out.back() = in.params["out_features"].get<int64_t>();
+  return {torch::nn::AnyModule(torch::nn::Linear(
+              torch::nn::LinearOptions(in.shape.back(), out.back()).bias(in.params["bias"].get<bool>()))),
+          out};
+}
+
+BuiltLayer conv2d(const LayerInput& in) {
+  requireImage(in);
+  const auto& p = in.params;
+  const auto kernel = pair(p["kernel_size"]), stride = pair(p["stride"]), padding = pair(p["padding"]);
+  const int64_t channels = p["out_channels"].get<int64_t>();
+  Shape out = {channels, window(in, in.shape[1], kernel[0], stride[0], padding[0]),
+               window(in, in.shape[2], kernel[1], stride[1], padding[1])};
+  return {torch::nn::AnyModule(torch::nn::Conv2d(torch::nn::Conv2dOptions(in.shape[0], channels, {kernel[0], kernel[1]})
+                                                     .stride({stride[0], stride[1]})
+                                                     .padding({padding[0], padding[1]})
+                                                     .bias(p["bias"].get<bool>()))),
+          out};
+}
+
+template <class Pool, class Options>
+BuiltLayer pool2d(const LayerInput& in) {
+  requireImage(in);
+  const auto& p = in.params;
+  const auto kernel = pair(p["kernel_size"]), stride = pair(p["stride"]), padding = pair(p["padding"]);
+  in.require(padding[0] * 2 <= kernel[0] && padding[1] * 2 <= kernel[1],
+             "padding must be at most half the kernel size");
+  Shape out = {in.shape[0], window(in, in.shape[1], kernel[0], stride[0], padding[0]),
+               window(in, in.shape[2], kernel[1], stride[1], padding[1])};
+  return {torch::nn::AnyModule(
+              Pool(Options({kernel[0], kernel[1]}).stride({stride[0], stride[1]}).padding({padding[0], padding[1]}))),
+          out};
+}
+
+BuiltLayer flatten(const LayerInput& in) {
+  int64_t size = 1;
+  for (int64_t d : in.shape) size *= d;
+  return {torch::nn::AnyModule(torch::nn::Flatten()), {size}};
+}
+
+BuiltLayer dropout(const LayerInput& in) {
+  return {torch::nn::AnyModule(torch::nn::Dropout(in.params["p"].get<double>())), in.shape};
+}
+
+BuiltLayer layernorm(const LayerInput& in) {
+  return {torch::nn::AnyModule(torch::nn::LayerNorm(
+              torch::nn::LayerNormOptions({in.shape.back()}).eps(in.params["eps"].get<double>()))),
+          in.shape};
+}
+
+BuiltLayer batchnorm2d(const LayerInput& in) {
+  requireImage(in);
+  return {torch::nn::AnyModule(DeferredBatchNorm2d(in.shape[0], in.params["eps"].get<double>(),
+                                                   in.params["momentum"].get<double>())),
+          in.shape};
+}
+
+BuiltLayer transformerBlock(const LayerInput& in) {
+  in.require(in.shape.size() == 2, "expects [seq_len, dim] per sample, got " + shapeText(in.shape));
+  const int64_t heads = in.params["heads"].get<int64_t>();
+  in.require(in.shape[1] % heads == 0,
+             "dim " + std::to_string(in.shape[1]) + " is not divisible by heads " + std::to_string(heads));
+  return {torch::nn::AnyModule(TransformerBlock(in.shape[1], heads, in.params["mlp_ratio"].get<int64_t>(),
+                                                in.params["dropout"].get<double>())),
+          in.shape};
+}
+
+}  // namespace
+
+void LayerInput::fail(const std::string& what) const { throw ConfigError(where + ": " + what); }
+
+void LayerInput::require(bool ok, const std::string& what) const {
+  if (!ok) fail(what);
+}
+
+const std::vector<LayerType>& layerTypes() {
+  using K = ParamKind;
+  static const std::vector<LayerType> types = {
+      {"linear", {{"out_features", K::kPositive, nullptr}, {"bias", K::kBool, true}},
+       "[..., in] -> [..., out_features]", linear},
+      {"conv2d",
+       {{"out_channels", K::kPositive, nullptr}, {"kernel_size", K::kSize2, nullptr}, {"stride", K::kSize2, 1},
+        {"padding", K::kSize2NonNegative, 0}, {"bias", K::kBool, true}},
+       "[c, h, w] -> [out_channels, h', w']", conv2d},
+      {"maxpool2d",
+       {{"kernel_size", K::kSize2, nullptr}, {"stride", K::kSize2, nullptr}, {"padding", K::kSize2NonNegative, 0}},
+       "[c, h, w] -> [c, h', w']", pool2d<torch::nn::MaxPool2d, torch::nn::MaxPool2dOptions>},
+      {"avgpool2d",
+       {{"kernel_size", K::kSize2, nullptr}, {"stride", K::kSize2, nullptr}, {"padding", K::kSize2NonNegative, 0}},
+       "[c, h, w] -> [c, h', w']", pool2d<torch::nn::AvgPool2d, torch::nn::AvgPool2dOptions>},
+      {"flatten", {}, "[...] -> [product]", flatten},
+      {"relu", {}, "same", elementwise<torch::nn::ReLU>},
+      {"gelu", {}, "same", elementwise<torch::nn::GELU>},
+      {"tanh", {}, "same", elementwise<torch::nn::Tanh>},
+      {"sigmoid", {}, "same", elementwise<torch::nn::Sigmoid>},
+      {"dropout", {{"p", K::kProbability, 0.5}}, "same", dropout},
+      {"layernorm", {{"eps", K::kPositiveNumber, 1e-5}}, "same (over the last dim)", layernorm},
+      {"batchnorm2d", {{"eps", K::kPositiveNumber, 1e-5}, {"momentum", K::kProbability, 0.1}},
+       "[c, h, w] -> same", batchnorm2d},
+      {"embedding", {{"num_embeddings", K::kPositive, nullptr}, {"embedding_dim", K::kPositive, nullptr}},
+       "token ids [...] -> [..., embedding_dim]", embedding},
+      {"transformer_block",
+       {{"heads", K::kPositive, nullptr}, {"mlp_ratio", K::kPositive, 4}, {"dropout", K::kProbability, 0.0}},
+       "[seq_len, dim] -> same", transformerBlock},
+  };
+  return types;
+}
+
+const LayerType* findLayerType(const std::string& name) {
+  for (const auto& type : layerTypes()) {
+    if (name == type.name) return &type;
+  }
+  return nullptr;
+}
+
+namespace {
+
+BuiltLayer buildLayer(const LayerSpec& spec, size_t index, const Shape& shape, bool integer) {
+  const LayerInput input{spec.params, shape, integer, "model.layers[" + std::to_string(index) + "] (" + spec.type + ")"};
+  const LayerType* type = findLayerType(spec.type);
+  if (type == nullptr) input.fail("unknown layer type");
+  const bool takesTokens = spec.type == "embedding";
+  if (takesTokens) input.require(integer, "expects integer token ids, got a float input of shape " + shapeText(shape));
+  if (!takesTokens) {
+    input.require(!integer, "expects a float input, got integer token ids of shape " + shapeText(shape) +
+                                " (put an embedding first)");
+  }
+  return type->build(input);
+}
 
 }  // namespace
 
@@ -258,7 +302,7 @@ BuiltModel buildModel(const ModelConfig& model, uint64_t seed) {
   built.integerInput = !model.layers.empty() && model.layers.front().type == "embedding";
   bool integer = built.integerInput;
   for (size_t i = 0; i < model.layers.size(); ++i) {
-    Built layer = LayerBuilder(model.layers[i], i, built.shapes.back(), integer).build();
+    BuiltLayer layer = buildLayer(model.layers[i], i, built.shapes.back(), integer);
     integer = false;
     for (const auto& parameter : layer.module.ptr()->parameters()) {
       built.parameterCount += parameter.numel();
