@@ -71,7 +71,7 @@ int main(int argc, char** argv) {
     double bottleneck[3];
     const char* methods[] = {"uniform", "parameters", "time"};
     for (int i = 0; i < 3; ++i) {
-      config.pipeline.partition = methods[i];
+      config.pipeline.partition = tpipe::parsePartitionMethod(methods[i]);
       tpipe::PlanRequest request = tpipe::planRequest(config, costs);
       request.costNoise = 0.0;  // the strictly fastest, not the simplest within noise
       const tpipe::Plan plan = tpipe::resolvePlan(request);

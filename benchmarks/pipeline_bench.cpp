@@ -245,9 +245,9 @@ nlohmann::json exampleConfigs() {
     for (const auto& d : config.pipeline.devices) options.devices.push_back(d.name);
     options.microBatches = config.pipeline.microBatches;
     options.schedule = config.pipeline.schedule;
-    options.checkpoint = tpipe::parseCheckpointMode(config.pipeline.checkpoint);
+    options.checkpoint = config.pipeline.checkpoint;
     options.balance = config.pipeline.balance;
-    if (config.pipeline.partition == "time") {
+    if (config.pipeline.partition == tpipe::PartitionMethod::kTime) {
       const tpipe::TrainingCosts costs = tpipe::trainingCosts(config, model, "", true);
       options.balance = tpipe::balanceOf(tpipe::resolvePlan(tpipe::planRequest(config, costs)).boundaries);
     }

@@ -112,7 +112,7 @@ PartitionProblem randomProblem(std::mt19937& rng, int n, int k) {
   const char* schedules[] = {"gpipe", "1f1b", "zb-h1"};
   const CheckpointMode modes[] = {CheckpointMode::kAlways, CheckpointMode::kExceptLast, CheckpointMode::kNever};
   ScheduleSpec spec;
-  spec.name = schedules[rng() % 3];
+  spec.source = schedules[rng() % 3];
   spec.checkpoint = modes[rng() % 3];
   spec.microBatches = 1 + static_cast<int>(rng() % 4);
   spec.ranks = k;

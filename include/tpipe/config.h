@@ -14,6 +14,8 @@
 #include <nlohmann/json.hpp>
 
 #include "tpipe/errors.h"
+#include "tpipe/plan.h"
+#include "tpipe/schedule.h"
 
 namespace tpipe {
 
@@ -48,10 +50,10 @@ struct PipelineConfig {
   std::vector<DeviceConfig> devices;
   int stages = 0;  // 0: one per device
   int microBatches = 1;
-  std::string schedule = "gpipe";
+  ScheduleSource schedule = ScheduleKind::kGpipe;
   int virtualStages = 1;
-  std::string checkpoint = "except_last";
-  std::string partition = "uniform";  // uniform | parameters | time | balance
+  CheckpointMode checkpoint = CheckpointMode::kExceptLast;
+  PartitionMethod partition = PartitionMethod::kUniform;
   std::vector<int> balance;
   int threadsPerDevice = 0;
   int dataParallel = 1;    // replicas of the pipeline, one process per rank

@@ -104,9 +104,9 @@ struct PipelineOptions {
   PartitionMethod partition = PartitionMethod::kUniform;
   std::vector<int> balance;  // layers per stage; implies kBalance
   int microBatches = 1;
-  // A name from scheduleNames(), or a schedule file (*.json, as
-  // `tpipe schedule --json` writes it), validated before use.
-  std::string schedule = "gpipe";
+  // A built-in schedule or a schedule file (as `tpipe schedule --json`
+  // writes it), validated before use: `schedule = "1f1b"` or "mine.json".
+  ScheduleSource schedule = ScheduleKind::kGpipe;
   int virtualStages = 1;           // stages per device (interleaved-1f1b)
   CheckpointMode checkpoint = CheckpointMode::kExceptLast;
   // Intra-op threads of each device's worker; 0 shares the cores fairly.

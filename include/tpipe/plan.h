@@ -67,7 +67,7 @@ struct PlanRequest {
   int stages = 0;
   PartitionMethod partition = PartitionMethod::kUniform;
   std::vector<int> balance;  // layers per stage, with kBalance
-  std::string schedule = "gpipe";  // a built-in name or a schedule file
+  ScheduleSource schedule = ScheduleKind::kGpipe;
   int microBatches = 1;
   int virtualStages = 1;
   CheckpointMode checkpoint = CheckpointMode::kExceptLast;

@@ -114,8 +114,44 @@ struct Schedule {
   int rankOfStage(int stage) const { return stage % ranks; }
 };
 
+enum class ScheduleKind {
+  kGpipe,         // "gpipe": fill-drain
+  kOneFOneB,      // "1f1b"
+  kInterleaved,   // "interleaved-1f1b": virtual stages per rank
+  kZeroBubbleH1,  // "zb-h1": backward split into input and weight passes
+};
+const char* scheduleKindName(ScheduleKind kind);
+
+// Which schedule to run: a built-in generator or a schedule file (as
+// `tpipe schedule --json` writes it). Text converts implicitly, so options
+// read `schedule = "1f1b"` or `schedule = "mine.json"`: a name from
+// scheduleNames() is that generator, text ending in .json a file; any other
+// text is kept as an unknown name that makeSchedule rejects, listing the
+// names.
+class ScheduleSource {
+ public:
+  ScheduleSource(ScheduleKind kind = ScheduleKind::kGpipe) : kind_(kind), known_(true) {}
+  ScheduleSource(const std::string& text);
+  ScheduleSource(const char* text) : ScheduleSource(std::string(text)) {}
+  static ScheduleSource file(const std::string& path);
+
+  bool isFile() const { return !path_.empty(); }
+  bool isBuiltIn() const { return path_.empty() && known_; }
+  ScheduleKind kind() const { return kind_; }       // when isBuiltIn()
+  const std::string& path() const { return path_; }  // when isFile()
+  // The name or the path, as written.
+  std::string text() const;
+  bool operator==(const ScheduleSource& other) const { return text() == other.text(); }
+  bool operator!=(const ScheduleSource& other) const { return !(*this == other); }
+
+ private:
+  ScheduleKind kind_ = ScheduleKind::kGpipe;
+  bool known_ = false;
+  std::string path_, unknown_;
+};
+
 struct ScheduleSpec {
-  std::string name = "gpipe";  // gpipe | 1f1b | interleaved-1f1b | zb-h1
+  ScheduleSource source;
   int ranks = 1;
   int microBatches = 1;
   int virtualStages = 1;
@@ -133,9 +169,8 @@ Schedule interleavedSchedule(int ranks, int microBatches, int virtualStages,
 Schedule zeroBubbleH1Schedule(int ranks, int microBatches, CheckpointMode mode);
 // Inference: every rank forwards its stages' micro-batches in order.
 Schedule forwardOnlySchedule(int ranks, int virtualStages, int microBatches);
-// Dispatches on spec.name and validates the result. A name ending in .json
-// is a schedule file; it must match the spec's ranks, virtual stages and
-// micro-batches.
+// Dispatches on spec.source and validates the result. A schedule file must
+// match the spec's ranks, virtual stages and micro-batches.
 Schedule makeSchedule(const ScheduleSpec& spec);
 
 class ScheduleError : public UserError {

@@ -56,11 +56,11 @@ int validateConfig(const std::string& path, const std::vector<std::string>& over
   const tpipe::Dataset data = tpipe::loadDataset(config, model);
   std::printf("%s\n", data.description.c_str());
   tpipe::ScheduleSpec spec;
-  spec.name = config.pipeline.schedule;
+  spec.source = config.pipeline.schedule;
   spec.ranks = tpipe::pipelineRanks(config.pipeline);
   spec.microBatches = config.pipeline.microBatches;
   spec.virtualStages = config.pipeline.virtualStages;
-  spec.checkpoint = tpipe::parseCheckpointMode(config.pipeline.checkpoint);
+  spec.checkpoint = config.pipeline.checkpoint;
   const tpipe::Schedule schedule = tpipe::makeSchedule(spec);
   std::printf("config OK: %lld parameters, %d stages, schedule %s valid\n",
               static_cast<long long>(model.parameterCount), schedule.stages(), schedule.name.c_str());
@@ -304,7 +304,8 @@ int tpipe::runCommandLine(int argc, char** argv) {
   schedule->add_option("--micro-batches", spec.microBatches, "micro-batches")
       ->required()
       ->check(CLI::Range(1, 65536));
-  schedule->add_option("--schedule", spec.name, "gpipe | 1f1b | interleaved-1f1b | zb-h1");
+  std::string scheduleText = "gpipe";
+  schedule->add_option("--schedule", scheduleText, "gpipe | 1f1b | interleaved-1f1b | zb-h1");
   schedule->add_option("--virtual", spec.virtualStages, "stages per device")->check(CLI::Range(1, 64));
   schedule->add_option("--checkpoint", checkpoint, "always | except_last | never");
   schedule->add_flag("--json", json, "print JSON");
@@ -351,6 +352,7 @@ int tpipe::runCommandLine(int argc, char** argv) {
     }
     if (*schedule) {
       spec.checkpoint = tpipe::parseCheckpointMode(checkpoint);
+      spec.source = scheduleText;
       return printSchedule(spec, json);
     }
   } catch (const tpipe::UserError& error) {  // configs, files, schedules, partitions, peers

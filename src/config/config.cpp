@@ -384,15 +384,16 @@ Config parseConfig(const Json& json) {
     if (const Json* custom = pipeline.find("schedule");
         custom && custom->is_string() && custom->get<std::string>().size() > 5 &&
         custom->get<std::string>().rfind(".json") == custom->get<std::string>().size() - 5) {
-      p.schedule = custom->get<std::string>();  // a schedule file, validated when the pipeline loads it
+      p.schedule = ScheduleSource::file(custom->get<std::string>());  // validated when the plan loads it
     } else {
       std::vector<std::string> names = scheduleNames();
       names.push_back("a schedule file (*.json)");
-      p.schedule = pipeline.choice("schedule", "gpipe", names);
+      p.schedule = ScheduleSource(pipeline.choice("schedule", "gpipe", names));
     }
     p.virtualStages = static_cast<int>(pipeline.integer("virtual_stages", 1, 1, "a positive integer", 64));
-    p.checkpoint = pipeline.choice("checkpoint", "except_last", {"always", "except_last", "never"});
-    p.partition = pipeline.choice("partition", "uniform", {"uniform", "parameters", "time", "balance"});
+    p.checkpoint = parseCheckpointMode(pipeline.choice("checkpoint", "except_last", {"always", "except_last", "never"}));
+    p.partition =
+        parsePartitionMethod(pipeline.choice("partition", "uniform", {"uniform", "parameters", "time", "balance"}));
     if (const Json* balance = pipeline.find("balance")) {
       if (!balance->is_array() || balance->empty()) {
         fail("pipeline.balance", "expected a list of layers per stage, got " + shown(*balance));
@@ -401,13 +402,13 @@ Config parseConfig(const Json& json) {
         p.balance.push_back(static_cast<int>(ObjectReader::checkInteger(
             (*balance)[i], "pipeline.balance[" + std::to_string(i) + "]", 1, "a positive integer")));
       }
-      if (!pipeline.find("partition")) p.partition = "balance";
-      if (p.partition != "balance") {
-        fail("pipeline.balance", "given together with partition '" + p.partition +
+      if (!pipeline.find("partition")) p.partition = PartitionMethod::kBalance;
+      if (p.partition != PartitionMethod::kBalance) {
+        fail("pipeline.balance", "given together with partition '" + std::string(partitionMethodName(p.partition)) +
                                      "': a balance fixes the partition; drop one of the two");
       }
     }
-    if (p.partition == "balance" && p.balance.empty()) {
+    if (p.partition == PartitionMethod::kBalance && p.balance.empty()) {
       fail("pipeline.balance", "missing (required by partition 'balance')");
     }
     p.threadsPerDevice = static_cast<int>(
@@ -560,8 +561,9 @@ nlohmann::json describeConfig(const Config& config) {
                     {"seq_len", d.seqLen}, {"stride", d.stride}, {"samples", d.samples},
                     {"eval_samples", d.evalSamples}}},
           {"pipeline", {{"devices", devices}, {"stages", p.stages}, {"micro_batches", p.microBatches},
-                        {"schedule", p.schedule}, {"virtual_stages", p.virtualStages},
-                        {"checkpoint", p.checkpoint}, {"partition", p.partition}, {"balance", p.balance},
+                        {"schedule", p.schedule.text()}, {"virtual_stages", p.virtualStages},
+                        {"checkpoint", checkpointModeName(p.checkpoint)},
+                        {"partition", partitionMethodName(p.partition)}, {"balance", p.balance},
                         {"threads_per_device", p.threadsPerDevice}, {"data_parallel", p.dataParallel},
                         {"timeout_s", p.timeoutS}}},
           {"train", {{"batch_size", t.batchSize}, {"steps", t.steps}, {"loss", t.loss}, {"seed", t.seed},

@@ -39,7 +39,7 @@ Schedule scheduleFor(const PlanRequest& request, int stages) {
                          std::to_string(request.devices.size()));
   }
   ScheduleSpec spec;
-  spec.name = request.schedule;
+  spec.source = request.schedule;
   spec.ranks = ranks;
   spec.microBatches = request.microBatches;
   spec.virtualStages = request.virtualStages;

@@ -254,24 +254,65 @@ Schedule forwardOnlySchedule(int ranks, int virtualStages, int microBatches) {
   return schedule;
 }
 
-Schedule makeSchedule(const ScheduleSpec& spec) {
-  const std::string& file = spec.name;
-  if (file.size() > 5 && file.compare(file.size() - 5, 5, ".json") == 0) {
-    Schedule loaded = loadScheduleFile(file);
-    if (loaded.ranks != spec.ranks || loaded.virtualStages != spec.virtualStages) {
-      throw ScheduleError("schedule " + file + " is for " + std::to_string(loaded.ranks) + " rank(s) x " +
-                          std::to_string(loaded.virtualStages) + " virtual stage(s); the pipeline has " +
-                          std::to_string(spec.ranks) + " x " + std::to_string(spec.virtualStages));
-    }
-    if (loaded.microBatches != spec.microBatches) {
-      throw ScheduleError("schedule " + file + " has " + std::to_string(loaded.microBatches) +
-                          " micro-batches; the pipeline has " + std::to_string(spec.microBatches));
-    }
-    if (!loaded.training) throw ScheduleError("schedule " + file + " is an inference schedule");
-    return loaded;
+const char* scheduleKindName(ScheduleKind kind) {
+  switch (kind) {
+    case ScheduleKind::kGpipe: return "gpipe";
+    case ScheduleKind::kOneFOneB: return "1f1b";
+    case ScheduleKind::kInterleaved: return "interleaved-1f1b";
+    case ScheduleKind::kZeroBubbleH1: return "zb-h1";
   }
-  // Every rank lists every micro-batch of each of its stages: bounded so a
-  // typo cannot ask for gigabytes of instructions.
+  return "?";
+}
+
+ScheduleSource::ScheduleSource(const std::string& text) {
+  for (auto kind : {ScheduleKind::kGpipe, ScheduleKind::kOneFOneB, ScheduleKind::kInterleaved,
+                    ScheduleKind::kZeroBubbleH1}) {
+    if (text == scheduleKindName(kind)) {
+      kind_ = kind;
+      known_ = true;
+      return;
+    }
+  }
+  if (text.size() > 5 && text.compare(text.size() - 5, 5, ".json") == 0) {
+    path_ = text;
+    return;
+  }
+  unknown_ = text;
+}
+
+ScheduleSource ScheduleSource::file(const std::string& path) {
+  ScheduleSource source;
+  source.known_ = false;
+  source.path_ = path;
+  return source;
+}
+
+std::string ScheduleSource::text() const {
+  if (isFile()) return path_;
+  return known_ ? scheduleKindName(kind_) : unknown_;
+}
+
+namespace {
+
+Schedule loadMatching(const ScheduleSpec& spec) {
+  const std::string& file = spec.source.path();
+  Schedule loaded = loadScheduleFile(file);
+  if (loaded.ranks != spec.ranks || loaded.virtualStages != spec.virtualStages) {
+    throw ScheduleError("schedule " + file + " is for " + std::to_string(loaded.ranks) + " rank(s) x " +
+                        std::to_string(loaded.virtualStages) + " virtual stage(s); the pipeline has " +
+                        std::to_string(spec.ranks) + " x " + std::to_string(spec.virtualStages));
+  }
+  if (loaded.microBatches != spec.microBatches) {
+    throw ScheduleError("schedule " + file + " has " + std::to_string(loaded.microBatches) +
+                        " micro-batches; the pipeline has " + std::to_string(spec.microBatches));
+  }
+  if (!loaded.training) throw ScheduleError("schedule " + file + " is an inference schedule");
+  return loaded;
+}
+
+// Every rank lists every micro-batch of each of its stages: bounded so a
+// typo cannot ask for gigabytes of instructions.
+void checkSize(const ScheduleSpec& spec) {
   const int64_t size = int64_t{spec.ranks} * spec.virtualStages * spec.microBatches;
   if (spec.ranks < 1 || spec.microBatches < 1 || spec.virtualStages < 1 || size > (int64_t{1} << 22)) {
     throw ScheduleError("a schedule of " + std::to_string(spec.ranks) + " rank(s) x " +
@@ -279,32 +320,39 @@ Schedule makeSchedule(const ScheduleSpec& spec) {
                         std::to_string(spec.microBatches) + " micro-batches is out of range (each at least 1, "
                         "their product at most 4194304)");
   }
-  Schedule schedule;
-  const bool plain = spec.virtualStages == 1;
-  if (spec.name == "gpipe" || spec.name == "1f1b" || spec.name == "zb-h1") {
-    if (!plain) {
-      throw ScheduleError("schedule '" + spec.name +
-                          "' has one stage per rank; virtual stages (" +
-                          std::to_string(spec.virtualStages) +
-                          ") need 'interleaved-1f1b'");
-    }
-  }
-  if (spec.name == "gpipe") {
-    schedule = gpipeSchedule(spec.ranks, spec.microBatches, spec.checkpoint);
-  } else if (spec.name == "1f1b") {
-    schedule = oneFOneBSchedule(spec.ranks, spec.microBatches, spec.checkpoint);
-  } else if (spec.name == "interleaved-1f1b") {
-    schedule = interleavedSchedule(spec.ranks, spec.microBatches,
-                                   spec.virtualStages, spec.checkpoint);
-  } else if (spec.name == "zb-h1") {
-    schedule =
-        zeroBubbleH1Schedule(spec.ranks, spec.microBatches, spec.checkpoint);
-  } else {
+}
+
+}  // namespace
+
+Schedule makeSchedule(const ScheduleSpec& spec) {
+  if (spec.source.isFile()) return loadMatching(spec);
+  if (!spec.source.isBuiltIn()) {
     std::ostringstream message;
-    message << "unknown schedule '" << spec.name << "' (expected one of:";
+    message << "unknown schedule '" << spec.source.text() << "' (expected one of:";
     for (const auto& name : scheduleNames()) message << ' ' << name;
-    message << ')';
+    message << ", or a schedule file *.json)";
     throw ScheduleError(message.str());
+  }
+  checkSize(spec);
+  const ScheduleKind kind = spec.source.kind();
+  if (kind != ScheduleKind::kInterleaved && spec.virtualStages != 1) {
+    throw ScheduleError("schedule '" + spec.source.text() + "' has one stage per rank; virtual stages (" +
+                        std::to_string(spec.virtualStages) + ") need 'interleaved-1f1b'");
+  }
+  Schedule schedule;
+  switch (kind) {
+    case ScheduleKind::kGpipe:
+      schedule = gpipeSchedule(spec.ranks, spec.microBatches, spec.checkpoint);
+      break;
+    case ScheduleKind::kOneFOneB:
+      schedule = oneFOneBSchedule(spec.ranks, spec.microBatches, spec.checkpoint);
+      break;
+    case ScheduleKind::kInterleaved:
+      schedule = interleavedSchedule(spec.ranks, spec.microBatches, spec.virtualStages, spec.checkpoint);
+      break;
+    case ScheduleKind::kZeroBubbleH1:
+      schedule = zeroBubbleH1Schedule(spec.ranks, spec.microBatches, spec.checkpoint);
+      break;
   }
   validate(schedule);
   return schedule;

@@ -103,7 +103,7 @@ Profile profileModel(const Config& config, const BuiltModel& model) {
 }
 
 bool needsMeasuredCosts(const Config& config) {
-  if (config.pipeline.partition == "time") return true;
+  if (config.pipeline.partition == PartitionMethod::kTime) return true;
   for (const auto& device : config.pipeline.devices) {
     if (device.memoryBytes > 0) return true;
   }
@@ -137,12 +137,12 @@ PlanRequest planRequest(const Config& config, const TrainingCosts& costs) {
   request.inputBytes = costs.inputBytes;
   for (const auto& device : p.devices) request.devices.push_back({device.name, device.speed, device.memoryBytes});
   request.stages = p.stages;
-  request.partition = parsePartitionMethod(p.partition);
+  request.partition = p.partition;
   request.balance = p.balance;
   request.schedule = p.schedule;
   request.microBatches = p.microBatches;
   request.virtualStages = p.virtualStages;
-  request.checkpoint = parseCheckpointMode(p.checkpoint);
+  request.checkpoint = p.checkpoint;
   const auto& o = config.train.optimizer;
   request.optimizerFactor = optimizerStateFactor(o.type, o.momentum);
   return request;

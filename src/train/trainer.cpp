@@ -207,8 +207,8 @@ class TrainingRun {
     for (const auto& device : pipe_->stageDevices()) log << ' ' << device;
     log << ", boundaries";
     for (int b : pipe_->boundaries()) log << ' ' << b;
-    log << ", " << config_.pipeline.microBatches << " micro-batches, " << config_.pipeline.schedule
-        << ", checkpoint " << config_.pipeline.checkpoint << "\n";
+    log << ", " << config_.pipeline.microBatches << " micro-batches, " << plan_.schedule.name << ", checkpoint "
+        << checkpointModeName(plan_.checkpoint) << "\n";
     log << "plan: partition " << partitionMethodName(plan_.partition) << ", costs from " << plan_.costSource;
     if (plan_.simulation.makespan > 0) {
       log << ", predicted step " << std::fixed << std::setprecision(2) << plan_.simulation.makespan << " ms"
