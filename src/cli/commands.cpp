@@ -227,89 +227,147 @@ std::string libraryText(const std::string& message) {
                                                                                  : message;
 }
 
+// Every subcommand's options, filled by CLI11.
+struct Arguments {
+  std::string configPath;
+  std::vector<std::string> overrides;
+  tpipe::TrainOptions train;
+  int processes = 1;
+  std::string profilePath, profileOut;
+  int planStages = 0, profileSteps = 0;
+  bool json = false;
+  tpipe::ScheduleSpec spec;
+  std::string scheduleText = "gpipe", checkpoint = "except_last";
+};
+
+CLI::App* addTrain(CLI::App& app, Arguments& a) {
+  auto* train = app.add_subcommand(
+      "train", "train from a JSON config (default: the built-in Fashion-MNIST CNN config)");
+  train->add_option("config", a.configPath, "JSON config file")->check(CLI::ExistingFile);
+  train->add_option("--set", a.overrides, "override a config value: key.path=value (repeatable)");
+  train->add_option("--metrics", a.train.metricsPath, "write JSON lines, one per step");
+  train->add_option("--save", a.train.saveDir, "checkpoint directory");
+  train->add_option("--resume", a.train.resumeDir, "continue from this checkpoint directory");
+  train->add_option("--trace", a.train.tracePath, "write a Chrome trace (Perfetto) of the recorded steps");
+  train->add_option("--timeline", a.train.timelinePath, "draw the last recorded step as an SVG Gantt chart");
+  train->add_option("--report", a.train.reportPath, "write the bubble report as JSON");
+  train->add_flag("--memory-report", a.train.memoryReport,
+                  "measure memory per device next to the partitioner's prediction");
+  train->add_option("--record-steps", a.train.recordSteps, "how many final steps to record (default 5)");
+  train->add_option("--profile", a.train.profilePath,
+                    "plan from this saved profile (tpipe profile --out) instead of measuring")
+      ->check(CLI::ExistingFile);
+  train->add_flag("--overwrite", a.train.overwrite, "let --save replace a checkpoint already in the directory");
+  train->add_option("--stop-after", a.train.stopAfter,
+                    "stop after this many steps (a preemption: the schedule still spans train.steps)");
+  return train;
+}
+
+CLI::App* addLaunch(CLI::App& app, Arguments& a) {
+  auto* launch = app.add_subcommand(
+      "launch", "run `tpipe train` as N local processes (one pipeline rank each) over c10d");
+  launch->add_option("--nproc", a.processes, "processes: pipeline ranks x data-parallel replicas")
+      ->required()
+      ->check(CLI::Range(1, 1024));
+  launch->prefix_command();  // CONFIG and the train options follow, passed on as they are
+  launch->footer("Everything after --nproc N is handed to `tpipe train` in every rank.");
+  return launch;
+}
+
+CLI::App* addValidate(CLI::App& app, Arguments& a) {
+  auto* validate = app.add_subcommand("validate", "check a config without training");
+  validate->add_option("config", a.configPath, "JSON config file")->required()->check(CLI::ExistingFile);
+  validate->add_option("--set", a.overrides, "override a config value: key.path=value");
+  return validate;
+}
+
+CLI::App* addPlan(CLI::App& app, Arguments& a) {
+  auto* plan = app.add_subcommand("plan", "partition a config's model (or a saved profile) and predict the step");
+  plan->add_option("config", a.configPath, "JSON config file")->check(CLI::ExistingFile);
+  plan->add_option("--set", a.overrides, "override a config value: key.path=value");
+  plan->add_option("--profile", a.profilePath, "plan from a saved profile (with or without a CONFIG)")
+      ->check(CLI::ExistingFile);
+  plan->add_option("--stages", a.planStages, "stage count (required with --profile and no CONFIG)")
+      ->check(CLI::Range(1, 4096));
+  plan->add_flag("--json", a.json, "print JSON");
+  return plan;
+}
+
+CLI::App* addProfile(CLI::App& app, Arguments& a) {
+  auto* profile = app.add_subcommand("profile", "measure each layer's time and memory");
+  profile->add_option("config", a.configPath, "JSON config file")->required()->check(CLI::ExistingFile);
+  profile->add_option("--set", a.overrides, "override a config value: key.path=value");
+  profile->add_option("--out", a.profileOut, "write the profile as JSON");
+  profile->add_option("--steps", a.profileSteps, "also run this many pipelined steps and report the bubble");
+  profile->add_option("--trace", a.train.tracePath, "with --steps: write a Chrome trace");
+  profile->add_option("--timeline", a.train.timelinePath, "with --steps: write an SVG timeline");
+  profile->add_option("--report", a.train.reportPath, "with --steps: write the bubble report as JSON");
+  return profile;
+}
+
+CLI::App* addSchedule(CLI::App& app, Arguments& a) {
+  auto* schedule = app.add_subcommand("schedule", "print a schedule's instruction lists and simulated timeline");
+  schedule->add_option("--stages", a.spec.ranks, "pipeline ranks (devices)")->required()->check(CLI::Range(1, 4096));
+  schedule->add_option("--micro-batches", a.spec.microBatches, "micro-batches")
+      ->required()
+      ->check(CLI::Range(1, 65536));
+  schedule->add_option("--schedule", a.scheduleText, "gpipe | 1f1b | interleaved-1f1b | zb-h1");
+  schedule->add_option("--virtual", a.spec.virtualStages, "stages per device")->check(CLI::Range(1, 64));
+  schedule->add_option("--checkpoint", a.checkpoint, "always | except_last | never");
+  schedule->add_flag("--json", a.json, "print JSON");
+  return schedule;
+}
+
+int runProfile(Arguments& a) {
+  profileCommand(a.configPath, a.overrides, a.profileOut);
+  if (a.profileSteps <= 0) return 0;
+  tpipe::Config config = tpipe::parseConfig(configJson(a.configPath, a.overrides));
+  config.train.steps = a.profileSteps + 2;  // two warm-up steps
+  config.train.evalEvery = 0;
+  a.train.recordSteps = a.profileSteps;
+  a.train.evaluate = false;
+  std::cout << "\nrunning " << a.profileSteps << " recorded steps (after 2 warm-up steps)\n";
+  tpipe::train(config, a.train);
+  return 0;
+}
+
+// The subcommands that parsed, run; their errors become exit codes here.
+struct Subcommands {
+  CLI::App *train, *launch, *validate, *plan, *profile, *schedule;
+};
+
+int dispatch(const Subcommands& c, Arguments& a) {
+  if (*c.train) {
+    const tpipe::Config config = tpipe::parseConfig(configJson(a.configPath, a.overrides));
+    const tpipe::TrainSummary summary = tpipe::train(config, a.train);
+    return summary.stopSignal ? 128 + summary.stopSignal : 0;
+  }
+  if (*c.launch) {
+    const std::vector<std::string> arguments = c.launch->remaining();
+    if (arguments.empty()) throw tpipe::ConfigError("launch: give a CONFIG after --nproc N");
+    return tpipe::launchLocal("/proc/self/exe", a.processes, arguments);
+  }
+  if (*c.validate) return validateConfig(a.configPath, a.overrides);
+  if (*c.plan) {
+    if (a.configPath.empty() && a.profilePath.empty()) {
+      throw tpipe::ConfigError("plan: give a CONFIG or --profile FILE");
+    }
+    return planCommand(a.configPath, a.overrides, a.profilePath, a.planStages, a.json);
+  }
+  if (*c.profile) return runProfile(a);
+  a.spec.checkpoint = tpipe::parseCheckpointMode(a.checkpoint);
+  a.spec.source = a.scheduleText;
+  return printSchedule(a.spec, a.json);
+}
+
 }  // namespace
 
 int tpipe::runCommandLine(int argc, char** argv) {
   CLI::App app{"tpipe: pipeline-parallel training on LibTorch"};
   app.require_subcommand(1);
-
-  std::string configPath;
-  std::vector<std::string> overrides;
-  auto* train = app.add_subcommand(
-      "train", "train from a JSON config (default: the built-in Fashion-MNIST CNN config)");
-  tpipe::TrainOptions trainOptions;
-  train->add_option("config", configPath, "JSON config file")->check(CLI::ExistingFile);
-  train->add_option("--set", overrides, "override a config value: key.path=value (repeatable)");
-  train->add_option("--metrics", trainOptions.metricsPath, "write JSON lines, one per step");
-  train->add_option("--save", trainOptions.saveDir, "checkpoint directory");
-  train->add_option("--resume", trainOptions.resumeDir, "continue from this checkpoint directory");
-  train->add_option("--trace", trainOptions.tracePath, "write a Chrome trace (Perfetto) of the recorded steps");
-  train->add_option("--timeline", trainOptions.timelinePath, "draw the last recorded step as an SVG Gantt chart");
-  train->add_option("--report", trainOptions.reportPath, "write the bubble report as JSON");
-  train->add_flag("--memory-report", trainOptions.memoryReport,
-                  "measure memory per device next to the partitioner's prediction");
-  train->add_option("--record-steps", trainOptions.recordSteps, "how many final steps to record (default 5)");
-  train->add_option("--profile", trainOptions.profilePath,
-                    "plan from this saved profile (tpipe profile --out) instead of measuring")
-      ->check(CLI::ExistingFile);
-  train->add_flag("--overwrite", trainOptions.overwrite,
-                  "let --save replace a checkpoint already in the directory");
-  train->add_option("--stop-after", trainOptions.stopAfter,
-                    "stop after this many steps (a preemption: the schedule still spans train.steps)");
-
-  auto* launch = app.add_subcommand(
-      "launch", "run `tpipe train` as N local processes (one pipeline rank each) over c10d");
-  int processes = 1;
-  launch->add_option("--nproc", processes, "processes: pipeline ranks x data-parallel replicas")
-      ->required()
-      ->check(CLI::Range(1, 1024));
-  launch->prefix_command();  // CONFIG and the train options follow, passed on as they are
-  launch->footer("Everything after --nproc N is handed to `tpipe train` in every rank.");
-
-  auto* validate = app.add_subcommand("validate", "check a config without training");
-  validate->add_option("config", configPath, "JSON config file")->required()->check(CLI::ExistingFile);
-  validate->add_option("--set", overrides, "override a config value: key.path=value");
-
-  auto* plan = app.add_subcommand("plan", "partition a config's model (or a saved profile) and predict the step");
-  std::string profilePath;
-  int planStages = 0;
-  bool planJson = false;
-  plan->add_option("config", configPath, "JSON config file")->check(CLI::ExistingFile);
-  plan->add_option("--set", overrides, "override a config value: key.path=value");
-  plan->add_option("--profile", profilePath, "plan from a saved profile (with or without a CONFIG)")
-      ->check(CLI::ExistingFile);
-  plan->add_option("--stages", planStages, "stage count (required with --profile and no CONFIG)")
-      ->check(CLI::Range(1, 4096));
-  plan->add_flag("--json", planJson, "print JSON");
-
-  auto* profile = app.add_subcommand("profile", "measure each layer's time and memory");
-  std::string profileOut;
-  profile->add_option("config", configPath, "JSON config file")->required()->check(CLI::ExistingFile);
-  profile->add_option("--set", overrides, "override a config value: key.path=value");
-  profile->add_option("--out", profileOut, "write the profile as JSON");
-  int profileSteps = 0;
-  profile->add_option("--steps", profileSteps, "also run this many pipelined steps and report the bubble");
-  profile->add_option("--trace", trainOptions.tracePath, "with --steps: write a Chrome trace");
-  profile->add_option("--timeline", trainOptions.timelinePath, "with --steps: write an SVG timeline");
-  profile->add_option("--report", trainOptions.reportPath, "with --steps: write the bubble report as JSON");
-
-  auto* schedule = app.add_subcommand(
-      "schedule", "print a schedule's instruction lists and simulated timeline");
-  tpipe::ScheduleSpec spec;
-  std::string checkpoint = "except_last";
-  bool json = false;
-  schedule->add_option("--stages", spec.ranks, "pipeline ranks (devices)")
-      ->required()
-      ->check(CLI::Range(1, 4096));
-  schedule->add_option("--micro-batches", spec.microBatches, "micro-batches")
-      ->required()
-      ->check(CLI::Range(1, 65536));
-  std::string scheduleText = "gpipe";
-  schedule->add_option("--schedule", scheduleText, "gpipe | 1f1b | interleaved-1f1b | zb-h1");
-  schedule->add_option("--virtual", spec.virtualStages, "stages per device")->check(CLI::Range(1, 64));
-  schedule->add_option("--checkpoint", checkpoint, "always | except_last | never");
-  schedule->add_flag("--json", json, "print JSON");
-
+  Arguments arguments;
+  const Subcommands commands{addTrain(app, arguments),   addLaunch(app, arguments),  addValidate(app, arguments),
+                             addPlan(app, arguments),    addProfile(app, arguments), addSchedule(app, arguments)};
   try {
     app.parse(argc, argv);
   } catch (const CLI::Success&) {
@@ -322,39 +380,7 @@ int tpipe::runCommandLine(int argc, char** argv) {
     exitWith(2, error.what());
   }
   try {
-    if (*train) {
-      const tpipe::Config config = tpipe::parseConfig(configJson(configPath, overrides));
-      const tpipe::TrainSummary summary = tpipe::train(config, trainOptions);
-      return summary.stopSignal ? 128 + summary.stopSignal : 0;
-    }
-    if (*launch) {
-      const std::vector<std::string> arguments = launch->remaining();
-      if (arguments.empty()) throw tpipe::ConfigError("launch: give a CONFIG after --nproc N");
-      return tpipe::launchLocal("/proc/self/exe", processes, arguments);
-    }
-    if (*validate) return validateConfig(configPath, overrides);
-    if (*plan) {
-      if (configPath.empty() && profilePath.empty()) throw tpipe::ConfigError("plan: give a CONFIG or --profile FILE");
-      return planCommand(configPath, overrides, profilePath, planStages, planJson);
-    }
-    if (*profile) {
-      profileCommand(configPath, overrides, profileOut);
-      if (profileSteps > 0) {
-        tpipe::Config config = tpipe::parseConfig(configJson(configPath, overrides));
-        config.train.steps = profileSteps + 2;  // two warm-up steps
-        config.train.evalEvery = 0;
-        trainOptions.recordSteps = profileSteps;
-        trainOptions.evaluate = false;
-        std::cout << "\nrunning " << profileSteps << " recorded steps (after 2 warm-up steps)\n";
-        tpipe::train(config, trainOptions);
-      }
-      return 0;
-    }
-    if (*schedule) {
-      spec.checkpoint = tpipe::parseCheckpointMode(checkpoint);
-      spec.source = scheduleText;
-      return printSchedule(spec, json);
-    }
+    return dispatch(commands, arguments);
   } catch (const tpipe::UserError& error) {  // configs, files, schedules, partitions, peers
     exitWith(2, error.what());
   } catch (const nlohmann::json::exception& error) {  // a value of the wrong type in a user's file
@@ -364,5 +390,4 @@ int tpipe::runCommandLine(int argc, char** argv) {
   } catch (const std::exception& error) {
     exitWith(1, error.what());
   }
-  return 0;
 }

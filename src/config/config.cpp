@@ -303,189 +303,235 @@ int64_t parseBytes(const Json& value, const std::string& path) {
   return static_cast<int64_t>(std::llround(bytes));
 }
 
+namespace {
+
+void parseModel(const Json& json, Config& config) {
+  ObjectReader model(json, "model");
+  if (const Json* shape = model.find("input_shape")) {
+    config.model.inputShape = parseShape(*shape, "model.input_shape");
+  }
+  const Json& layers = model.require("layers");
+  if (!layers.is_array() || layers.empty()) {
+    fail("model.layers", "expected a non-empty list of layers, got " + shown(layers));
+  }
+  for (size_t i = 0; i < layers.size(); ++i) {
+    config.model.layers.push_back(
+        parseLayer(layers[i], "model.layers[" + std::to_string(i) + "]"));
+  }
+  model.finish();
+}
+
+void parseData(const Json& json, Config& config) {
+  ObjectReader data(json, "data");
+  auto& d = config.data;
+  d.dataset = data.choice("dataset", "", {"fashion-mnist", "text", "synthetic"});
+  if (d.dataset.empty()) fail("data.dataset", "missing (required)");
+  const std::string defaultPath = d.dataset == "fashion-mnist" ? kFashionMnistPath
+                                  : d.dataset == "text"        ? kDefaultTextPath
+                                                               : "";
+  d.path = data.string("path", defaultPath);
+  d.shuffle = data.boolean("shuffle", true);
+  d.normalize = data.boolean("normalize", false);
+  d.seqLen = data.integer("seq_len", 64, 1, "a positive integer");
+  d.stride = data.integer("stride", 0, 0, "a non-negative integer");
+  d.samples = data.integer("samples", 1024, 1, "a positive integer");
+  d.evalSamples = data.integer("eval_samples", 0, 0, "a non-negative integer");
+  data.finish();
+}
+
+// A text or image dataset fixes the model's input shape.
+void checkInputShape(Config& config) {
+  const auto& d = config.data;
+  if (d.dataset == "text") {
+    if (config.model.inputShape.empty()) config.model.inputShape = {d.seqLen};
+    if (config.model.inputShape != std::vector<int64_t>{d.seqLen}) {
+      fail("model.input_shape", "a text model's input is [seq_len] = [" +
+                                    std::to_string(d.seqLen) + "]");
+    }
+  }
+  if (d.dataset == "fashion-mnist") {
+    if (config.model.inputShape.empty()) config.model.inputShape = {1, 28, 28};
+    if (config.model.inputShape != std::vector<int64_t>{1, 28, 28}) {
+      fail("model.input_shape", "fashion-mnist images are [1, 28, 28]");
+    }
+  }
+  if (config.model.inputShape.empty()) fail("model.input_shape", "missing (required for synthetic data)");
+}
+
+std::vector<DeviceConfig> parseDevices(const Json& devices) {
+  if (!devices.is_array() || devices.empty()) {
+    fail("pipeline.devices", "expected a non-empty list of devices such as \"cpu:0\", got " +
+                                 shown(devices));
+  }
+  std::vector<DeviceConfig> parsed;
+  std::set<std::string> seen;
+  for (size_t i = 0; i < devices.size(); ++i) {
+    const std::string path = "pipeline.devices[" + std::to_string(i) + "]";
+    parsed.push_back(parseDevice(devices[i], path));
+    const std::string& name = parsed.back().name;
+    const bool cpu = name.rfind("cpu", 0) == 0, cuda = name.rfind("cuda", 0) == 0;
+    const size_t colon = name.find(':');
+    const bool indexOk = colon == std::string::npos
+                             ? name == "cpu" || name == "cuda"
+                             : colon + 1 < name.size() &&
+                                   name.find_first_not_of("0123456789", colon + 1) == std::string::npos;
+    if (!(cpu || cuda) || !indexOk || (colon != std::string::npos && colon != (cpu ? 3u : 4u))) {
+      fail(path, "unknown device '" + name + "' (expected \"cpu:N\" or \"cuda:N\")");
+    }
+    if (!seen.insert(name).second) fail(path, "device '" + name + "' is listed twice");
+  }
+  return parsed;
+}
+
+ScheduleSource parseScheduleSource(ObjectReader& pipeline) {
+  if (const Json* custom = pipeline.find("schedule");
+      custom && custom->is_string() && custom->get<std::string>().size() > 5 &&
+      custom->get<std::string>().rfind(".json") == custom->get<std::string>().size() - 5) {
+    return ScheduleSource::file(custom->get<std::string>());  // validated when the plan loads it
+  } else {
+    std::vector<std::string> names = scheduleNames();
+    names.push_back("a schedule file (*.json)");
+    return ScheduleSource(pipeline.choice("schedule", "gpipe", names));
+  }
+}
+
+void parseBalance(ObjectReader& pipeline, PipelineConfig& p) {
+  if (const Json* balance = pipeline.find("balance")) {
+    if (!balance->is_array() || balance->empty()) {
+      fail("pipeline.balance", "expected a list of layers per stage, got " + shown(*balance));
+    }
+    for (size_t i = 0; i < balance->size(); ++i) {
+      p.balance.push_back(static_cast<int>(ObjectReader::checkInteger(
+          (*balance)[i], "pipeline.balance[" + std::to_string(i) + "]", 1, "a positive integer")));
+    }
+    if (!pipeline.find("partition")) p.partition = PartitionMethod::kBalance;
+    if (p.partition != PartitionMethod::kBalance) {
+      fail("pipeline.balance", "given together with partition '" + std::string(partitionMethodName(p.partition)) +
+                                   "': a balance fixes the partition; drop one of the two");
+    }
+  }
+  if (p.partition == PartitionMethod::kBalance && p.balance.empty()) {
+    fail("pipeline.balance", "missing (required by partition 'balance')");
+  }
+}
+
+// The pipeline's keys against each other and the model.
+void checkPipeline(const Config& config) {
+  const auto& p = config.pipeline;
+  const int stages = configuredStages(p);
+  if (!p.balance.empty() && static_cast<int>(p.balance.size()) != stages) {
+    fail("pipeline.balance", "has " + std::to_string(p.balance.size()) +
+                                 " entries for " + std::to_string(stages) + " stages");
+  }
+  int balanced = 0;
+  for (int layers : p.balance) balanced += layers;
+  if (!p.balance.empty() && balanced != static_cast<int>(config.model.layers.size())) {
+    fail("pipeline.balance", "sums to " + std::to_string(balanced) + " layers, but the model has " +
+                                 std::to_string(config.model.layers.size()));
+  }
+  if (stages > static_cast<int>(config.model.layers.size())) {
+    fail("pipeline.stages", "more stages (" + std::to_string(stages) + ") than layers (" +
+                                std::to_string(config.model.layers.size()) + ")");
+  }
+  if (stages % p.virtualStages != 0 ||
+      stages / p.virtualStages > static_cast<int>(p.devices.size())) {
+    fail("pipeline.stages", std::to_string(stages) + " stages with " +
+                                std::to_string(p.virtualStages) +
+                                " virtual stage(s) per device need " +
+                                std::to_string((stages + p.virtualStages - 1) / p.virtualStages) +
+                                " devices, got " + std::to_string(p.devices.size()));
+  }
+}
+
+void parsePipeline(const Json& json, Config& config) {
+  ObjectReader pipeline(json, "pipeline");
+  auto& p = config.pipeline;
+  p.devices = parseDevices(pipeline.require("devices"));
+  p.stages = static_cast<int>(pipeline.integer("stages", 0, 1, "a positive integer", 4096));
+  p.microBatches = static_cast<int>(pipeline.integer("micro_batches", 1, 1, "a positive integer", 65536));
+  p.schedule = parseScheduleSource(pipeline);
+  p.virtualStages = static_cast<int>(pipeline.integer("virtual_stages", 1, 1, "a positive integer", 64));
+  p.checkpoint = parseCheckpointMode(pipeline.choice("checkpoint", "except_last", {"always", "except_last", "never"}));
+  p.partition =
+      parsePartitionMethod(pipeline.choice("partition", "uniform", {"uniform", "parameters", "time", "balance"}));
+  parseBalance(pipeline, p);
+  p.threadsPerDevice = static_cast<int>(
+      pipeline.integer("threads_per_device", 0, 0, "a non-negative integer", 1024));
+  p.dataParallel = static_cast<int>(pipeline.integer("data_parallel", 1, 1, "a positive integer", 65536));
+  p.timeoutS = pipeline.number("timeout_s", 60.0, 0.1, 86400.0, "a number of seconds in [0.1, 86400]");
+  pipeline.finish();
+  checkPipeline(config);
+}
+
+OptimizerConfig parseOptimizer(const Json& optimizer);
+void checkBatch(const Config& config);
+
+void parseTrain(const Json& json, Config& config) {
+  ObjectReader train(json, "train");
+  auto& t = config.train;
+  t.batchSize = train.integer("batch_size", 64, 1, "a positive integer");
+  t.steps = train.integer("steps", 100, 0, "a non-negative integer", int64_t{1} << 40);
+  t.loss = train.choice("loss", "cross_entropy", {"cross_entropy", "mse"});
+  t.seed = static_cast<uint64_t>(
+      train.integer("seed", 0, 0, "a non-negative integer", std::numeric_limits<int64_t>::max()));
+  t.evalEvery = train.integer("eval_every", 0, 0, "a non-negative integer");
+  t.checkpointEvery = train.integer("checkpoint_every", 0, 0, "a non-negative integer");
+  t.logEvery = train.integer("log_every", 0, 0, "a non-negative integer");
+  if (const Json* optimizer = train.find("optimizer")) t.optimizer = parseOptimizer(*optimizer);
+  train.finish();
+  checkBatch(config);
+}
+
+OptimizerConfig parseOptimizer(const Json& optimizer) {
+  OptimizerConfig opt;
+  {
+    ObjectReader o(optimizer, "train.optimizer");
+    opt.type = o.choice("type", "sgd", {"sgd", "adam", "adamw"});
+    const bool adam = opt.type != "sgd";
+    opt.lr = o.number("lr", adam ? 1e-3 : 0.1, 0.0, 1e6, "a non-negative number");
+    opt.momentum = o.number("momentum", 0.0, 0.0, 1.0, "a number in [0, 1]");
+    opt.weightDecay = o.number("weight_decay", opt.type == "adamw" ? 0.01 : 0.0, 0.0, 1e6,
+                               "a non-negative number");
+    opt.beta1 = o.number("beta1", 0.9, 0.0, 0.999999, "a number in [0, 1)");
+    opt.beta2 = o.number("beta2", 0.999, 0.0, 0.999999, "a number in [0, 1)");
+    opt.eps = o.number("eps", 1e-8, 1e-30, 1.0, "a small positive number");
+    opt.warmupSteps = o.integer("warmup_steps", 0, 0, "a non-negative integer");
+    opt.decay = o.choice("decay", "none", {"none", "cosine"});
+    opt.minLr = o.number("min_lr", 0.0, 0.0, 1e6, "a non-negative number");
+    if (!adam && (o.find("beta1") || o.find("beta2"))) {
+      fail("train.optimizer", "beta1/beta2 apply to adam and adamw, not sgd");
+    }
+    if (adam && optimizer.contains("momentum")) {
+      fail("train.optimizer.momentum", "applies to sgd; adam uses beta1");
+    }
+    o.finish();
+  }
+  return opt;
+}
+
+void checkBatch(const Config& config) {
+  const auto& t = config.train;
+  if (t.batchSize % config.pipeline.dataParallel != 0) {
+    fail("train.batch_size", "batch size " + std::to_string(t.batchSize) + " does not split evenly over " +
+                                 std::to_string(config.pipeline.dataParallel) + " data-parallel replicas");
+  }
+  if (t.batchSize / config.pipeline.dataParallel < config.pipeline.microBatches) {
+    fail("train.batch_size", "batch size " + std::to_string(t.batchSize / config.pipeline.dataParallel) +
+                                 " per replica is smaller than pipeline.micro_batches (" +
+                                 std::to_string(config.pipeline.microBatches) + ")");
+  }
+}
+
+}  // namespace
+
 Config parseConfig(const Json& json) {
   Config config;
   ObjectReader root(json, "");
-
-  {
-    ObjectReader model(root.require("model"), "model");
-    if (const Json* shape = model.find("input_shape")) {
-      config.model.inputShape = parseShape(*shape, "model.input_shape");
-    }
-    const Json& layers = model.require("layers");
-    if (!layers.is_array() || layers.empty()) {
-      fail("model.layers", "expected a non-empty list of layers, got " + shown(layers));
-    }
-    for (size_t i = 0; i < layers.size(); ++i) {
-      config.model.layers.push_back(
-          parseLayer(layers[i], "model.layers[" + std::to_string(i) + "]"));
-    }
-    model.finish();
-  }
-
-  {
-    ObjectReader data(root.require("data"), "data");
-    auto& d = config.data;
-    d.dataset = data.choice("dataset", "", {"fashion-mnist", "text", "synthetic"});
-    if (d.dataset.empty()) fail("data.dataset", "missing (required)");
-    const std::string defaultPath = d.dataset == "fashion-mnist" ? kFashionMnistPath
-                                    : d.dataset == "text"        ? kDefaultTextPath
-                                                                 : "";
-    d.path = data.string("path", defaultPath);
-    d.shuffle = data.boolean("shuffle", true);
-    d.normalize = data.boolean("normalize", false);
-    d.seqLen = data.integer("seq_len", 64, 1, "a positive integer");
-    d.stride = data.integer("stride", 0, 0, "a non-negative integer");
-    d.samples = data.integer("samples", 1024, 1, "a positive integer");
-    d.evalSamples = data.integer("eval_samples", 0, 0, "a non-negative integer");
-    data.finish();
-    if (d.dataset == "text") {
-      if (config.model.inputShape.empty()) config.model.inputShape = {d.seqLen};
-      if (config.model.inputShape != std::vector<int64_t>{d.seqLen}) {
-        fail("model.input_shape", "a text model's input is [seq_len] = [" +
-                                      std::to_string(d.seqLen) + "]");
-      }
-    }
-    if (d.dataset == "fashion-mnist") {
-      if (config.model.inputShape.empty()) config.model.inputShape = {1, 28, 28};
-      if (config.model.inputShape != std::vector<int64_t>{1, 28, 28}) {
-        fail("model.input_shape", "fashion-mnist images are [1, 28, 28]");
-      }
-    }
-    if (config.model.inputShape.empty()) fail("model.input_shape", "missing (required for synthetic data)");
-  }
-
-  {
-    ObjectReader pipeline(root.require("pipeline"), "pipeline");
-    auto& p = config.pipeline;
-    const Json& devices = pipeline.require("devices");
-    if (!devices.is_array() || devices.empty()) {
-      fail("pipeline.devices", "expected a non-empty list of devices such as \"cpu:0\", got " +
-                                   shown(devices));
-    }
-    std::set<std::string> seen;
-    for (size_t i = 0; i < devices.size(); ++i) {
-      const std::string path = "pipeline.devices[" + std::to_string(i) + "]";
-      p.devices.push_back(parseDevice(devices[i], path));
-      const std::string& name = p.devices.back().name;
-      const bool cpu = name.rfind("cpu", 0) == 0, cuda = name.rfind("cuda", 0) == 0;
-      const size_t colon = name.find(':');
-      const bool indexOk = colon == std::string::npos
-                               ? name == "cpu" || name == "cuda"
-                               : colon + 1 < name.size() &&
-                                     name.find_first_not_of("0123456789", colon + 1) == std::string::npos;
-      if (!(cpu || cuda) || !indexOk || (colon != std::string::npos && colon != (cpu ? 3u : 4u))) {
-        fail(path, "unknown device '" + name + "' (expected \"cpu:N\" or \"cuda:N\")");
-      }
-      if (!seen.insert(name).second) fail(path, "device '" + name + "' is listed twice");
-    }
-    p.stages = static_cast<int>(pipeline.integer("stages", 0, 1, "a positive integer", 4096));
-    p.microBatches = static_cast<int>(pipeline.integer("micro_batches", 1, 1, "a positive integer", 65536));
-    if (const Json* custom = pipeline.find("schedule");
-        custom && custom->is_string() && custom->get<std::string>().size() > 5 &&
-        custom->get<std::string>().rfind(".json") == custom->get<std::string>().size() - 5) {
-      p.schedule = ScheduleSource::file(custom->get<std::string>());  // validated when the plan loads it
-    } else {
-      std::vector<std::string> names = scheduleNames();
-      names.push_back("a schedule file (*.json)");
-      p.schedule = ScheduleSource(pipeline.choice("schedule", "gpipe", names));
-    }
-    p.virtualStages = static_cast<int>(pipeline.integer("virtual_stages", 1, 1, "a positive integer", 64));
-    p.checkpoint = parseCheckpointMode(pipeline.choice("checkpoint", "except_last", {"always", "except_last", "never"}));
-    p.partition =
-        parsePartitionMethod(pipeline.choice("partition", "uniform", {"uniform", "parameters", "time", "balance"}));
-    if (const Json* balance = pipeline.find("balance")) {
-      if (!balance->is_array() || balance->empty()) {
-        fail("pipeline.balance", "expected a list of layers per stage, got " + shown(*balance));
-      }
-      for (size_t i = 0; i < balance->size(); ++i) {
-        p.balance.push_back(static_cast<int>(ObjectReader::checkInteger(
-            (*balance)[i], "pipeline.balance[" + std::to_string(i) + "]", 1, "a positive integer")));
-      }
-      if (!pipeline.find("partition")) p.partition = PartitionMethod::kBalance;
-      if (p.partition != PartitionMethod::kBalance) {
-        fail("pipeline.balance", "given together with partition '" + std::string(partitionMethodName(p.partition)) +
-                                     "': a balance fixes the partition; drop one of the two");
-      }
-    }
-    if (p.partition == PartitionMethod::kBalance && p.balance.empty()) {
-      fail("pipeline.balance", "missing (required by partition 'balance')");
-    }
-    p.threadsPerDevice = static_cast<int>(
-        pipeline.integer("threads_per_device", 0, 0, "a non-negative integer", 1024));
-    p.dataParallel = static_cast<int>(pipeline.integer("data_parallel", 1, 1, "a positive integer", 65536));
-    p.timeoutS = pipeline.number("timeout_s", 60.0, 0.1, 86400.0, "a number of seconds in [0.1, 86400]");
-    pipeline.finish();
-    const int stages = configuredStages(p);
-    if (!p.balance.empty() && static_cast<int>(p.balance.size()) != stages) {
-      fail("pipeline.balance", "has " + std::to_string(p.balance.size()) +
-                                   " entries for " + std::to_string(stages) + " stages");
-    }
-    int balanced = 0;
-    for (int layers : p.balance) balanced += layers;
-    if (!p.balance.empty() && balanced != static_cast<int>(config.model.layers.size())) {
-      fail("pipeline.balance", "sums to " + std::to_string(balanced) + " layers, but the model has " +
-                                   std::to_string(config.model.layers.size()));
-    }
-    if (stages > static_cast<int>(config.model.layers.size())) {
-      fail("pipeline.stages", "more stages (" + std::to_string(stages) + ") than layers (" +
-                                  std::to_string(config.model.layers.size()) + ")");
-    }
-    if (stages % p.virtualStages != 0 ||
-        stages / p.virtualStages > static_cast<int>(p.devices.size())) {
-      fail("pipeline.stages", std::to_string(stages) + " stages with " +
-                                  std::to_string(p.virtualStages) +
-                                  " virtual stage(s) per device need " +
-                                  std::to_string((stages + p.virtualStages - 1) / p.virtualStages) +
-                                  " devices, got " + std::to_string(p.devices.size()));
-    }
-  }
-
-  {
-    ObjectReader train(root.require("train"), "train");
-    auto& t = config.train;
-    t.batchSize = train.integer("batch_size", 64, 1, "a positive integer");
-    t.steps = train.integer("steps", 100, 0, "a non-negative integer", int64_t{1} << 40);
-    t.loss = train.choice("loss", "cross_entropy", {"cross_entropy", "mse"});
-    t.seed = static_cast<uint64_t>(
-        train.integer("seed", 0, 0, "a non-negative integer", std::numeric_limits<int64_t>::max()));
-    t.evalEvery = train.integer("eval_every", 0, 0, "a non-negative integer");
-    t.checkpointEvery = train.integer("checkpoint_every", 0, 0, "a non-negative integer");
-    t.logEvery = train.integer("log_every", 0, 0, "a non-negative integer");
-    if (const Json* optimizer = train.find("optimizer")) {
-      ObjectReader o(*optimizer, "train.optimizer");
-      auto& opt = t.optimizer;
-      opt.type = o.choice("type", "sgd", {"sgd", "adam", "adamw"});
-      const bool adam = opt.type != "sgd";
-      opt.lr = o.number("lr", adam ? 1e-3 : 0.1, 0.0, 1e6, "a non-negative number");
-      opt.momentum = o.number("momentum", 0.0, 0.0, 1.0, "a number in [0, 1]");
-      opt.weightDecay = o.number("weight_decay", opt.type == "adamw" ? 0.01 : 0.0, 0.0, 1e6,
-                                 "a non-negative number");
-      opt.beta1 = o.number("beta1", 0.9, 0.0, 0.999999, "a number in [0, 1)");
-      opt.beta2 = o.number("beta2", 0.999, 0.0, 0.999999, "a number in [0, 1)");
-      opt.eps = o.number("eps", 1e-8, 1e-30, 1.0, "a small positive number");
-      opt.warmupSteps = o.integer("warmup_steps", 0, 0, "a non-negative integer");
-      opt.decay = o.choice("decay", "none", {"none", "cosine"});
-      opt.minLr = o.number("min_lr", 0.0, 0.0, 1e6, "a non-negative number");
-      if (!adam && (o.find("beta1") || o.find("beta2"))) {
-        fail("train.optimizer", "beta1/beta2 apply to adam and adamw, not sgd");
-      }
-      if (adam && optimizer->contains("momentum")) {
-        fail("train.optimizer.momentum", "applies to sgd; adam uses beta1");
-      }
-      o.finish();
-    }
-    train.finish();
-    if (t.batchSize % config.pipeline.dataParallel != 0) {
-      fail("train.batch_size", "batch size " + std::to_string(t.batchSize) + " does not split evenly over " +
-                                   std::to_string(config.pipeline.dataParallel) + " data-parallel replicas");
-    }
-    if (t.batchSize / config.pipeline.dataParallel < config.pipeline.microBatches) {
-      fail("train.batch_size", "batch size " + std::to_string(t.batchSize / config.pipeline.dataParallel) +
-                                   " per replica is smaller than pipeline.micro_batches (" +
-                                   std::to_string(config.pipeline.microBatches) + ")");
-    }
-  }
+  parseModel(root.require("model"), config);
+  parseData(root.require("data"), config);
+  checkInputShape(config);
+  parsePipeline(root.require("pipeline"), config);
+  parseTrain(root.require("train"), config);
   root.finish();
   return config;
 }

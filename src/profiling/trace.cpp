@@ -193,6 +193,88 @@ nlohmann::json chromeTrace(const Trace& trace) {
   return {{"traceEvents", events}, {"displayTimeUnit", "ms"}};
 }
 
+namespace {
+
+struct SvgStyle {
+  const char* op;
+  const char* colour;
+  const char* label;
+};
+
+const SvgStyle kSvgStyles[] = {{"forward", "#4e79a7", "forward"},
+                               {"backward", "#e15759", "backward"},
+                               {"backward_input", "#f28e2b", "backward input (B)"},
+                               {"backward_weight", "#b07aa1", "backward weight (W)"},
+                               {"recompute", "#59a14f", "recompute"},
+                               {"send_activation", "#9c9c9c", "send"},
+                               {"send_grad", "#9c9c9c", "send"}};
+
+const char* colourOf(const std::string& op) {
+  for (const auto& style : kSvgStyles) {
+    if (op == style.op) return style.colour;
+  }
+  return nullptr;
+}
+
+// The geometry of one timeline picture.
+struct SvgLayout {
+  double left = 120, top = 56, rowHeight = 34, width = 1100, right = 20;
+  double scale = 1.0;  // pixels per microsecond
+};
+
+void svgRows(std::ostream& svg, const Trace& trace, const SvgLayout& g) {
+  for (int r = 0; r < trace.schedule.ranks; ++r) {
+    const double y = g.top + r * g.rowHeight;
+    svg << "<rect x=\"" << g.left << "\" y=\"" << y << "\" width=\"" << g.width << "\" height=\""
+        << g.rowHeight - 6 << "\" fill=\"#f4f4f4\" stroke=\"#ddd\"/>\n";
+    const std::string device = r < static_cast<int>(trace.devices.size()) ? trace.devices[r] : "rank";
+    svg << "<text x=\"8\" y=\"" << y + g.rowHeight / 2 << "\">" << device << "</text>\n";
+  }
+}
+
+void svgEvents(std::ostream& svg, const Trace& trace, const StepTrace& step, const SvgLayout& g) {
+  for (const auto& event : step.events) {
+    const Instruction& instruction = instructionOf(trace, event);
+    const char* colour = colourOf(opName(instruction));
+    if (colour == nullptr) continue;  // receives: waiting shows as blank
+    const double x = g.left + event.startUs * g.scale;
+    const double w = std::max(0.5, (event.endUs - event.startUs) * g.scale);
+    const double y = g.top + event.rank * g.rowHeight;
+    const bool send = isSend(instruction);
+    svg << "<rect x=\"" << x << "\" y=\"" << y + (send ? g.rowHeight - 12 : 0) << "\" width=\"" << w
+        << "\" height=\"" << (send ? 6 : g.rowHeight - 6) << "\" fill=\"" << colour
+        << "\" stroke=\"white\" stroke-width=\"0.5\"><title>" << shortLabel(instruction) << " (stage "
+        << stageOf(instruction) << "): " << (event.endUs - event.startUs) / 1000.0 << " ms</title></rect>\n";
+    const std::string label = shortLabel(instruction);
+    if (!send && w > 8.0 * label.size()) {
+      svg << "<text x=\"" << x + w / 2 << "\" y=\"" << y + g.rowHeight / 2 + 1
+          << "\" text-anchor=\"middle\" fill=\"white\" font-size=\"11\">" << label << "</text>\n";
+    }
+  }
+}
+
+void svgAxisAndLegend(std::ostream& svg, const StepTrace& step, int ranks, const SvgLayout& g) {
+  const double axis = g.top + ranks * g.rowHeight + 4;
+  for (int tick = 0; tick <= 10; ++tick) {
+    const double x = g.left + g.width * tick / 10.0;
+    svg << "<line x1=\"" << x << "\" y1=\"" << axis - 4 << "\" x2=\"" << x << "\" y2=\"" << axis + 2
+        << "\" stroke=\"#333\"/><text x=\"" << x << "\" y=\"" << axis + 15 << "\" text-anchor=\"middle\">"
+        << step.wallUs / 1000.0 * tick / 10.0 << "</text>\n";
+  }
+  svg << "<text x=\"" << g.left + g.width << "\" y=\"" << axis + 29 << "\" text-anchor=\"end\">ms</text>\n";
+  double x = g.left;
+  const double legend = axis + 45;
+  for (size_t i = 0; i + 1 < sizeof(kSvgStyles) / sizeof(kSvgStyles[0]); ++i) {
+    const auto& style = kSvgStyles[i];
+    svg << "<rect x=\"" << x << "\" y=\"" << legend - 10 << "\" width=\"12\" height=\"12\" fill=\""
+        << style.colour << "\"/><text x=\"" << x + 16 << "\" y=\"" << legend << "\">" << style.label
+        << "</text>\n";
+    x += 30 + 7.0 * std::string(style.label).size();
+  }
+}
+
+}  // namespace
+
 std::string timelineSvg(const Trace& trace, int stepIndex) {
   if (trace.steps.empty()) {
     return "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"400\" height=\"40\"><text x=\"10\" y=\"25\">"
@@ -204,81 +286,24 @@ std::string timelineSvg(const Trace& trace, int stepIndex) {
   one.steps = {step};
   const BubbleReport report = bubbleReport(one);
   const int ranks = trace.schedule.ranks;
-  const double left = 120, top = 56, rowHeight = 34, width = 1100, right = 20;
-  const double height = top + ranks * rowHeight + 70;
-  const double scale = width / std::max(step.wallUs, 1e-9);
-  struct Style {
-    const char* op;
-    const char* colour;
-    const char* label;
-  };
-  const Style styles[] = {{"forward", "#4e79a7", "forward"},
-                          {"backward", "#e15759", "backward"},
-                          {"backward_input", "#f28e2b", "backward input (B)"},
-                          {"backward_weight", "#b07aa1", "backward weight (W)"},
-                          {"recompute", "#59a14f", "recompute"},
-                          {"send_activation", "#9c9c9c", "send"},
-                          {"send_grad", "#9c9c9c", "send"}};
-  auto colourOf = [&](const std::string& op) -> const char* {
-    for (const auto& style : styles) {
-      if (op == style.op) return style.colour;
-    }
-    return nullptr;
-  };
+  SvgLayout g;
+  g.scale = g.width / std::max(step.wallUs, 1e-9);
+  const double height = g.top + ranks * g.rowHeight + 70;
   std::ostringstream svg;
   svg << std::fixed << std::setprecision(2);
-  svg << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << left + width + right << "\" height=\"" << height
-      << "\" font-family=\"sans-serif\" font-size=\"12\">\n";
+  svg << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << g.left + g.width + g.right << "\" height=\""
+      << height << "\" font-family=\"sans-serif\" font-size=\"12\">\n";
   svg << "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n";
-  svg << "<text x=\"" << left << "\" y=\"22\" font-size=\"15\" font-weight=\"bold\">" << trace.schedule.name << ", "
-      << trace.schedule.stages() << " stages, " << trace.schedule.microBatches << " micro-batches: step "
+  svg << "<text x=\"" << g.left << "\" y=\"22\" font-size=\"15\" font-weight=\"bold\">" << trace.schedule.name
+      << ", " << trace.schedule.stages() << " stages, " << trace.schedule.microBatches << " micro-batches: step "
       << step.step << " took " << step.wallUs / 1000.0 << " ms, bubble " << std::setprecision(1)
       << 100 * report.measuredBubble << "% (theory " << 100 * report.theoreticalBubble << "%)</text>\n";
   svg << std::setprecision(2);
-  svg << "<text x=\"" << left << "\" y=\"40\" fill=\"#555\">idle time is blank; bubble = idle / (devices x step)"
+  svg << "<text x=\"" << g.left << "\" y=\"40\" fill=\"#555\">idle time is blank; bubble = idle / (devices x step)"
       << "</text>\n";
-  for (int r = 0; r < ranks; ++r) {
-    const double y = top + r * rowHeight;
-    svg << "<rect x=\"" << left << "\" y=\"" << y << "\" width=\"" << width << "\" height=\"" << rowHeight - 6
-        << "\" fill=\"#f4f4f4\" stroke=\"#ddd\"/>\n";
-    const std::string device = r < static_cast<int>(trace.devices.size()) ? trace.devices[r] : "rank";
-    svg << "<text x=\"8\" y=\"" << y + rowHeight / 2 << "\">" << device << "</text>\n";
-  }
-  for (const auto& event : step.events) {
-    const Instruction& instruction = instructionOf(trace, event);
-    const char* colour = colourOf(opName(instruction));
-    if (colour == nullptr) continue;  // receives: waiting shows as blank
-    const double x = left + event.startUs * scale;
-    const double w = std::max(0.5, (event.endUs - event.startUs) * scale);
-    const double y = top + event.rank * rowHeight;
-    const bool send = isSend(instruction);
-    svg << "<rect x=\"" << x << "\" y=\"" << y + (send ? rowHeight - 12 : 0) << "\" width=\"" << w
-        << "\" height=\"" << (send ? 6 : rowHeight - 6) << "\" fill=\"" << colour
-        << "\" stroke=\"white\" stroke-width=\"0.5\"><title>" << shortLabel(instruction) << " (stage "
-        << stageOf(instruction) << "): " << (event.endUs - event.startUs) / 1000.0 << " ms</title></rect>\n";
-    const std::string label = shortLabel(instruction);
-    if (!send && w > 8.0 * label.size()) {
-      svg << "<text x=\"" << x + w / 2 << "\" y=\"" << y + rowHeight / 2 + 1
-          << "\" text-anchor=\"middle\" fill=\"white\" font-size=\"11\">" << label << "</text>\n";
-    }
-  }
-  const double axis = top + ranks * rowHeight + 4;
-  for (int tick = 0; tick <= 10; ++tick) {
-    const double x = left + width * tick / 10.0;
-    svg << "<line x1=\"" << x << "\" y1=\"" << axis - 4 << "\" x2=\"" << x << "\" y2=\"" << axis + 2
-        << "\" stroke=\"#333\"/><text x=\"" << x << "\" y=\"" << axis + 15 << "\" text-anchor=\"middle\">"
-        << step.wallUs / 1000.0 * tick / 10.0 << "</text>\n";
-  }
-  svg << "<text x=\"" << left + width << "\" y=\"" << axis + 29 << "\" text-anchor=\"end\">ms</text>\n";
-  double x = left;
-  const double legend = axis + 45;
-  for (size_t i = 0; i + 1 < sizeof(styles) / sizeof(styles[0]); ++i) {
-    const auto& style = styles[i];
-    svg << "<rect x=\"" << x << "\" y=\"" << legend - 10 << "\" width=\"12\" height=\"12\" fill=\""
-        << style.colour << "\"/><text x=\"" << x + 16 << "\" y=\"" << legend << "\">" << style.label
-        << "</text>\n";
-    x += 30 + 7.0 * std::string(style.label).size();
-  }
+  svgRows(svg, trace, g);
+  svgEvents(svg, trace, step, g);
+  svgAxisAndLegend(svg, step, ranks, g);
   svg << "</svg>\n";
   return svg.str();
 }

@@ -74,120 +74,150 @@ void drain(Child& child, int rank, bool all) {
   }
 }
 
-}  // namespace
-
-int launchLocal(const std::string& executable, int processes, const std::vector<std::string>& arguments) {
-  TORCH_CHECK(processes >= 1, "launch: --nproc must be >= 1, got ", processes);
-  const char* addr = std::getenv("MASTER_ADDR");
-  const std::string masterAddr = addr && *addr ? addr : "127.0.0.1";
-  const std::string masterPort = std::getenv("MASTER_PORT") ? std::getenv("MASTER_PORT")
-                                                            : std::to_string(freePort());
-  // The ranks prove to each other that they belong to this launch.
-  const char* givenToken = std::getenv("TPIPE_JOB_TOKEN");
-  std::string token = givenToken && *givenToken ? givenToken : "";
-  if (token.empty()) {
-    std::random_device random;
-    char hex[17];
-    for (int part = 0; part < 2; ++part) {
-      std::snprintf(hex, sizeof hex, "%08x%08x", random(), random());
-      token += hex;
-    }
+// A job token for the ranks of one launch, unless the user gave one.
+std::string jobToken() {
+  const char* given = std::getenv("TPIPE_JOB_TOKEN");
+  if (given && *given) return given;
+  std::random_device random;
+  std::string token;
+  char hex[17];
+  for (int part = 0; part < 2; ++part) {
+    std::snprintf(hex, sizeof hex, "%08x%08x", random(), random());
+    token += hex;
   }
-  std::vector<Child> children(static_cast<size_t>(processes));
-  struct sigaction action {};
-  action.sa_handler = onSignal;
-  ::sigaction(SIGINT, &action, nullptr);
-  ::sigaction(SIGTERM, &action, nullptr);
-  const pid_t launcher = ::getpid();
-  for (int rank = 0; rank < processes; ++rank) {
+  return token;
+}
+
+class Launcher {
+ public:
+  Launcher(std::string executable, int processes, std::vector<std::string> arguments)
+      : executable_(std::move(executable)), arguments_(std::move(arguments)), children_(processes) {
+    const char* addr = std::getenv("MASTER_ADDR");
+    masterAddr_ = addr && *addr ? addr : "127.0.0.1";
+    masterPort_ = std::getenv("MASTER_PORT") ? std::getenv("MASTER_PORT") : std::to_string(freePort());
+    token_ = jobToken();
+  }
+
+  int run() {
+    struct sigaction action {};
+    action.sa_handler = onSignal;
+    ::sigaction(SIGINT, &action, nullptr);
+    ::sigaction(SIGTERM, &action, nullptr);
+    for (int rank = 0; rank < static_cast<int>(children_.size()); ++rank) spawn(rank);
+    while (pump()) {
+    }
+    for (int rank = 0; rank < static_cast<int>(children_.size()); ++rank) {
+      Child& child = children_[rank];
+      if (child.output < 0) continue;
+      drain(child, rank, true);
+      if (!child.pending.empty()) emit(rank, child.pending);
+      ::close(child.output);
+    }
+    return result_;
+  }
+
+ private:
+  [[noreturn]] void execRank(int rank, int output) {
+    // A rank never outlives the launcher.
+    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (::getppid() != launcher_) ::_exit(1);
+    ::dup2(output, STDOUT_FILENO);
+    ::dup2(output, STDERR_FILENO);
+    ::setenv("RANK", std::to_string(rank).c_str(), 1);
+    ::setenv("LOCAL_RANK", std::to_string(rank).c_str(), 1);
+    ::setenv("WORLD_SIZE", std::to_string(children_.size()).c_str(), 1);
+    ::setenv("MASTER_ADDR", masterAddr_.c_str(), 1);
+    ::setenv("MASTER_PORT", masterPort_.c_str(), 1);
+    ::setenv("TPIPE_JOB_TOKEN", token_.c_str(), 1);
+    std::vector<std::string> words{executable_, "train"};
+    words.insert(words.end(), arguments_.begin(), arguments_.end());
+    std::vector<char*> argv;
+    for (auto& word : words) argv.push_back(word.data());
+    argv.push_back(nullptr);
+    ::execv(executable_.c_str(), argv.data());
+    std::fprintf(stderr, "launch: cannot run %s: %s\n", executable_.c_str(), std::strerror(errno));
+    ::_exit(127);
+  }
+
+  void spawn(int rank) {
     int pipe[2];
     TORCH_CHECK(::pipe(pipe) == 0, "launch: pipe failed: ", std::strerror(errno));
     const pid_t pid = ::fork();
     TORCH_CHECK(pid >= 0, "launch: fork failed: ", std::strerror(errno));
     if (pid == 0) {
-      // A rank never outlives the launcher.
-      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
-      if (::getppid() != launcher) ::_exit(1);
-      ::dup2(pipe[1], STDOUT_FILENO);
-      ::dup2(pipe[1], STDERR_FILENO);
       ::close(pipe[0]);
-      ::close(pipe[1]);
-      ::setenv("RANK", std::to_string(rank).c_str(), 1);
-      ::setenv("LOCAL_RANK", std::to_string(rank).c_str(), 1);
-      ::setenv("WORLD_SIZE", std::to_string(processes).c_str(), 1);
-      ::setenv("MASTER_ADDR", masterAddr.c_str(), 1);
-      ::setenv("MASTER_PORT", masterPort.c_str(), 1);
-      ::setenv("TPIPE_JOB_TOKEN", token.c_str(), 1);
-      std::vector<std::string> words{executable, "train"};
-      words.insert(words.end(), arguments.begin(), arguments.end());
-      std::vector<char*> argv;
-      for (auto& word : words) argv.push_back(word.data());
-      argv.push_back(nullptr);
-      ::execv(executable.c_str(), argv.data());
-      std::fprintf(stderr, "launch: cannot run %s: %s\n", executable.c_str(), std::strerror(errno));
-      ::_exit(127);
+      execRank(rank, pipe[1]);
     }
     ::close(pipe[1]);
     ::fcntl(pipe[0], F_SETFL, ::fcntl(pipe[0], F_GETFL) | O_NONBLOCK);
-    children[rank].pid = pid;
-    children[rank].output = pipe[0];
+    children_[rank].pid = pid;
+    children_[rank].output = pipe[0];
   }
-  int result = 0;
-  int firstFailure = -1;
-  auto endOthers = [&](int signal) {
-    for (auto& child : children) {
+
+  void endOthers(int signal) {
+    for (auto& child : children_) {
       if (child.running) ::kill(child.pid, signal);
     }
-  };
-  auto deadline = std::chrono::steady_clock::time_point::max();
-  for (;;) {
+  }
+
+  // Reaps a rank that exited; the first failure ends the others.
+  void reap(int rank, int status) {
+    Child& child = children_[rank];
+    child.running = false;
+    child.status = status;
+    const int code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    if (code == 0 || result_ != 0) return;
+    result_ = code;
+    emit(rank, "exited with status " + std::to_string(code) + "; ending the other ranks");
+    endOthers(SIGTERM);
+    deadline_ = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  }
+
+  // Forwards output and signals, reaps ranks; false once none runs.
+  bool pump() {
     std::vector<pollfd> fds;
-    for (auto& child : children) {
+    for (auto& child : children_) {
       if (child.output >= 0) fds.push_back({child.output, POLLIN, 0});
     }
     if (!fds.empty()) ::poll(fds.data(), fds.size(), 100);
-    for (int rank = 0; rank < processes; ++rank) {
-      Child& child = children[rank];
-      if (child.output < 0) continue;
-      drain(child, rank, false);
+    for (int rank = 0; rank < static_cast<int>(children_.size()); ++rank) {
+      if (children_[rank].output >= 0) drain(children_[rank], rank, false);
     }
     if (const int signal = forwardedSignal.exchange(0)) {
+      // The ranks finish their step and checkpoint; a second signal is forwarded too.
       endOthers(signal);
-      if (result == 0) result = 128 + signal;
-      deadline = std::min(deadline, std::chrono::steady_clock::now() + std::chrono::seconds(10));
+      if (result_ == 0) result_ = 128 + signal;
+      deadline_ = std::min(deadline_, std::chrono::steady_clock::now() + std::chrono::seconds(30));
     }
     bool anyRunning = false;
-    for (int rank = 0; rank < processes; ++rank) {
-      Child& child = children[rank];
+    for (int rank = 0; rank < static_cast<int>(children_.size()); ++rank) {
+      Child& child = children_[rank];
       if (!child.running) continue;
       int status = 0;
       if (::waitpid(child.pid, &status, WNOHANG) == child.pid) {
-        child.running = false;
-        child.status = status;
-        const int code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-        if (code != 0 && firstFailure < 0 && result == 0) {
-          firstFailure = rank;
-          result = code;
-          emit(rank, "exited with status " + std::to_string(code) + "; ending the other ranks");
-          endOthers(SIGTERM);
-          deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-        }
+        reap(rank, status);
       } else {
         anyRunning = true;
       }
     }
-    if (std::chrono::steady_clock::now() > deadline) endOthers(SIGKILL);
-    if (!anyRunning) break;
+    if (std::chrono::steady_clock::now() > deadline_) endOthers(SIGKILL);
+    return anyRunning;
   }
-  for (int rank = 0; rank < processes; ++rank) {
-    Child& child = children[rank];
-    if (child.output >= 0) {
-      drain(child, rank, true);
-      if (!child.pending.empty()) emit(rank, child.pending);
-      ::close(child.output);
-    }
-  }
-  return result;
+
+  std::string executable_;
+  std::vector<std::string> arguments_;
+  std::vector<Child> children_;
+  std::string masterAddr_, masterPort_, token_;
+  const pid_t launcher_ = ::getpid();
+  int result_ = 0;
+  std::chrono::steady_clock::time_point deadline_ = std::chrono::steady_clock::time_point::max();
+};
+
+}  // namespace
+
+int launchLocal(const std::string& executable, int processes, const std::vector<std::string>& arguments) {
+  TORCH_CHECK(processes >= 1, "launch: --nproc must be >= 1, got ", processes);
+  return Launcher(executable, processes, arguments).run();
 }
 
 }  // namespace tpipe

@@ -166,6 +166,8 @@ struct Pipeline::Impl {
   PlanRequest planRequest(size_t deviceCount) const;
   void checkAgreesWithPlan() const;
   void place();
+  void placeStage(int s);
+  void startWorkers();
   void run(runtime::StepState& state, const Schedule& plan);
   std::vector<at::Tensor> split(const at::Tensor& tensor, int chunks,
                                 c10::Device device) const;
@@ -251,59 +253,53 @@ void Pipeline::Impl::checkAgreesWithPlan() const {
   agrees(options.checkpoint == plan.checkpoint, options.checkpoint == defaults.checkpoint, "checkpoint");
 }
 
-void Pipeline::Impl::place() {
+// Stage s: its device, layers (moved there when local), parameters, streams
+// and its own random generator.
+void Pipeline::Impl::placeStage(int s) {
+  runtime::StageRuntime& stage = stages[s];
+  stage.index = s;
+  stage.deviceName = options.devices[schedule.rankOfStage(s)];
+  const bool local = isLocalStage(s);
+  // A stage in another process receives what this one sends as a CPU
+  // tensor; the transport moves it.
+  stage.device = local ? rankDevices[schedule.rankOfStage(s)] : c10::Device(c10::kCPU);
+  for (int l = boundaries[s]; l < boundaries[s + 1]; ++l) {
+    torch::nn::AnyModule& layer = layers[l].module;
+    if (local) layer.ptr()->to(stage.device);
+    stage.layers.push_back(layer);
+    stage.stochastic = stage.stochastic || drawsRandomness(layers[l]);
+    for (const auto& parameter : layer.ptr()->parameters()) {
+      if (parameter.requires_grad()) stage.parameters.push_back(parameter);
+    }
+  }
+  if (local && !stage.device.is_cpu()) {
+    // One pair of streams per rank: its virtual stages share them.
+    const int rank = schedule.rankOfStage(s);
+    if (rank == s) {
+      c10::impl::VirtualGuardImpl impl(stage.device.type());
+      stage.computeStream = impl.getStreamFromGlobalPool(stage.device);
+      stage.copyStream = impl.getStreamFromGlobalPool(stage.device);
+    } else {
+      stage.computeStream = stages[rank].computeStream;
+      stage.copyStream = stages[rank].copyStream;
+    }
+  }
+  // The stage's own stream of random numbers, in its device's format.
+  at::Generator generator = local ? at::globalContext().defaultGenerator(stage.device).clone()
+                                  : at::make_generator<at::CPUGeneratorImpl>();
+  generator.set_current_seed(options.seed * 1000003ULL + static_cast<uint64_t>(s));
+  stage.rngState = generator.get_state();
+}
+
+// One worker per local rank, with its intra-op threads and memory slot.
+void Pipeline::Impl::startWorkers() {
   const int ranks = schedule.ranks;
-  stages.resize(schedule.stages());
-  for (int s = 0; s < schedule.stages(); ++s) {
-    runtime::StageRuntime& stage = stages[s];
-    stage.index = s;
-    stage.deviceName = options.devices[schedule.rankOfStage(s)];
-    const bool local = isLocalStage(s);
-    // A stage in another process receives what this one sends as a CPU
-    // tensor; the transport moves it.
-    stage.device = local ? rankDevices[schedule.rankOfStage(s)] : c10::Device(c10::kCPU);
-    for (int l = boundaries[s]; l < boundaries[s + 1]; ++l) {
-      torch::nn::AnyModule& layer = layers[l].module;
-      if (local) layer.ptr()->to(stage.device);
-      stage.layers.push_back(layer);
-      stage.stochastic = stage.stochastic || drawsRandomness(layers[l]);
-      for (const auto& parameter : layer.ptr()->parameters()) {
-        if (parameter.requires_grad()) stage.parameters.push_back(parameter);
-      }
-    }
-    if (local && !stage.device.is_cpu()) {
-      // One pair of streams per rank: its virtual stages share them.
-      const int rank = schedule.rankOfStage(s);
-      if (rank == s) {
-        c10::impl::VirtualGuardImpl impl(stage.device.type());
-        stage.computeStream = impl.getStreamFromGlobalPool(stage.device);
-        stage.copyStream = impl.getStreamFromGlobalPool(stage.device);
-      } else {
-        stage.computeStream = stages[rank].computeStream;
-        stage.copyStream = stages[rank].copyStream;
-      }
-    }
-    // The stage's own stream of random numbers, in its device's format.
-    at::Generator generator = local ? at::globalContext().defaultGenerator(stage.device).clone()
-                                    : at::make_generator<at::CPUGeneratorImpl>();
-    generator.set_current_seed(options.seed * 1000003ULL + static_cast<uint64_t>(s));
-    stage.rngState = generator.get_state();
-  }
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  const int threads = options.threadsPerDevice > 0
-                          ? options.threadsPerDevice
-                          : std::max(1, cores / ranks);
+  const int threads = options.threadsPerDevice > 0 ? options.threadsPerDevice : std::max(1, cores / ranks);
   const bool tracking = options.trackMemory || !options.deviceMemory.empty();
-  TORCH_CHECK(options.deviceMemory.empty() ||
-                  options.deviceMemory.size() >= static_cast<size_t>(ranks),
-              "deviceMemory has ", options.deviceMemory.size(),
-              " entries for ", ranks, " devices");
+  TORCH_CHECK(options.deviceMemory.empty() || options.deviceMemory.size() >= static_cast<size_t>(ranks),
+              "deviceMemory has ", options.deviceMemory.size(), " entries for ", ranks, " devices");
   if (tracking) memory::install();
-  if (options.communicator) {
-    remoteTransport = runtime::makeProcessGroupTransport(*options.communicator, schedule.stages(),
-                                                         schedule.microBatches);
-    transport = remoteTransport.get();
-  }
   workers.resize(ranks);
   for (int rank : localRanks) {
     const int slot = tracking ? memory::acquireSlot() : memory::kUnattributed;
@@ -321,6 +317,17 @@ void Pipeline::Impl::place() {
       memory::setThreadDevice(slot);
     });
   }
+}
+
+void Pipeline::Impl::place() {
+  stages.resize(schedule.stages());
+  for (int s = 0; s < schedule.stages(); ++s) placeStage(s);
+  if (options.communicator) {
+    remoteTransport = runtime::makeProcessGroupTransport(*options.communicator, schedule.stages(),
+                                                         schedule.microBatches);
+    transport = remoteTransport.get();
+  }
+  startWorkers();
 }
 
 std::vector<at::Tensor> Pipeline::Impl::split(const at::Tensor& tensor,

@@ -56,77 +56,74 @@ int* slotFor(Positions& p, const Instruction& instruction) {
       instruction);
 }
 
-void checkStageMicroBatch(const Schedule& schedule, const Positions& p,
-                          int stage, int mb) {
-  const int last = schedule.stages() - 1;
-  const std::string at = where(stage, mb);
-  if (p.forward < 0) fail(schedule, "no forward for " + at);
-  if (!schedule.training) {
-    if (p.backward >= 0 || p.backwardInput >= 0 || p.backwardWeight >= 0 ||
-        p.recompute >= 0 || p.sendGrad >= 0 || p.recvGrad >= 0 ||
-        p.checkpointed) {
-      fail(schedule, "an inference schedule only forwards; see " + at);
-    }
-    if (stage > 0 && (p.recvActivation < 0 || p.recvActivation > p.forward)) {
-      fail(schedule, "missing receive of the activation before forward for " +
-                         at);
-    }
-    if (stage < last && (p.sendActivation < 0 || p.sendActivation < p.forward)) {
-      fail(schedule, "missing send of the activation after forward for " + at);
-    }
-    return;
+void checkInference(const Schedule& schedule, const Positions& p, int stage, const std::string& at) {
+  if (p.backward >= 0 || p.backwardInput >= 0 || p.backwardWeight >= 0 || p.recompute >= 0 || p.sendGrad >= 0 ||
+      p.recvGrad >= 0 || p.checkpointed) {
+    fail(schedule, "an inference schedule only forwards; see " + at);
   }
+  if (stage > 0 && (p.recvActivation < 0 || p.recvActivation > p.forward)) {
+    fail(schedule, "missing receive of the activation before forward for " + at);
+  }
+  if (stage < schedule.stages() - 1 && (p.sendActivation < 0 || p.sendActivation < p.forward)) {
+    fail(schedule, "missing send of the activation after forward for " + at);
+  }
+}
+
+// The backward (whole or split), and recompute between forward and it.
+// Returns the position of the pass that produces the input gradient.
+int checkBackward(const Schedule& schedule, const Positions& p, const std::string& at) {
   const bool split = p.backwardInput >= 0 || p.backwardWeight >= 0;
-  if (split && p.backward >= 0) {
-    fail(schedule, "both backward and backward_input/weight for " + at);
-  }
+  if (split && p.backward >= 0) fail(schedule, "both backward and backward_input/weight for " + at);
   if (split && (p.backwardInput < 0 || p.backwardWeight < 0)) {
-    fail(schedule, "backward_input and backward_weight must both appear "
-                   "for " + at);
+    fail(schedule, "backward_input and backward_weight must both appear for " + at);
   }
   if (!split && p.backward < 0) fail(schedule, "no backward for " + at);
   const int gradientPass = split ? p.backwardInput : p.backward;
-  if (gradientPass < p.forward) {
-    fail(schedule, "backward before forward for " + at);
-  }
+  if (gradientPass < p.forward) fail(schedule, "backward before forward for " + at);
   if (split && p.backwardWeight < p.backwardInput) {
     fail(schedule, "backward_weight before backward_input for " + at);
   }
   if (p.checkpointed) {
-    if (p.recompute < 0) {
-      fail(schedule, "checkpointed forward without recompute for " + at);
-    }
+    if (p.recompute < 0) fail(schedule, "checkpointed forward without recompute for " + at);
     if (p.recompute < p.forward || p.recompute > gradientPass) {
-      fail(schedule, "recompute must come between forward and backward for " +
-                         at);
+      fail(schedule, "recompute must come between forward and backward for " + at);
     }
   } else if (p.recompute >= 0) {
-    fail(schedule, "recompute of a forward that kept its activations for " +
-                       at);
+    fail(schedule, "recompute of a forward that kept its activations for " + at);
   }
+  return gradientPass;
+}
+
+// Each transfer with the neighbouring stages, in the right order.
+void checkTransfers(const Schedule& schedule, const Positions& p, int stage, int gradientPass,
+                    const std::string& at) {
   if (stage > 0) {
     if (p.recvActivation < 0 || p.recvActivation > p.forward) {
-      fail(schedule, "missing receive of the activation before forward for " +
-                         at);
+      fail(schedule, "missing receive of the activation before forward for " + at);
     }
     if (p.sendGrad < 0 || p.sendGrad < gradientPass) {
-      fail(schedule, "missing send of the input gradient after backward for " +
-                         at);
+      fail(schedule, "missing send of the input gradient after backward for " + at);
     }
   } else if (p.recvActivation >= 0 || p.sendGrad >= 0) {
     fail(schedule, "stage 0 has no previous stage to talk to (" + at + ")");
   }
-  if (stage < last) {
+  if (stage < schedule.stages() - 1) {
     if (p.sendActivation < 0 || p.sendActivation < p.forward) {
       fail(schedule, "missing send of the activation after forward for " + at);
     }
     if (p.recvGrad < 0 || p.recvGrad > gradientPass) {
-      fail(schedule, "missing receive of the gradient before backward for " +
-                         at);
+      fail(schedule, "missing receive of the gradient before backward for " + at);
     }
   } else if (p.sendActivation >= 0 || p.recvGrad >= 0) {
     fail(schedule, "the last stage has no next stage to talk to (" + at + ")");
   }
+}
+
+void checkStageMicroBatch(const Schedule& schedule, const Positions& p, int stage, int mb) {
+  const std::string at = where(stage, mb);
+  if (p.forward < 0) fail(schedule, "no forward for " + at);
+  if (!schedule.training) return checkInference(schedule, p, stage, at);
+  checkTransfers(schedule, p, stage, checkBackward(schedule, p, at), at);
 }
 
 }  // namespace
@@ -183,122 +180,117 @@ void validate(const Schedule& schedule) {
   if (!dryRun.finished) fail(schedule, "deadlock: " + dryRun.stuck);
 }
 
-Simulation simulate(const Schedule& schedule,
-                    const std::vector<StageCosts>& costs) {
-  const int ranks = schedule.ranks;
-  const int stages = schedule.stages();
-  const int m = schedule.microBatches;
-  if (costs.size() != 1 && static_cast<int>(costs.size()) != stages) {
-    throw ScheduleError("simulate: expected 1 or " + std::to_string(stages) +
-                        " stage costs, got " + std::to_string(costs.size()));
+namespace {
+
+// Replays a schedule's instruction lists in time: each rank runs its list in
+// order, a receive waits for its send, compute takes its stage's cost.
+class Simulator {
+ public:
+  Simulator(const Schedule& schedule, const std::vector<StageCosts>& costs)
+      : schedule_(schedule), costs_(costs), stages_(schedule.stages()), m_(schedule.microBatches),
+        activationReady_(static_cast<size_t>(stages_) * m_, -1.0),
+        gradReady_(static_cast<size_t>(stages_) * m_, -1.0), stashed_(stages_, 0), live_(stages_, 0),
+        next_(schedule.ranks, 0), clock_(schedule.ranks, 0.0) {
+    if (costs.size() != 1 && static_cast<int>(costs.size()) != stages_) {
+      throw ScheduleError("simulate: expected 1 or " + std::to_string(stages_) + " stage costs, got " +
+                          std::to_string(costs.size()));
+    }
+    result_.busy.assign(schedule.ranks, 0.0);
+    result_.idle.assign(schedule.ranks, 0.0);
+    result_.peakStashed.assign(stages_, 0);
+    result_.peakLive.assign(stages_, 0);
   }
-  auto cost = [&](int stage) -> const StageCosts& {
-    return costs.size() == 1 ? costs[0] : costs[stage];
-  };
-  // Time at which a sent tensor is available to its receiver; < 0: not sent.
-  std::vector<double> activationReady(static_cast<size_t>(stages) * m, -1.0);
-  std::vector<double> gradReady(static_cast<size_t>(stages) * m, -1.0);
-  auto index = [m](int stage, int mb) { return static_cast<size_t>(stage) * m + mb; };
 
-  Simulation result;
-  result.busy.assign(ranks, 0.0);
-  result.idle.assign(ranks, 0.0);
-  result.peakStashed.assign(stages, 0);
-  result.peakLive.assign(stages, 0);
-  std::vector<int> stashed(stages, 0), live(stages, 0);
-  std::vector<size_t> next(ranks, 0);
-  std::vector<double> clock(ranks, 0.0);
-
-  auto bump = [&](int stage, int stashDelta, int liveDelta) {
-    stashed[stage] += stashDelta;
-    live[stage] += liveDelta;
-    result.peakStashed[stage] = std::max(result.peakStashed[stage], stashed[stage]);
-    result.peakLive[stage] = std::max(result.peakLive[stage], live[stage]);
-  };
-
-  bool progress = true;
-  while (progress) {
-    progress = false;
-    for (int rank = 0; rank < ranks; ++rank) {
-      const auto& list = schedule.perRank[rank];
-      while (next[rank] < list.size()) {
-        const Instruction& instruction = list[next[rank]];
-        const int s = stageOf(instruction);
-        const int mb = microBatchOf(instruction);
-        const StageCosts& c = cost(s);
-        double start = clock[rank];
-        double duration = 0.0;
-        bool blocked = false;
-        std::visit(
-            Overloaded{
-                [&](const Forward& f) {
-                  duration = c.forward;
-                  bump(s, 1, f.checkpointed ? 0 : 1);
-                },
-                [&](const Recompute&) {
-                  duration = c.recompute;
-                  bump(s, 0, 1);
-                },
-                [&](const Backward&) {
-                  duration = c.backward;
-                  bump(s, -1, -1);
-                },
-                [&](const BackwardInput&) { duration = c.backwardInput; },
-                [&](const BackwardWeight&) {
-                  duration = c.backwardWeight;
-                  bump(s, -1, -1);
-                },
-                [&](const SendActivation&) {
-                  activationReady[index(s, mb)] = start + c.transfer;
-                },
-                [&](const SendGrad&) {
-                  gradReady[index(s, mb)] = start + cost(s - 1).transfer;
-                },
-                [&](const RecvActivation&) {
-                  const double ready = s > 0 ? activationReady[index(s - 1, mb)] : -1;
-                  if (ready < 0) blocked = true;
-                  start = std::max(start, ready);
-                },
-                [&](const RecvGrad&) {
-                  const double ready =
-                      s + 1 < stages ? gradReady[index(s + 1, mb)] : -1;
-                  if (ready < 0) blocked = true;
-                  start = std::max(start, ready);
-                }},
-            instruction);
-        if (blocked) break;
-        const double end = start + duration;
-        if (isCompute(instruction)) result.busy[rank] += duration;
-        result.timeline.push_back(
-            {rank, static_cast<int>(next[rank]), start, end});
-        clock[rank] = end;
-        ++next[rank];
-        progress = true;
+  Simulation run() {
+    for (bool progress = true; progress;) {
+      progress = false;
+      for (int rank = 0; rank < schedule_.ranks; ++rank) {
+        while (next_[rank] < schedule_.perRank[rank].size() && step(rank)) progress = true;
       }
     }
+    finish();
+    return result_;
   }
 
-  std::ostringstream stuck;
-  for (int rank = 0; rank < ranks; ++rank) {
-    const auto& list = schedule.perRank[rank];
-    if (next[rank] < list.size()) {
-      result.finished = false;
-      stuck << "rank " << rank << " waits at instruction " << next[rank]
-            << " (" << shortLabel(list[next[rank]]) << "); ";
+ private:
+  const StageCosts& cost(int stage) const { return costs_.size() == 1 ? costs_[0] : costs_[stage]; }
+  size_t index(int stage, int mb) const { return static_cast<size_t>(stage) * m_ + mb; }
+
+  void bump(int stage, int stashDelta, int liveDelta) {
+    stashed_[stage] += stashDelta;
+    live_[stage] += liveDelta;
+    result_.peakStashed[stage] = std::max(result_.peakStashed[stage], stashed_[stage]);
+    result_.peakLive[stage] = std::max(result_.peakLive[stage], live_[stage]);
+  }
+
+  // Runs the rank's next instruction; false when it waits for a transfer.
+  bool step(int rank) {
+    const Instruction& instruction = schedule_.perRank[rank][next_[rank]];
+    const int s = stageOf(instruction);
+    const int mb = microBatchOf(instruction);
+    const StageCosts& c = cost(s);
+    double start = clock_[rank];
+    double duration = 0.0;
+    bool blocked = false;
+    auto await = [&](double ready) {
+      blocked = ready < 0;
+      start = std::max(start, ready);
+    };
+    std::visit(Overloaded{[&](const Forward& f) { duration = c.forward, bump(s, 1, f.checkpointed ? 0 : 1); },
+                          [&](const Recompute&) { duration = c.recompute, bump(s, 0, 1); },
+                          [&](const Backward&) { duration = c.backward, bump(s, -1, -1); },
+                          [&](const BackwardInput&) { duration = c.backwardInput; },
+                          [&](const BackwardWeight&) { duration = c.backwardWeight, bump(s, -1, -1); },
+                          [&](const SendActivation&) { activationReady_[index(s, mb)] = start + c.transfer; },
+                          [&](const SendGrad&) { gradReady_[index(s, mb)] = start + cost(s - 1).transfer; },
+                          [&](const RecvActivation&) { await(s > 0 ? activationReady_[index(s - 1, mb)] : -1); },
+                          [&](const RecvGrad&) { await(s + 1 < stages_ ? gradReady_[index(s + 1, mb)] : -1); }},
+               instruction);
+    if (blocked) return false;
+    const double end = start + duration;
+    if (isCompute(instruction)) result_.busy[rank] += duration;
+    result_.timeline.push_back({rank, static_cast<int>(next_[rank]), start, end});
+    clock_[rank] = end;
+    ++next_[rank];
+    return true;
+  }
+
+  void finish() {
+    std::ostringstream stuck;
+    for (int rank = 0; rank < schedule_.ranks; ++rank) {
+      const auto& list = schedule_.perRank[rank];
+      if (next_[rank] < list.size()) {
+        result_.finished = false;
+        stuck << "rank " << rank << " waits at instruction " << next_[rank] << " (" << shortLabel(list[next_[rank]])
+              << "); ";
+      }
     }
+    result_.stuck = stuck.str();
+    if (!result_.stuck.empty()) result_.stuck.resize(result_.stuck.size() - 2);
+    result_.makespan = *std::max_element(clock_.begin(), clock_.end());
+    double idle = 0.0;
+    for (int rank = 0; rank < schedule_.ranks; ++rank) {
+      result_.idle[rank] = result_.makespan - result_.busy[rank];
+      idle += result_.idle[rank];
+    }
+    result_.bubbleFraction = result_.makespan > 0 ? idle / (schedule_.ranks * result_.makespan) : 0.0;
   }
-  result.stuck = stuck.str();
-  if (!result.stuck.empty()) result.stuck.resize(result.stuck.size() - 2);
 
-  result.makespan = *std::max_element(clock.begin(), clock.end());
-  double idle = 0.0;
-  for (int rank = 0; rank < ranks; ++rank) {
-    result.idle[rank] = result.makespan - result.busy[rank];
-    idle += result.idle[rank];
-  }
-  result.bubbleFraction =
-      result.makespan > 0 ? idle / (ranks * result.makespan) : 0.0;
-  return result;
+  const Schedule& schedule_;
+  const std::vector<StageCosts>& costs_;
+  int stages_, m_;
+  // Time at which a sent tensor is available to its receiver; < 0: not sent.
+  std::vector<double> activationReady_, gradReady_;
+  std::vector<int> stashed_, live_;
+  std::vector<size_t> next_;
+  std::vector<double> clock_;
+  Simulation result_;
+};
+
+}  // namespace
+
+Simulation simulate(const Schedule& schedule, const std::vector<StageCosts>& costs) {
+  return Simulator(schedule, costs).run();
 }
 
 double theoreticalBubble(int stages, int microBatches) {
