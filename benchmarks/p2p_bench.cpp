@@ -19,7 +19,11 @@ namespace {
 
 using tpipe::runtime::Direction;
 
-double pingPong(tpipe::runtime::Transport& transport, int rank, int64_t bytes, int rounds) {
+double pingPong(
+    tpipe::runtime::Transport& transport,
+    int rank,
+    int64_t bytes,
+    int rounds) {
   const at::Tensor payload = at::zeros({bytes / 4}, at::kFloat);
   std::vector<double> times;
   for (int round = 0; round < rounds + 2; ++round) {
@@ -29,16 +33,19 @@ double pingPong(tpipe::runtime::Transport& transport, int rank, int64_t bytes, i
       transport.send(Direction::kActivation, 0, 0, {payload, nullptr});
       transport.receive(Direction::kGradient, 0, 0);
     } else {
-      tpipe::runtime::Payload got = transport.receive(Direction::kActivation, 0, 0);
+      tpipe::runtime::Payload got =
+          transport.receive(Direction::kActivation, 0, 0);
       transport.send(Direction::kGradient, 0, 0, std::move(got));
     }
     transport.end();
     if (round >= 2) {
-      times.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count());
+      times.push_back(std::chrono::duration<double, std::micro>(
+                          std::chrono::steady_clock::now() - start)
+                          .count());
     }
   }
   std::sort(times.begin(), times.end());
-  return times[times.size() / 2] / 2.0;  // one way
+  return times[times.size() / 2] / 2.0; // one way
 }
 
 int runRank(int rank, int port, const std::string& out) {
@@ -47,36 +54,48 @@ int runRank(int rank, int port, const std::string& out) {
   world.worldSize = 2;
   world.masterPort = port;
   tpipe::Communicator communicator(world, 2, std::chrono::seconds(60));
-  auto transport = tpipe::runtime::makeProcessGroupTransport(communicator, 2, 1);
+  auto transport =
+      tpipe::runtime::makeProcessGroupTransport(communicator, 2, 1);
   nlohmann::json rows = nlohmann::json::array();
-  if (rank == 0) std::printf("%12s %14s %14s\n", "bytes", "one-way us", "GB/s");
-  for (int64_t bytes : {int64_t{4}, int64_t{1} << 10, int64_t{64} << 10, int64_t{1} << 20, int64_t{16} << 20,
-                        int64_t{64} << 20}) {
+  if (rank == 0)
+    std::printf("%12s %14s %14s\n", "bytes", "one-way us", "GB/s");
+  for (int64_t bytes :
+       {int64_t{4},
+        int64_t{1} << 10,
+        int64_t{64} << 10,
+        int64_t{1} << 20,
+        int64_t{16} << 20,
+        int64_t{64} << 20}) {
     const int rounds = bytes >= (16 << 20) ? 10 : 200;
     const double us = pingPong(*transport, rank, bytes, rounds);
     const double gbs = static_cast<double>(bytes) / (us * 1e-6) / 1e9;
     if (rank == 0) {
-      std::printf("%12lld %14.1f %14.3f\n", static_cast<long long>(bytes), us, gbs);
+      std::printf(
+          "%12lld %14.1f %14.3f\n", static_cast<long long>(bytes), us, gbs);
       rows.push_back({{"bytes", bytes}, {"one_way_us", us}, {"gb_per_s", gbs}});
     }
   }
   if (rank == 0) {
-    std::ofstream(out) << nlohmann::json{{"transport", "c10d Gloo over loopback, two processes"},
-                                         {"rows", rows}}.dump(1)
-                       << '\n';
-    std::printf("(median of ping-pongs; each message is a 96-byte header plus the tensor)\nwrote %s\n",
-                out.c_str());
+    std::ofstream(out)
+        << nlohmann::
+               json{{"transport", "c10d Gloo over loopback, two processes"}, {"rows", rows}}
+                   .dump(1)
+        << '\n';
+    std::printf(
+        "(median of ping-pongs; each message is a 96-byte header plus the tensor)\nwrote %s\n",
+        out.c_str());
   }
   return 0;
 }
 
-}  // namespace
+} // namespace
 
 int main(int argc, char** argv) {
   const std::string out = argc > 1 ? argv[1] : "p2p.json";
   const int port = 21000 + static_cast<int>(::getpid() % 20000);
   const pid_t child = ::fork();
-  if (child == 0) ::_exit(runRank(1, port, out));
+  if (child == 0)
+    ::_exit(runRank(1, port, out));
   const int result = runRank(0, port, out);
   int status = 0;
   ::waitpid(child, &status, 0);

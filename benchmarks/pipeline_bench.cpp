@@ -23,7 +23,8 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using tpipe::CheckpointMode;
 
-const int kCores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+const int kCores =
+    static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
 
 double median(std::vector<double> values) {
   std::sort(values.begin(), values.end());
@@ -47,23 +48,32 @@ torch::nn::Sequential balancedStack(int blocks, int width) {
 struct Measured {
   double stepMs = 0.0;
   tpipe::BubbleReport bubble;
-  int64_t peakBytes = 0;  // largest device's worker peak
+  int64_t peakBytes = 0; // largest device's worker peak
   std::vector<int64_t> peaks;
 };
 
-Measured timePipeline(const tpipe::LayerList& layers, tpipe::PipelineOptions options, const torch::Tensor& x,
-                      const torch::Tensor& y, int warmup, int steps, bool memory = true) {
+Measured timePipeline(
+    const tpipe::LayerList& layers,
+    tpipe::PipelineOptions options,
+    const torch::Tensor& x,
+    const torch::Tensor& y,
+    int warmup,
+    int steps,
+    bool memory = true) {
   options.record = false;
   options.trackMemory = memory;
   options.keepSteps = steps;
   tpipe::Pipeline pipe(layers, options);
-  for (int s = 0; s < warmup; ++s) pipe.trainStep(x, y, crossEntropy);
+  for (int s = 0; s < warmup; ++s)
+    pipe.trainStep(x, y, crossEntropy);
   pipe.resetPeakMemory();
   std::vector<double> times;
   for (int s = 0; s < steps; ++s) {
     const auto start = Clock::now();
     pipe.trainStep(x, y, crossEntropy);
-    times.push_back(std::chrono::duration<double, std::milli>(Clock::now() - start).count());
+    times.push_back(
+        std::chrono::duration<double, std::milli>(Clock::now() - start)
+            .count());
   }
   Measured m;
   m.stepMs = median(times);
@@ -73,28 +83,39 @@ Measured timePipeline(const tpipe::LayerList& layers, tpipe::PipelineOptions opt
   }
   // The bubble from separately recorded steps, so timing above is clean.
   pipe.setRecording(true);
-  for (int s = 0; s < 3; ++s) pipe.trainStep(x, y, crossEntropy);
+  for (int s = 0; s < 3; ++s)
+    pipe.trainStep(x, y, crossEntropy);
   m.bubble = tpipe::bubbleReport(pipe.trace());
-  for (auto& p : pipe.parameters()) p.mutable_grad() = torch::Tensor();
+  for (auto& p : pipe.parameters())
+    p.mutable_grad() = torch::Tensor();
   return m;
 }
 
-double timePlain(torch::nn::Sequential& net, const torch::Tensor& x, const torch::Tensor& y, int warmup,
-                 int steps) {
+double timePlain(
+    torch::nn::Sequential& net,
+    const torch::Tensor& x,
+    const torch::Tensor& y,
+    int warmup,
+    int steps) {
   at::set_num_threads(kCores);
   std::vector<double> times;
   for (int s = 0; s < warmup + steps; ++s) {
     const auto start = Clock::now();
     crossEntropy(net->forward(x), y).backward();
-    if (s >= warmup) times.push_back(std::chrono::duration<double, std::milli>(Clock::now() - start).count());
+    if (s >= warmup)
+      times.push_back(
+          std::chrono::duration<double, std::milli>(Clock::now() - start)
+              .count());
   }
-  for (auto& p : net->parameters()) p.mutable_grad() = torch::Tensor();
+  for (auto& p : net->parameters())
+    p.mutable_grad() = torch::Tensor();
   return median(times);
 }
 
 std::vector<std::string> cpus(int n) {
   std::vector<std::string> devices;
-  for (int i = 0; i < n; ++i) devices.push_back("cpu:" + std::to_string(i));
+  for (int i = 0; i < n; ++i)
+    devices.push_back("cpu:" + std::to_string(i));
   return devices;
 }
 
@@ -106,20 +127,42 @@ nlohmann::json sweep() {
   const torch::Tensor x = torch::randn({batch, width});
   const torch::Tensor y = torch::randint(0, width, {batch}, torch::kLong);
   const double plainMs = timePlain(net, x, y, 2, 7);
-  std::printf("balanced stack: %d x (linear %d + tanh), batch %d, 1 intra-op thread per stage; plain LibTorch "
-              "(%d threads): %.2f ms/step = %.0f samples/s\n",
-              blocks, width, batch, kCores, plainMs, batch * 1000.0 / plainMs);
-  std::printf("%-3s %-3s %-17s %-12s %9s %8s %8s %7s %6s %8s %8s %8s %9s %10s\n", "p", "m", "schedule", "checkpoint",
-              "step ms", "samp/s", "vs 1stg", "ideal", "eff", "vs plain", "bubble", "theory", "simulated",
-              "overhead");
+  std::printf(
+      "balanced stack: %d x (linear %d + tanh), batch %d, 1 intra-op thread per stage; plain LibTorch "
+      "(%d threads): %.2f ms/step = %.0f samples/s\n",
+      blocks,
+      width,
+      batch,
+      kCores,
+      plainMs,
+      batch * 1000.0 / plainMs);
+  std::printf(
+      "%-3s %-3s %-17s %-12s %9s %8s %8s %7s %6s %8s %8s %8s %9s %10s\n",
+      "p",
+      "m",
+      "schedule",
+      "checkpoint",
+      "step ms",
+      "samp/s",
+      "vs 1stg",
+      "ideal",
+      "eff",
+      "vs plain",
+      "bubble",
+      "theory",
+      "simulated",
+      "overhead");
   nlohmann::json rows = nlohmann::json::array();
-  std::map<std::pair<int, int>, double> oneStage;  // (m, checkpoint) -> step ms
+  std::map<std::pair<int, int>, double> oneStage; // (m, checkpoint) -> step ms
   for (int p : {1, 2, 4}) {
     for (int m : {2, 8, 16}) {
-      for (const char* schedule : {"gpipe", "1f1b", "zb-h1", "interleaved-1f1b"}) {
+      for (const char* schedule :
+           {"gpipe", "1f1b", "zb-h1", "interleaved-1f1b"}) {
         const bool interleaved = std::string(schedule) == "interleaved-1f1b";
-        if (p == 1 && std::string(schedule) != "gpipe") continue;
-        if (interleaved && m % p != 0) continue;
+        if (p == 1 && std::string(schedule) != "gpipe")
+          continue;
+        if (interleaved && m % p != 0)
+          continue;
         for (auto mode : {CheckpointMode::kNever, CheckpointMode::kAlways}) {
           tpipe::PipelineOptions options;
           options.devices = cpus(p);
@@ -129,34 +172,52 @@ nlohmann::json sweep() {
           options.checkpoint = mode;
           options.threadsPerDevice = 1;
           const Measured r = timePipeline(layers, options, x, y, 2, 7);
-          if (p == 1) oneStage[{m, static_cast<int>(mode)}] = r.stepMs;
+          if (p == 1)
+            oneStage[{m, static_cast<int>(mode)}] = r.stepMs;
           const double base = oneStage[{m, static_cast<int>(mode)}];
           const double speedup = base / r.stepMs;
           const double ideal = static_cast<double>(m) * p / (m + p - 1);
-          const double overhead = r.stepMs / std::max(r.bubble.simulatedStepMs, 1e-9);
-          std::printf("%-3d %-3d %-17s %-12s %9.2f %8.0f %7.2fx %6.2fx %5.0f%% %7.2fx %7.1f%% %7.1f%% %8.1f%% %9.3f\n",
-                      p, m, schedule, tpipe::checkpointModeName(mode), r.stepMs, batch * 1000.0 / r.stepMs, speedup,
-                      ideal, 100 * speedup / ideal, plainMs / r.stepMs, 100 * r.bubble.measuredBubble,
-                      100 * r.bubble.theoreticalBubble, 100 * r.bubble.simulatedBubble, overhead);
-          rows.push_back({{"stages", p},
-                          {"micro_batches", m},
-                          {"schedule", schedule},
-                          {"checkpoint", tpipe::checkpointModeName(mode)},
-                          {"step_ms", r.stepMs},
-                          {"samples_per_s", batch * 1000.0 / r.stepMs},
-                          {"speedup_vs_1_stage", speedup},
-                          {"ideal_speedup", ideal},
-                          {"speedup_vs_plain_libtorch", plainMs / r.stepMs},
-                          {"measured_bubble", r.bubble.measuredBubble},
-                          {"theoretical_bubble", r.bubble.theoreticalBubble},
-                          {"simulated_bubble", r.bubble.simulatedBubble},
-                          {"overhead_measured_over_simulated", overhead},
-                          {"peak_worker_bytes", r.peaks}});
+          const double overhead =
+              r.stepMs / std::max(r.bubble.simulatedStepMs, 1e-9);
+          std::printf(
+              "%-3d %-3d %-17s %-12s %9.2f %8.0f %7.2fx %6.2fx %5.0f%% %7.2fx %7.1f%% %7.1f%% %8.1f%% %9.3f\n",
+              p,
+              m,
+              schedule,
+              tpipe::checkpointModeName(mode),
+              r.stepMs,
+              batch * 1000.0 / r.stepMs,
+              speedup,
+              ideal,
+              100 * speedup / ideal,
+              plainMs / r.stepMs,
+              100 * r.bubble.measuredBubble,
+              100 * r.bubble.theoreticalBubble,
+              100 * r.bubble.simulatedBubble,
+              overhead);
+          rows.push_back(
+              {{"stages", p},
+               {"micro_batches", m},
+               {"schedule", schedule},
+               {"checkpoint", tpipe::checkpointModeName(mode)},
+               {"step_ms", r.stepMs},
+               {"samples_per_s", batch * 1000.0 / r.stepMs},
+               {"speedup_vs_1_stage", speedup},
+               {"ideal_speedup", ideal},
+               {"speedup_vs_plain_libtorch", plainMs / r.stepMs},
+               {"measured_bubble", r.bubble.measuredBubble},
+               {"theoretical_bubble", r.bubble.theoreticalBubble},
+               {"simulated_bubble", r.bubble.simulatedBubble},
+               {"overhead_measured_over_simulated", overhead},
+               {"peak_worker_bytes", r.peaks}});
         }
       }
     }
   }
-  return {{"plain_libtorch_ms", plainMs}, {"threads_plain", kCores}, {"rows", rows}};
+  return {
+      {"plain_libtorch_ms", plainMs},
+      {"threads_plain", kCores},
+      {"rows", rows}};
 }
 
 // Identity layers: a step is nothing but dispatch, transfers and bookkeeping.
@@ -165,16 +226,25 @@ nlohmann::json sweep() {
 // executor's own cost, on 2 it also holds the waits of the pipeline fill.
 nlohmann::json dispatchOverhead() {
   torch::nn::Sequential net;
-  for (int i = 0; i < 4; ++i) net->push_back(torch::nn::Identity());
-  net->push_back(torch::nn::Linear(4, 2));  // something for the loss to reach
+  for (int i = 0; i < 4; ++i)
+    net->push_back(torch::nn::Identity());
+  net->push_back(torch::nn::Linear(4, 2)); // something for the loss to reach
   const tpipe::LayerList layers = tpipe::layersOf(net);
   const int m = 64;
   const torch::Tensor x = torch::randn({m, 4});
   const torch::Tensor y = torch::randint(0, 2, {m}, torch::kLong);
   nlohmann::json rows = nlohmann::json::array();
-  std::printf("\ndispatch overhead (identity layers, %d micro-batches of 1 sample)\n", m);
-  std::printf("%-3s %-8s %10s %12s %18s %18s\n", "p", "schedule", "step ms", "instr/rank", "step us/instr",
-              "non-compute us/instr");
+  std::printf(
+      "\ndispatch overhead (identity layers, %d micro-batches of 1 sample)\n",
+      m);
+  std::printf(
+      "%-3s %-8s %10s %12s %18s %18s\n",
+      "p",
+      "schedule",
+      "step ms",
+      "instr/rank",
+      "step us/instr",
+      "non-compute us/instr");
   for (int p : {1, 2}) {
     for (const char* schedule : {"gpipe", "1f1b"}) {
       tpipe::PipelineOptions options;
@@ -186,41 +256,74 @@ nlohmann::json dispatchOverhead() {
       const Measured r = timePipeline(layers, options, x, y, 3, 15, false);
       tpipe::Pipeline probe(layers, options);
       size_t instructions = 0;
-      for (const auto& list : probe.schedule().perRank) instructions = std::max(instructions, list.size());
+      for (const auto& list : probe.schedule().perRank)
+        instructions = std::max(instructions, list.size());
       double nonCompute = 0.0;
       for (const auto& rank : r.bubble.ranks) {
-        nonCompute = std::max(nonCompute, 1000.0 * (rank.wallMs - rank.computeMs) / static_cast<double>(instructions));
+        nonCompute = std::max(
+            nonCompute,
+            1000.0 * (rank.wallMs - rank.computeMs) /
+                static_cast<double>(instructions));
       }
-      const double perInstruction = 1000.0 * r.stepMs / static_cast<double>(instructions);
-      std::printf("%-3d %-8s %10.3f %12zu %18.2f %18.2f\n", p, schedule, r.stepMs, instructions, perInstruction,
-                  nonCompute);
-      rows.push_back({{"stages", p}, {"schedule", schedule}, {"step_ms", r.stepMs},
-                      {"instructions_per_rank", instructions}, {"step_us_per_instruction", perInstruction},
-                      {"non_compute_us_per_instruction", nonCompute}});
+      const double perInstruction =
+          1000.0 * r.stepMs / static_cast<double>(instructions);
+      std::printf(
+          "%-3d %-8s %10.3f %12zu %18.2f %18.2f\n",
+          p,
+          schedule,
+          r.stepMs,
+          instructions,
+          perInstruction,
+          nonCompute);
+      rows.push_back(
+          {{"stages", p},
+           {"schedule", schedule},
+           {"step_ms", r.stepMs},
+           {"instructions_per_rank", instructions},
+           {"step_us_per_instruction", perInstruction},
+           {"non_compute_us_per_instruction", nonCompute}});
     }
   }
   return rows;
 }
 
 nlohmann::json exampleConfigs() {
-  std::printf("\nexample configs (synthetic inputs of each config's shape; steps timed without data loading)\n");
-  std::printf("%-20s %-9s %10s %10s %10s %9s %9s %9s %10s %10s\n", "config", "stages", "pipe ms", "1-stage ms",
-              "plain ms", "vs 1stg", "vs plain", "bubble", "simulated", "recording");
+  std::printf(
+      "\nexample configs (synthetic inputs of each config's shape; steps timed without data loading)\n");
+  std::printf(
+      "%-20s %-9s %10s %10s %10s %9s %9s %9s %10s %10s\n",
+      "config",
+      "stages",
+      "pipe ms",
+      "1-stage ms",
+      "plain ms",
+      "vs 1stg",
+      "vs plain",
+      "bubble",
+      "simulated",
+      "recording");
   nlohmann::json rows = nlohmann::json::array();
-  for (const char* name : {"fashion_mnist_cnn", "char_transformer", "mlp_synthetic"}) {
-    tpipe::Config config = tpipe::loadConfig(std::string(TPIPE_SOURCE_DIR) + "/configs/" + name + ".json");
+  for (const char* name :
+       {"fashion_mnist_cnn", "char_transformer", "mlp_synthetic"}) {
+    tpipe::Config config = tpipe::loadConfig(
+        std::string(TPIPE_SOURCE_DIR) + "/configs/" + name + ".json");
     tpipe::BuiltModel model = tpipe::buildModel(config.model, 0);
     const auto& shape = model.shapes.front();
     std::vector<int64_t> sizes{config.train.batchSize};
     sizes.insert(sizes.end(), shape.begin(), shape.end());
     torch::manual_seed(2);
-    const torch::Tensor x = model.integerInput ? torch::randint(256, sizes, torch::kLong) : torch::randn(sizes);
+    const torch::Tensor x = model.integerInput
+        ? torch::randint(256, sizes, torch::kLong)
+        : torch::randn(sizes);
     const auto& out = model.shapes.back();
     std::vector<int64_t> targetSizes{config.train.batchSize};
-    if (out.size() == 2) targetSizes.push_back(out[0]);
-    const torch::Tensor y = torch::randint(out.back(), targetSizes, torch::kLong);
+    if (out.size() == 2)
+      targetSizes.push_back(out[0]);
+    const torch::Tensor y =
+        torch::randint(out.back(), targetSizes, torch::kLong);
     auto lossFn = [](const torch::Tensor& o, const torch::Tensor& t) {
-      return torch::nn::functional::cross_entropy(o.reshape({-1, o.size(-1)}), t.reshape({-1}));
+      return torch::nn::functional::cross_entropy(
+          o.reshape({-1, o.size(-1)}), t.reshape({-1}));
     };
     // Steps alternate recording off and on, so the recording overhead is
     // measured side by side; the step time is the unrecorded median.
@@ -235,21 +338,30 @@ nlohmann::json exampleConfigs() {
         pipe.setRecording(s % 2 == 1);
         const auto start = Clock::now();
         pipe.trainStep(x, y, lossFn);
-        const double ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
-        if (s >= 2) (s % 2 ? recordedTimes : plainTimes).push_back(ms);
+        const double ms =
+            std::chrono::duration<double, std::milli>(Clock::now() - start)
+                .count();
+        if (s >= 2)
+          (s % 2 ? recordedTimes : plainTimes).push_back(ms);
       }
-      return Timed{median(plainTimes), median(recordedTimes), tpipe::bubbleReport(pipe.trace())};
+      return Timed{
+          median(plainTimes),
+          median(recordedTimes),
+          tpipe::bubbleReport(pipe.trace())};
     };
     tpipe::PipelineOptions options;
     options.devices.clear();
-    for (const auto& d : config.pipeline.devices) options.devices.push_back(d.name);
+    for (const auto& d : config.pipeline.devices)
+      options.devices.push_back(d.name);
     options.microBatches = config.pipeline.microBatches;
     options.schedule = config.pipeline.schedule;
     options.checkpoint = config.pipeline.checkpoint;
     options.balance = config.pipeline.balance;
     if (config.pipeline.partition == tpipe::PartitionMethod::kTime) {
-      const tpipe::TrainingCosts costs = tpipe::trainingCosts(config, model, "", true);
-      options.balance = tpipe::balanceOf(tpipe::resolvePlan(tpipe::planRequest(config, costs)).boundaries);
+      const tpipe::TrainingCosts costs =
+          tpipe::trainingCosts(config, model, "", true);
+      options.balance = tpipe::balanceOf(
+          tpipe::resolvePlan(tpipe::planRequest(config, costs)).boundaries);
     }
     const auto piped = timeOf(options);
     tpipe::PipelineOptions single = options;
@@ -263,20 +375,38 @@ nlohmann::json exampleConfigs() {
     for (int s = 0; s < 8; ++s) {
       const auto start = Clock::now();
       torch::Tensor h = x;
-      for (auto& layer : model.layers) h = layer.module.forward(h);
+      for (auto& layer : model.layers)
+        h = layer.module.forward(h);
       lossFn(h, y).backward();
-      if (s >= 2) plain.push_back(std::chrono::duration<double, std::milli>(Clock::now() - start).count());
+      if (s >= 2)
+        plain.push_back(
+            std::chrono::duration<double, std::milli>(Clock::now() - start)
+                .count());
     }
     const double plainMs = median(plain);
     const double recording = 100.0 * (piped.recordedMs / piped.ms - 1.0);
-    std::printf("%-20s %-9zu %10.2f %10.2f %10.2f %8.2fx %8.2fx %8.1f%% %9.1f%% %+9.1f%%\n", name,
-                options.devices.size(), piped.ms, one.ms, plainMs, one.ms / piped.ms, plainMs / piped.ms,
-                100 * piped.bubble.measuredBubble, 100 * piped.bubble.simulatedBubble, recording);
-    rows.push_back({{"config", name}, {"pipeline_ms", piped.ms}, {"one_stage_ms", one.ms},
-                    {"plain_libtorch_ms", plainMs}, {"measured_bubble", piped.bubble.measuredBubble},
-                    {"simulated_bubble", piped.bubble.simulatedBubble},
-                    {"theoretical_bubble", piped.bubble.theoreticalBubble},
-                    {"recorded_step_ms", piped.recordedMs}, {"recording_overhead_percent", recording}});
+    std::printf(
+        "%-20s %-9zu %10.2f %10.2f %10.2f %8.2fx %8.2fx %8.1f%% %9.1f%% %+9.1f%%\n",
+        name,
+        options.devices.size(),
+        piped.ms,
+        one.ms,
+        plainMs,
+        one.ms / piped.ms,
+        plainMs / piped.ms,
+        100 * piped.bubble.measuredBubble,
+        100 * piped.bubble.simulatedBubble,
+        recording);
+    rows.push_back(
+        {{"config", name},
+         {"pipeline_ms", piped.ms},
+         {"one_stage_ms", one.ms},
+         {"plain_libtorch_ms", plainMs},
+         {"measured_bubble", piped.bubble.measuredBubble},
+         {"simulated_bubble", piped.bubble.simulatedBubble},
+         {"theoretical_bubble", piped.bubble.theoreticalBubble},
+         {"recorded_step_ms", piped.recordedMs},
+         {"recording_overhead_percent", recording}});
   }
   return rows;
 }
@@ -292,14 +422,26 @@ nlohmann::json memoryBySchedule() {
   // A stage is (linear, tanh): per micro-batch it keeps the linear's output
   // and the tanh's output, [batch / m, width] floats each.
   const double unit = 2.0 * (batch / m) * width * 4;
-  const double gradients = (width * width + width) * 4.0;  // one linear per stage
-  std::printf("\npeak activations per stage (p=%d, m=%d), in units of one micro-batch of a stage's stashed "
-              "activations (%.0f KiB): (worker peak - weight gradients) / unit\n", p, m, unit / 1024);
-  std::printf("%-8s %-12s %-30s %-30s\n", "schedule", "checkpoint", "measured units (stage 0..3)",
-              "theory (stage 0..3)");
+  const double gradients =
+      (width * width + width) * 4.0; // one linear per stage
+  std::printf(
+      "\npeak activations per stage (p=%d, m=%d), in units of one micro-batch of a stage's stashed "
+      "activations (%.0f KiB): (worker peak - weight gradients) / unit\n",
+      p,
+      m,
+      unit / 1024);
+  std::printf(
+      "%-8s %-12s %-30s %-30s\n",
+      "schedule",
+      "checkpoint",
+      "measured units (stage 0..3)",
+      "theory (stage 0..3)");
   nlohmann::json rows = nlohmann::json::array();
   for (const char* schedule : {"gpipe", "1f1b", "zb-h1"}) {
-    for (auto mode : {CheckpointMode::kNever, CheckpointMode::kExceptLast, CheckpointMode::kAlways}) {
+    for (auto mode :
+         {CheckpointMode::kNever,
+          CheckpointMode::kExceptLast,
+          CheckpointMode::kAlways}) {
       tpipe::PipelineOptions options;
       options.devices = cpus(p);
       options.microBatches = m;
@@ -315,28 +457,40 @@ nlohmann::json memoryBySchedule() {
         std::snprintf(cell, sizeof cell, "%6.2f ", u);
         measured += cell;
         units.push_back(u);
-        const tpipe::MemoryModel model = tpipe::memoryModelOf(tpipe::makeSchedule({schedule, p, m, 1, mode}), 0, 0);
+        const tpipe::MemoryModel model = tpipe::memoryModelOf(
+            tpipe::makeSchedule({schedule, p, m, 1, mode}), 0, 0);
         const int held = model.stashedAt(s);
         // A unit is a stage input plus the tanh output; stage 0's input is
         // the caller's batch, not the worker's. Remat keeps inputs only, and
         // one micro-batch is recomputed at a time.
         const double input = s == 0 ? 0.0 : 0.5;
-        const double expected = mode == CheckpointMode::kNever ? held * (input + 0.5) : held * input + 0.5;
+        const double expected = mode == CheckpointMode::kNever
+            ? held * (input + 0.5)
+            : held * input + 0.5;
         std::snprintf(cell, sizeof cell, "%6.2f ", expected);
         theory += cell;
       }
-      std::printf("%-8s %-12s %-30s %-30s\n", schedule, tpipe::checkpointModeName(mode), measured.c_str(),
-                  theory.c_str());
-      rows.push_back({{"schedule", schedule}, {"checkpoint", tpipe::checkpointModeName(mode)},
-                      {"measured_units_per_stage", units}, {"theory", theory}, {"unit_bytes", unit}});
+      std::printf(
+          "%-8s %-12s %-30s %-30s\n",
+          schedule,
+          tpipe::checkpointModeName(mode),
+          measured.c_str(),
+          theory.c_str());
+      rows.push_back(
+          {{"schedule", schedule},
+           {"checkpoint", tpipe::checkpointModeName(mode)},
+           {"measured_units_per_stage", units},
+           {"theory", theory},
+           {"unit_bytes", unit}});
     }
   }
-  std::printf("(theory: never = micro-batches held x (stage input + stashed output); remat = held stage inputs + "
-              "the one micro-batch recomputed; the backward's workspace comes on top)\n");
+  std::printf(
+      "(theory: never = micro-batches held x (stage input + stashed output); remat = held stage inputs + "
+      "the one micro-batch recomputed; the backward's workspace comes on top)\n");
   return rows;
 }
 
-}  // namespace
+} // namespace
 
 // The cost of replaying random numbers: every layer declared as drawing
 // (each forward swaps the stage's generator in under the shared lock) against
@@ -347,30 +501,44 @@ nlohmann::json randomnessCost() {
   torch::manual_seed(1);
   const torch::Tensor x = torch::randn({256, 512});
   const torch::Tensor y = torch::randint(0, 512, {256}, torch::kLong);
-  std::printf("\nrandomness replay, %d stages x 4 x (Linear 512 + Tanh), batch 256, %d micro-batches\n", p, m);
-  std::printf("%-12s %12s %12s %8s\n", "checkpoint", "none ms", "draws ms", "cost");
+  std::printf(
+      "\nrandomness replay, %d stages x 4 x (Linear 512 + Tanh), batch 256, %d micro-batches\n",
+      p,
+      m);
+  std::printf(
+      "%-12s %12s %12s %8s\n", "checkpoint", "none ms", "draws ms", "cost");
   nlohmann::json rows = nlohmann::json::array();
   for (auto mode : {CheckpointMode::kNever, CheckpointMode::kAlways}) {
     std::vector<double> none, draws;
     for (int round = 0; round < 5; ++round) {
-      for (auto declared : {tpipe::Randomness::kNone, tpipe::Randomness::kDraws}) {
+      for (auto declared :
+           {tpipe::Randomness::kNone, tpipe::Randomness::kDraws}) {
         tpipe::LayerList layers = tpipe::layersOf(net);
-        for (auto& layer : layers) layer.randomness = declared;
+        for (auto& layer : layers)
+          layer.randomness = declared;
         tpipe::PipelineOptions options;
         options.devices = cpus(p);
         options.microBatches = m;
         options.schedule = "1f1b";
         options.checkpoint = mode;
         options.threadsPerDevice = 1;
-        const double ms = timePipeline(layers, options, x, y, 1, 3, false).stepMs;
+        const double ms =
+            timePipeline(layers, options, x, y, 1, 3, false).stepMs;
         (declared == tpipe::Randomness::kNone ? none : draws).push_back(ms);
       }
     }
     const double cost = median(draws) / median(none) - 1.0;
-    std::printf("%-12s %12.2f %12.2f %+7.1f%%\n", tpipe::checkpointModeName(mode), median(none), median(draws),
-                100.0 * cost);
-    rows.push_back({{"checkpoint", tpipe::checkpointModeName(mode)}, {"none_ms", median(none)},
-                    {"draws_ms", median(draws)}, {"relative_cost", cost}});
+    std::printf(
+        "%-12s %12.2f %12.2f %+7.1f%%\n",
+        tpipe::checkpointModeName(mode),
+        median(none),
+        median(draws),
+        100.0 * cost);
+    rows.push_back(
+        {{"checkpoint", tpipe::checkpointModeName(mode)},
+         {"none_ms", median(none)},
+         {"draws_ms", median(draws)},
+         {"relative_cost", cost}});
   }
   return rows;
 }
@@ -380,11 +548,16 @@ int main(int argc, char** argv) {
   const std::string only = argc > 2 ? argv[2] : "all";
   nlohmann::json json;
   json["cores"] = kCores;
-  if (only == "all" || only == "sweep") json["sweep"] = sweep();
-  if (only == "all" || only == "dispatch") json["dispatch"] = dispatchOverhead();
-  if (only == "all" || only == "configs") json["configs"] = exampleConfigs();
-  if (only == "all" || only == "memory") json["memory"] = memoryBySchedule();
-  if (only == "all" || only == "randomness") json["randomness"] = randomnessCost();
+  if (only == "all" || only == "sweep")
+    json["sweep"] = sweep();
+  if (only == "all" || only == "dispatch")
+    json["dispatch"] = dispatchOverhead();
+  if (only == "all" || only == "configs")
+    json["configs"] = exampleConfigs();
+  if (only == "all" || only == "memory")
+    json["memory"] = memoryBySchedule();
+  if (only == "all" || only == "randomness")
+    json["randomness"] = randomnessCost();
   std::ofstream(out) << json.dump(1) << '\n';
   std::printf("\nwrote %s\n", out.c_str());
   return 0;

@@ -13,9 +13,15 @@ constexpr int kMaxJsonDepth = 64;
 
 // Throws ConfigError starting with `what` (a path or an option): not JSON
 // (with line and column), or nested deeper than kMaxJsonDepth.
-nlohmann::json parseJsonText(const std::string& text, const std::string& what, bool allowComments = false);
+nlohmann::json parseJsonText(
+    const std::string& text,
+    const std::string& what,
+    bool allowComments = false);
 
 // Reads and parses a file; ConfigError when it cannot be read.
-nlohmann::json readJsonFile(const std::string& path, const std::string& what, bool allowComments = false);
+nlohmann::json readJsonFile(
+    const std::string& path,
+    const std::string& what,
+    bool allowComments = false);
 
-}  // namespace tpipe
+} // namespace tpipe

@@ -12,13 +12,14 @@ namespace {
 
 struct Result {
   int status;
-  std::string output;  // stdout and stderr
+  std::string output; // stdout and stderr
 };
 
 Result runTpipe(const std::string& arguments) {
   const char* binary = std::getenv("TPIPE_BINARY");
   EXPECT_NE(binary, nullptr) << "TPIPE_BINARY is not set (run through ctest)";
-  if (binary == nullptr) return {-1, ""};
+  if (binary == nullptr)
+    return {-1, ""};
   const std::string command = std::string(binary) + " " + arguments + " 2>&1";
   FILE* pipe = popen(command.c_str(), "r");
   std::string output;
@@ -32,7 +33,8 @@ Result runTpipe(const std::string& arguments) {
 }
 
 TEST(CliTest, ScheduleJsonHasPerStageOps) {
-  const Result r = runTpipe("schedule --stages 2 --micro-batches 3 --schedule 1f1b --checkpoint never --json");
+  const Result r = runTpipe(
+      "schedule --stages 2 --micro-batches 3 --schedule 1f1b --checkpoint never --json");
   ASSERT_EQ(r.status, 0) << r.output;
   const auto json = nlohmann::json::parse(r.output);
   ASSERT_EQ(json["stages"].size(), 2u);
@@ -43,26 +45,31 @@ TEST(CliTest, ScheduleJsonHasPerStageOps) {
 }
 
 TEST(CliTest, ScheduleTableAndTimeline) {
-  const Result r = runTpipe("schedule --stages 4 --micro-batches 8 --schedule zb-h1 --checkpoint never");
+  const Result r = runTpipe(
+      "schedule --stages 4 --micro-batches 8 --schedule zb-h1 --checkpoint never");
   ASSERT_EQ(r.status, 0) << r.output;
-  EXPECT_NE(r.output.find("rank 0: F0 F1 F2 F3 b0 w0"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("rank 0: F0 F1 F2 F3 b0 w0"), std::string::npos)
+      << r.output;
   EXPECT_NE(r.output.find("timeline"), std::string::npos);
 }
 
 TEST(CliTest, BadScheduleExitsWithStatusTwo) {
-  const Result r = runTpipe("schedule --stages 2 --micro-batches 3 --schedule nope");
+  const Result r =
+      runTpipe("schedule --stages 2 --micro-batches 3 --schedule nope");
   EXPECT_EQ(r.status, 2);
-  EXPECT_NE(r.output.find("unknown schedule 'nope'"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("unknown schedule 'nope'"), std::string::npos)
+      << r.output;
   EXPECT_EQ(r.output.find("Exception raised from"), std::string::npos);
 }
 
-}  // namespace
+} // namespace
 
 namespace {
 
 std::string firstLineWith(const std::string& text, const std::string& prefix) {
   size_t at = text.find(prefix);
-  if (at == std::string::npos) return "";
+  if (at == std::string::npos)
+    return "";
   return text.substr(at, text.find('\n', at) - at);
 }
 
@@ -71,7 +78,8 @@ std::vector<int> trainBoundaries(const std::string& output) {
   const std::string line = firstLineWith(output, "pipeline: ");
   const size_t at = line.find("boundaries ");
   std::vector<int> boundaries;
-  if (at == std::string::npos) return boundaries;
+  if (at == std::string::npos)
+    return boundaries;
   std::string rest = line.substr(at + 11, line.find(',', at) - at - 11);
   size_t position = 0;
   while (position < rest.size()) {
@@ -86,39 +94,58 @@ std::vector<int> trainBoundaries(const std::string& output) {
 TEST(CliTest, PlanAndTrainRunTheSamePlanFromOneProfile) {
   const std::string root = TPIPE_SOURCE_DIR;
   const std::string profile = testing::TempDir() + "/tpipe_cli_profile.json";
-  for (const char* name : {"mlp_synthetic", "beyond_one_device", "char_transformer", "fashion_mnist_cnn"}) {
+  for (const char* name :
+       {"mlp_synthetic",
+        "beyond_one_device",
+        "char_transformer",
+        "fashion_mnist_cnn"}) {
     SCOPED_TRACE(name);
     const std::string config = root + "/configs/" + name + ".json";
     const Result profiled = runTpipe("profile " + config + " --out " + profile);
     ASSERT_EQ(profiled.status, 0) << profiled.output;
     std::vector<std::vector<int>> seen;
     for (int run = 0; run < 2; ++run) {
-      const Result plan = runTpipe("plan " + config + " --profile " + profile + " --json");
+      const Result plan =
+          runTpipe("plan " + config + " --profile " + profile + " --json");
       ASSERT_EQ(plan.status, 0) << plan.output;
       const auto json = nlohmann::json::parse(plan.output);
       seen.push_back(json["boundaries"].get<std::vector<int>>());
       EXPECT_EQ(json["stage_count"].get<size_t>() + 1, seen.back().size());
-      EXPECT_NE(json["cost_source"].get<std::string>().find(profile), std::string::npos);
+      EXPECT_NE(
+          json["cost_source"].get<std::string>().find(profile),
+          std::string::npos);
     }
     for (int run = 0; run < 2; ++run) {
-      const Result train = runTpipe("train " + config + " --profile " + profile +
-                                    " --set train.steps=1 --set train.eval_every=0");
+      const Result train = runTpipe(
+          "train " + config + " --profile " + profile +
+          " --set train.steps=1 --set train.eval_every=0");
       ASSERT_EQ(train.status, 0) << train.output;
       seen.push_back(trainBoundaries(train.output));
-      EXPECT_NE(firstLineWith(train.output, "plan: ").find("costs from " + profile), std::string::npos)
+      EXPECT_NE(
+          firstLineWith(train.output, "plan: ").find("costs from " + profile),
+          std::string::npos)
           << train.output;
     }
-    for (const auto& boundaries : seen) EXPECT_EQ(boundaries, seen.front());
+    for (const auto& boundaries : seen)
+      EXPECT_EQ(boundaries, seen.front());
   }
 }
 
 TEST(CliTest, AProfileOfAnotherModelIsAClearError) {
   const std::string root = TPIPE_SOURCE_DIR;
-  const std::string profile = testing::TempDir() + "/tpipe_cli_other_profile.json";
-  ASSERT_EQ(runTpipe("profile " + root + "/configs/mlp_synthetic.json --out " + profile).status, 0);
-  const Result r = runTpipe("train " + root + "/configs/beyond_one_device.json --profile " + profile);
+  const std::string profile =
+      testing::TempDir() + "/tpipe_cli_other_profile.json";
+  ASSERT_EQ(
+      runTpipe(
+          "profile " + root + "/configs/mlp_synthetic.json --out " + profile)
+          .status,
+      0);
+  const Result r = runTpipe(
+      "train " + root + "/configs/beyond_one_device.json --profile " + profile);
   EXPECT_EQ(r.status, 2) << r.output;
-  EXPECT_NE(r.output.find("holds 5 layers, the config's model 15"), std::string::npos) << r.output;
+  EXPECT_NE(
+      r.output.find("holds 5 layers, the config's model 15"), std::string::npos)
+      << r.output;
 }
 
-}  // namespace
+} // namespace

@@ -35,67 +35,105 @@ TEST(ConfigTest, TheIssueExampleParsesWithDefaults) {
 }
 
 TEST(ConfigTest, ShippedConfigsParse) {
-  for (const char* name : {"fashion_mnist_cnn", "char_transformer", "mlp_synthetic",
-                           "beyond_one_device"}) {
-    const std::string path = std::string(TPIPE_SOURCE_DIR) + "/configs/" + name + ".json";
+  for (const char* name :
+       {"fashion_mnist_cnn",
+        "char_transformer",
+        "mlp_synthetic",
+        "beyond_one_device"}) {
+    const std::string path =
+        std::string(TPIPE_SOURCE_DIR) + "/configs/" + name + ".json";
     SCOPED_TRACE(path);
     EXPECT_NO_THROW(loadConfig(path));
   }
 }
 
 struct BadCase {
-  std::vector<std::string> overrides;  // applied to the base config
-  std::string expected;                // substring of the error
+  std::vector<std::string> overrides; // applied to the base config
+  std::string expected;               // substring of the error
 };
 
 TEST(ConfigTest, EveryBadConfigNamesItsPath) {
   const std::vector<BadCase> cases = {
-      {{"pipeline.micro_batches=-3"}, "pipeline.micro_batches: expected a positive integer, got -3"},
-      {{"pipeline.micro_batches=\"four\""}, "pipeline.micro_batches: expected a positive integer, got \"four\""},
-      {{"pipeline.mirco_batches=4"}, "pipeline.mirco_batches: unknown key 'mirco_batches' (did you mean 'micro_batches'?)"},
+      {{"pipeline.micro_batches=-3"},
+       "pipeline.micro_batches: expected a positive integer, got -3"},
+      {{"pipeline.micro_batches=\"four\""},
+       "pipeline.micro_batches: expected a positive integer, got \"four\""},
+      {{"pipeline.mirco_batches=4"},
+       "pipeline.mirco_batches: unknown key 'mirco_batches' (did you mean 'micro_batches'?)"},
       {{"trian={}"}, "trian: unknown key 'trian' (did you mean 'train'?)"},
-      {{"pipeline.schedule=zigzag"}, "pipeline.schedule: unknown value 'zigzag'; expected one of gpipe, 1f1b, interleaved-1f1b, zb-h1, a schedule file (*.json)"},
-      {{"pipeline.checkpoint=sometimes"}, "pipeline.checkpoint: unknown value 'sometimes'"},
+      {{"pipeline.schedule=zigzag"},
+       "pipeline.schedule: unknown value 'zigzag'; expected one of gpipe, 1f1b, interleaved-1f1b, zb-h1, a schedule file (*.json)"},
+      {{"pipeline.checkpoint=sometimes"},
+       "pipeline.checkpoint: unknown value 'sometimes'"},
       {{"pipeline.devices=[]"}, "pipeline.devices: expected a non-empty list"},
-      {{"pipeline.devices=[\"tpu:0\"]"}, "pipeline.devices[0]: unknown device 'tpu:0'"},
-      {{"pipeline.devices=[\"cpu:0\",\"cpu:0\"]"}, "pipeline.devices[1]: device 'cpu:0' is listed twice"},
-      {{"pipeline.devices.1={\"name\":\"cpu:1\",\"memory\":\"lots\"}"}, "pipeline.devices[1].memory: expected a size such as \"512MiB\""},
-      {{"pipeline.stages=9", "pipeline.devices=[\"cpu:0\"]"}, "pipeline.stages: more stages (9) than layers (5)"},
-      {{"pipeline.stages=3"}, "pipeline.stages: 3 stages with 1 virtual stage(s) per device need 3 devices, got 2"},
-      {{"pipeline.balance=[2,2]"}, "pipeline.balance: sums to 4 layers, but the model has 5"},
-      {{"pipeline.balance=[2,2,1]"}, "pipeline.balance: has 3 entries for 2 stages"},
-      {{"pipeline.balance=[2,0]"}, "pipeline.balance[1]: expected a positive integer, got 0"},
-      {{"pipeline.partition=balance"}, "pipeline.balance: missing (required by partition 'balance')"},
-      {{"model.layers.0.type=conv3d"}, "model.layers[0].type: unknown layer type 'conv3d' (did you mean 'conv2d'?)"},
-      {{"model.layers.0.kernel_size=[3]"}, "model.layers[0].kernel_size: expected a positive integer or a pair of them, got [3]"},
-      {{"model.layers.0.out_chanels=3"}, "model.layers[0].out_chanels: unknown key 'out_chanels' (did you mean 'out_channels'?)"},
-      {{"model.layers.4={\"type\":\"linear\"}"}, "model.layers[4].out_features: missing (required for linear)"},
-      {{"model.layers.1={\"type\":\"dropout\",\"p\":1.5}"}, "model.layers[1].p: expected a number in [0, 1), got 1.5"},
-      {{"model.layers=[]"}, "model.layers: expected a non-empty list of layers"},
-      {{"model.input_shape=[1,32,32]"}, "model.input_shape: fashion-mnist images are [1, 28, 28]"},
+      {{"pipeline.devices=[\"tpu:0\"]"},
+       "pipeline.devices[0]: unknown device 'tpu:0'"},
+      {{"pipeline.devices=[\"cpu:0\",\"cpu:0\"]"},
+       "pipeline.devices[1]: device 'cpu:0' is listed twice"},
+      {{"pipeline.devices.1={\"name\":\"cpu:1\",\"memory\":\"lots\"}"},
+       "pipeline.devices[1].memory: expected a size such as \"512MiB\""},
+      {{"pipeline.stages=9", "pipeline.devices=[\"cpu:0\"]"},
+       "pipeline.stages: more stages (9) than layers (5)"},
+      {{"pipeline.stages=3"},
+       "pipeline.stages: 3 stages with 1 virtual stage(s) per device need 3 devices, got 2"},
+      {{"pipeline.balance=[2,2]"},
+       "pipeline.balance: sums to 4 layers, but the model has 5"},
+      {{"pipeline.balance=[2,2,1]"},
+       "pipeline.balance: has 3 entries for 2 stages"},
+      {{"pipeline.balance=[2,0]"},
+       "pipeline.balance[1]: expected a positive integer, got 0"},
+      {{"pipeline.partition=balance"},
+       "pipeline.balance: missing (required by partition 'balance')"},
+      {{"model.layers.0.type=conv3d"},
+       "model.layers[0].type: unknown layer type 'conv3d' (did you mean 'conv2d'?)"},
+      {{"model.layers.0.kernel_size=[3]"},
+       "model.layers[0].kernel_size: expected a positive integer or a pair of them, got [3]"},
+      {{"model.layers.0.out_chanels=3"},
+       "model.layers[0].out_chanels: unknown key 'out_chanels' (did you mean 'out_channels'?)"},
+      {{"model.layers.4={\"type\":\"linear\"}"},
+       "model.layers[4].out_features: missing (required for linear)"},
+      {{"model.layers.1={\"type\":\"dropout\",\"p\":1.5}"},
+       "model.layers[1].p: expected a number in [0, 1), got 1.5"},
+      {{"model.layers=[]"},
+       "model.layers: expected a non-empty list of layers"},
+      {{"model.input_shape=[1,32,32]"},
+       "model.input_shape: fashion-mnist images are [1, 28, 28]"},
       {{"data.dataset=imagenet"}, "data.dataset: unknown value 'imagenet'"},
       {{"data.shuffle=1"}, "data.shuffle: expected true or false, got 1"},
-      {{"train.batch_size=0"}, "train.batch_size: expected a positive integer, got 0"},
-      {{"train.batch_size=2"}, "train.batch_size: batch size 2 per replica is smaller than pipeline.micro_batches (4)"},
-      {{"pipeline.data_parallel=3"}, "train.batch_size: batch size 64 does not split evenly over 3 data-parallel replicas"},
-      {{"pipeline.timeout_s=0"}, "pipeline.timeout_s: expected a number of seconds in [0.1, 86400], got 0"},
-      {{"train.loss=hinge"}, "train.loss: unknown value 'hinge'; expected one of cross_entropy, mse"},
-      {{"train.optimizer.type=lamb"}, "train.optimizer.type: unknown value 'lamb'"},
-      {{"train.optimizer.lr=-1"}, "train.optimizer.lr: expected a non-negative number, got -1"},
-      {{"train.optimizer.momentum=2"}, "train.optimizer.momentum: expected a number in [0, 1], got 2"},
-      {{"train.optimizer.betas=[0.9]"}, "train.optimizer.betas: unknown key 'betas'"},
-      {{"train.optimizer.decay=linear"}, "train.optimizer.decay: unknown value 'linear'; expected one of none, cosine"},
-      {{"train.steps=1.5"}, "train.steps: expected a non-negative integer, got 1.5"},
+      {{"train.batch_size=0"},
+       "train.batch_size: expected a positive integer, got 0"},
+      {{"train.batch_size=2"},
+       "train.batch_size: batch size 2 per replica is smaller than pipeline.micro_batches (4)"},
+      {{"pipeline.data_parallel=3"},
+       "train.batch_size: batch size 64 does not split evenly over 3 data-parallel replicas"},
+      {{"pipeline.timeout_s=0"},
+       "pipeline.timeout_s: expected a number of seconds in [0.1, 86400], got 0"},
+      {{"train.loss=hinge"},
+       "train.loss: unknown value 'hinge'; expected one of cross_entropy, mse"},
+      {{"train.optimizer.type=lamb"},
+       "train.optimizer.type: unknown value 'lamb'"},
+      {{"train.optimizer.lr=-1"},
+       "train.optimizer.lr: expected a non-negative number, got -1"},
+      {{"train.optimizer.momentum=2"},
+       "train.optimizer.momentum: expected a number in [0, 1], got 2"},
+      {{"train.optimizer.betas=[0.9]"},
+       "train.optimizer.betas: unknown key 'betas'"},
+      {{"train.optimizer.decay=linear"},
+       "train.optimizer.decay: unknown value 'linear'; expected one of none, cosine"},
+      {{"train.steps=1.5"},
+       "train.steps: expected a non-negative integer, got 1.5"},
   };
   for (const BadCase& c : cases) {
     Json json = baseConfig();
-    for (const auto& assignment : c.overrides) applyOverride(json, assignment);
+    for (const auto& assignment : c.overrides)
+      applyOverride(json, assignment);
     try {
       parseConfig(json);
       ADD_FAILURE() << "no error for " << c.overrides[0];
     } catch (const ConfigError& error) {
       EXPECT_NE(std::string(error.what()).find(c.expected), std::string::npos)
-          << "for " << c.overrides[0] << "\n  got: " << error.what() << "\n  want: " << c.expected;
+          << "for " << c.overrides[0] << "\n  got: " << error.what()
+          << "\n  want: " << c.expected;
     }
   }
 }
@@ -107,7 +145,8 @@ TEST(ConfigTest, MissingSectionsAndDefaults) {
   Json text = baseConfig();
   applyOverride(text, "data={\"dataset\":\"text\",\"seq_len\":16}");
   text["model"].erase("input_shape");
-  text["model"]["layers"] = Json::parse(R"([{"type":"embedding","num_embeddings":256,"embedding_dim":8},
+  text["model"]["layers"] = Json::parse(
+      R"([{"type":"embedding","num_embeddings":256,"embedding_dim":8},
                                            {"type":"linear","out_features":256}])");
   const Config config = parseConfig(text);
   EXPECT_EQ(config.data.path, kDefaultTextPath);
@@ -138,5 +177,5 @@ TEST(ConfigTest, ByteSizes) {
   EXPECT_THROW(parseBytes(-5, "x"), ConfigError);
 }
 
-}  // namespace
-}  // namespace tpipe
+} // namespace
+} // namespace tpipe

@@ -9,17 +9,24 @@
 namespace tpipe {
 namespace {
 
-#define REQUIRE_GPU()                                                          \
-  if (!torch::cuda::is_available()) {                                          \
-    GTEST_SKIP() << "no CUDA device (this LibTorch: "                          \
-                 << (torch::cuda::device_count() ? "CUDA" : "CPU only") << ")"; \
+#define REQUIRE_GPU()                                                   \
+  if (!torch::cuda::is_available()) {                                   \
+    GTEST_SKIP() << "no CUDA device (this LibTorch: "                   \
+                 << (torch::cuda::device_count() ? "CUDA" : "CPU only") \
+                 << ")";                                                \
   }
 
 torch::nn::Sequential makeNet(torch::Dtype dtype, double dropout = 0.0) {
   torch::manual_seed(0);
-  torch::nn::Sequential net(torch::nn::Linear(32, 64), torch::nn::GELU(), torch::nn::Dropout(dropout),
-                            torch::nn::Linear(64, 64), torch::nn::Tanh(), torch::nn::Linear(64, 48),
-                            torch::nn::ReLU(), torch::nn::Linear(48, 10));
+  torch::nn::Sequential net(
+      torch::nn::Linear(32, 64),
+      torch::nn::GELU(),
+      torch::nn::Dropout(dropout),
+      torch::nn::Linear(64, 64),
+      torch::nn::Tanh(),
+      torch::nn::Linear(64, 48),
+      torch::nn::ReLU(),
+      torch::nn::Linear(48, 10));
   net->to(torch::Device("cuda:0"), dtype);
   return net;
 }
@@ -30,12 +37,18 @@ torch::Tensor loss(const torch::Tensor& out, const torch::Tensor& y) {
 
 double relativeError(const torch::Tensor& a, const torch::Tensor& b) {
   return (a.to(torch::kDouble) - b.to(torch::kDouble)).norm().item<double>() /
-         std::max(b.to(torch::kDouble).norm().item<double>(), 1e-30);
+      std::max(b.to(torch::kDouble).norm().item<double>(), 1e-30);
 }
 
-void expectTransparent(const std::vector<std::string>& devices, const std::string& schedule, CheckpointMode mode,
-                       torch::Dtype dtype, double tolerance) {
-  SCOPED_TRACE(schedule + " on " + std::to_string(devices.size()) + " rank(s), " + checkpointModeName(mode));
+void expectTransparent(
+    const std::vector<std::string>& devices,
+    const std::string& schedule,
+    CheckpointMode mode,
+    torch::Dtype dtype,
+    double tolerance) {
+  SCOPED_TRACE(
+      schedule + " on " + std::to_string(devices.size()) + " rank(s), " +
+      checkpointModeName(mode));
   torch::nn::Sequential reference = makeNet(dtype);
   torch::nn::Sequential piped = makeNet(dtype);
   torch::manual_seed(1);
@@ -58,13 +71,15 @@ void expectTransparent(const std::vector<std::string>& devices, const std::strin
   for (size_t i = 0; i < want.size(); ++i) {
     ASSERT_TRUE(have[i].grad().defined());
     EXPECT_TRUE(have[i].is_cuda());
-    EXPECT_LE(relativeError(have[i].grad(), want[i].grad()), tolerance) << "parameter " << i;
+    EXPECT_LE(relativeError(have[i].grad(), want[i].grad()), tolerance)
+        << "parameter " << i;
   }
 }
 
 TEST(CudaTest, TransparentOnOneGpuStage) {
   REQUIRE_GPU();
-  expectTransparent({"cuda:0"}, "gpipe", CheckpointMode::kExceptLast, torch::kFloat, 1e-5);
+  expectTransparent(
+      {"cuda:0"}, "gpipe", CheckpointMode::kExceptLast, torch::kFloat, 1e-5);
 }
 
 TEST(CudaTest, SeveralStagesShareTheGpuOnTheirOwnStreams) {
@@ -79,8 +94,12 @@ TEST(CudaTest, SeveralStagesShareTheGpuOnTheirOwnStreams) {
 
 TEST(CudaTest, TransparentInBfloat16) {
   REQUIRE_GPU();
-  expectTransparent(std::vector<std::string>(3, "cuda:0"), "1f1b", CheckpointMode::kExceptLast, torch::kBFloat16,
-                    3e-2);
+  expectTransparent(
+      std::vector<std::string>(3, "cuda:0"),
+      "1f1b",
+      CheckpointMode::kExceptLast,
+      torch::kBFloat16,
+      3e-2);
 }
 
 TEST(CudaTest, DropoutMasksReplayOnTheGpu) {
@@ -94,14 +113,19 @@ TEST(CudaTest, DropoutMasksReplayOnTheGpu) {
     Pipeline pipe(layersOf(net), options);
     torch::manual_seed(3);
     const auto on = torch::TensorOptions().device(torch::Device("cuda:0"));
-    pipe.trainStep(torch::randn({16, 32}, on), torch::randint(0, 10, {16}, on.dtype(torch::kLong)), loss);
+    pipe.trainStep(
+        torch::randn({16, 32}, on),
+        torch::randint(0, 10, {16}, on.dtype(torch::kLong)),
+        loss);
     std::vector<torch::Tensor> out;
-    for (const auto& p : pipe.parameters()) out.push_back(p.grad().cpu());
+    for (const auto& p : pipe.parameters())
+      out.push_back(p.grad().cpu());
     return out;
   };
   const auto kept = grads(CheckpointMode::kNever);
   const auto remat = grads(CheckpointMode::kAlways);
-  for (size_t i = 0; i < kept.size(); ++i) EXPECT_TRUE(torch::equal(kept[i], remat[i])) << "parameter " << i;
+  for (size_t i = 0; i < kept.size(); ++i)
+    EXPECT_TRUE(torch::equal(kept[i], remat[i])) << "parameter " << i;
 }
 
 TEST(CudaTest, MemoryComesFromTheCachingAllocator) {
@@ -113,7 +137,10 @@ TEST(CudaTest, MemoryComesFromTheCachingAllocator) {
   Pipeline pipe(layersOf(net), options);
   pipe.resetPeakMemory();
   const auto on = torch::TensorOptions().device(torch::Device("cuda:0"));
-  pipe.trainStep(torch::randn({64, 32}, on), torch::randint(0, 10, {64}, on.dtype(torch::kLong)), loss);
+  pipe.trainStep(
+      torch::randn({64, 32}, on),
+      torch::randint(0, 10, {64}, on.dtype(torch::kLong)),
+      loss);
   const auto memory = pipe.memory();
   ASSERT_EQ(memory.size(), 1u);
 #ifdef TPIPE_USE_CUDA
@@ -121,5 +148,5 @@ TEST(CudaTest, MemoryComesFromTheCachingAllocator) {
 #endif
 }
 
-}  // namespace
-}  // namespace tpipe
+} // namespace
+} // namespace tpipe

@@ -30,9 +30,12 @@ Result shell(const std::string& command) {
   std::string output;
   std::array<char, 4096> buffer{};
   size_t n;
-  while ((n = fread(buffer.data(), 1, buffer.size(), pipe)) > 0) output.append(buffer.data(), n);
+  while ((n = fread(buffer.data(), 1, buffer.size(), pipe)) > 0)
+    output.append(buffer.data(), n);
   const int status = pclose(pipe);
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
+          .count();
   return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, output, seconds};
 }
 
@@ -51,8 +54,9 @@ class DistributedTest : public ::testing::Test {
  protected:
   void SetUp() override {
     ASSERT_NE(std::getenv("TPIPE_BINARY"), nullptr) << "run through ctest";
-    dir_ = fs::temp_directory_path() / ("tpipe-dist-" + std::to_string(::getpid()) + "-" +
-                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    dir_ = fs::temp_directory_path() /
+        ("tpipe-dist-" + std::to_string(::getpid()) + "-" +
+         ::testing::UnitTest::GetInstance()->current_test_info()->name());
     fs::remove_all(dir_);
     fs::create_directories(dir_);
     config_ = (dir_ / "config.json").string();
@@ -67,9 +71,13 @@ class DistributedTest : public ::testing::Test {
                 "optimizer": {"type": "sgd", "lr": 0.1, "momentum": 0.9}}
     })";
   }
-  void TearDown() override { fs::remove_all(dir_); }
+  void TearDown() override {
+    fs::remove_all(dir_);
+  }
 
-  std::string path(const std::string& name) const { return (dir_ / name).string(); }
+  std::string path(const std::string& name) const {
+    return (dir_ / name).string();
+  }
 
   static std::vector<double> losses(const std::string& file) {
     std::vector<double> values;
@@ -77,15 +85,20 @@ class DistributedTest : public ::testing::Test {
     std::string line;
     while (std::getline(in, line)) {
       const auto record = nlohmann::json::parse(line);
-      if (record.contains("loss")) values.push_back(record["loss"].get<double>());
+      if (record.contains("loss"))
+        values.push_back(record["loss"].get<double>());
     }
     return values;
   }
 
-  static void expectSameLosses(const std::vector<double>& a, const std::vector<double>& b, double tolerance) {
+  static void expectSameLosses(
+      const std::vector<double>& a,
+      const std::vector<double>& b,
+      double tolerance) {
     ASSERT_EQ(a.size(), b.size());
     ASSERT_FALSE(a.empty());
-    for (size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(a[i], b[i], tolerance) << "step " << i + 1;
+    for (size_t i = 0; i < a.size(); ++i)
+      EXPECT_NEAR(a[i], b[i], tolerance) << "step " << i + 1;
   }
 
   // No process of this test may outlive it. A peer started in the
@@ -96,7 +109,8 @@ class DistributedTest : public ::testing::Test {
     Result r;
     for (int attempt = 0; attempt < 100; ++attempt) {
       r = shell("pgrep -f '[t]rain " + config_ + "' || true");
-      if (r.output.empty()) return;
+      if (r.output.empty())
+        return;
       ::usleep(100 * 1000);
     }
     EXPECT_EQ(r.output, "") << "left behind after 10 s: " << r.output;
@@ -107,90 +121,155 @@ class DistributedTest : public ::testing::Test {
 };
 
 TEST_F(DistributedTest, TwoAndFourProcessesMatchTheThreadedRun) {
-  const std::string four = " --set 'pipeline.devices=[\"cpu:0\",\"cpu:1\",\"cpu:2\",\"cpu:3\"]'";
-  ASSERT_EQ(shell(binary() + " train " + config_ + " --metrics " + path("threaded.jsonl")).status, 0);
-  const Result two = shell(binary() + " launch --nproc 2 " + config_ + " --metrics " + path("two.jsonl"));
+  const std::string four =
+      " --set 'pipeline.devices=[\"cpu:0\",\"cpu:1\",\"cpu:2\",\"cpu:3\"]'";
+  ASSERT_EQ(
+      shell(
+          binary() + " train " + config_ + " --metrics " +
+          path("threaded.jsonl"))
+          .status,
+      0);
+  const Result two = shell(
+      binary() + " launch --nproc 2 " + config_ + " --metrics " +
+      path("two.jsonl"));
   ASSERT_EQ(two.status, 0) << two.output;
-  EXPECT_NE(two.output.find("[rank 0] processes: 2 (1 replica(s) x 2 pipeline ranks)"), std::string::npos)
+  EXPECT_NE(
+      two.output.find(
+          "[rank 0] processes: 2 (1 replica(s) x 2 pipeline ranks)"),
+      std::string::npos)
       << two.output;
-  expectSameLosses(losses(path("threaded.jsonl")), losses(path("two.jsonl")), 1e-7);
+  expectSameLosses(
+      losses(path("threaded.jsonl")), losses(path("two.jsonl")), 1e-7);
 
-  ASSERT_EQ(shell(binary() + " train " + config_ + four + " --metrics " + path("threaded4.jsonl")).status, 0);
-  const Result r4 = shell(binary() + " launch --nproc 4 " + config_ + four + " --metrics " + path("four.jsonl"));
+  ASSERT_EQ(
+      shell(
+          binary() + " train " + config_ + four + " --metrics " +
+          path("threaded4.jsonl"))
+          .status,
+      0);
+  const Result r4 = shell(
+      binary() + " launch --nproc 4 " + config_ + four + " --metrics " +
+      path("four.jsonl"));
   ASSERT_EQ(r4.status, 0) << r4.output;
-  expectSameLosses(losses(path("threaded4.jsonl")), losses(path("four.jsonl")), 1e-7);
+  expectSameLosses(
+      losses(path("threaded4.jsonl")), losses(path("four.jsonl")), 1e-7);
   expectNoOrphans();
 }
 
-TEST_F(DistributedTest, DataParallelTimesPipelineMatchesOneProcessOverTheGlobalBatch) {
-  ASSERT_EQ(shell(binary() + " train " + config_ + " --metrics " + path("threaded.jsonl")).status, 0);
-  const Result r = shell(binary() + " launch --nproc 4 " + config_ +
-                         " --set pipeline.data_parallel=2 --metrics " + path("dp.jsonl"));
+TEST_F(
+    DistributedTest,
+    DataParallelTimesPipelineMatchesOneProcessOverTheGlobalBatch) {
+  ASSERT_EQ(
+      shell(
+          binary() + " train " + config_ + " --metrics " +
+          path("threaded.jsonl"))
+          .status,
+      0);
+  const Result r = shell(
+      binary() + " launch --nproc 4 " + config_ +
+      " --set pipeline.data_parallel=2 --metrics " + path("dp.jsonl"));
   ASSERT_EQ(r.status, 0) << r.output;
-  EXPECT_NE(r.output.find("2 replica(s) x 2 pipeline ranks"), std::string::npos) << r.output;
-  expectSameLosses(losses(path("threaded.jsonl")), losses(path("dp.jsonl")), 1e-5);
+  EXPECT_NE(r.output.find("2 replica(s) x 2 pipeline ranks"), std::string::npos)
+      << r.output;
+  expectSameLosses(
+      losses(path("threaded.jsonl")), losses(path("dp.jsonl")), 1e-5);
   // Without the processes the replicas need, a clear error.
-  const Result alone = shell(binary() + " train " + config_ + " --set pipeline.data_parallel=2");
+  const Result alone =
+      shell(binary() + " train " + config_ + " --set pipeline.data_parallel=2");
   EXPECT_EQ(alone.status, 2);
-  EXPECT_NE(alone.output.find("need 4 processes; start them with `tpipe launch --nproc 4`"), std::string::npos)
+  EXPECT_NE(
+      alone.output.find(
+          "need 4 processes; start them with `tpipe launch --nproc 4`"),
+      std::string::npos)
       << alone.output;
 }
 
 TEST_F(DistributedTest, ADeadRankIsNamedAtOnceWithoutALauncher) {
   const int port = 20000 + static_cast<int>(::getpid() % 20000);
-  const std::string env = "MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(port) + " WORLD_SIZE=2 ";
+  const std::string env =
+      "MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(port) +
+      " WORLD_SIZE=2 ";
   const std::string timeout = " --set pipeline.timeout_s=30";
-  const Result r = shell("(" + env + "RANK=1 TPIPE_FAULT=1:3:exit " + faultyBinary() + " train " + config_ + timeout +
-                         " > " + path("rank1.log") + " 2>&1 &) ; " + env + "RANK=0 " + binary() + " train " +
-                         config_ + timeout);
+  const Result r = shell(
+      "(" + env + "RANK=1 TPIPE_FAULT=1:3:exit " + faultyBinary() + " train " +
+      config_ + timeout + " > " + path("rank1.log") + " 2>&1 &) ; " + env +
+      "RANK=0 " + binary() + " train " + config_ + timeout);
   EXPECT_EQ(r.status, 1) << r.output;
-  EXPECT_NE(r.output.find("lost rank 1 (pipeline rank 1, replica 0)"), std::string::npos) << r.output;
-  EXPECT_LT(r.seconds, 20.0) << "a dead peer must be noticed long before the 30 s timeout";
+  EXPECT_NE(
+      r.output.find("lost rank 1 (pipeline rank 1, replica 0)"),
+      std::string::npos)
+      << r.output;
+  EXPECT_LT(r.seconds, 20.0)
+      << "a dead peer must be noticed long before the 30 s timeout";
   expectNoOrphans();
 }
 
 TEST_F(DistributedTest, AHungRankTimesOutAndTheLauncherEndsIt) {
-  const Result r = shell("TPIPE_FAULT=1:3:hang " + faultyBinary() + " launch --nproc 2 " + config_ +
-                         " --set pipeline.timeout_s=2");
+  const Result r = shell(
+      "TPIPE_FAULT=1:3:hang " + faultyBinary() + " launch --nproc 2 " +
+      config_ + " --set pipeline.timeout_s=2");
   EXPECT_NE(r.status, 0);
-  EXPECT_NE(r.output.find("lost rank 1 (pipeline rank 1, replica 0)"), std::string::npos) << r.output;
-  EXPECT_NE(r.output.find("no answer within 2 s"), std::string::npos) << r.output;
-  EXPECT_NE(r.output.find("ending the other ranks"), std::string::npos) << r.output;
+  EXPECT_NE(
+      r.output.find("lost rank 1 (pipeline rank 1, replica 0)"),
+      std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("no answer within 2 s"), std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("ending the other ranks"), std::string::npos)
+      << r.output;
   EXPECT_LT(r.seconds, 30.0);
   expectNoOrphans();
 }
 
 TEST_F(DistributedTest, ResumedRunMatchesTheUninterruptedOne) {
-  ASSERT_EQ(shell(binary() + " launch --nproc 2 " + config_ + " --metrics " + path("whole.jsonl")).status, 0);
-  const Result first = shell(binary() + " launch --nproc 2 " + config_ + " --save " + path("ckpt") +
-                             " --stop-after 5 --metrics " + path("parts.jsonl"));
+  ASSERT_EQ(
+      shell(
+          binary() + " launch --nproc 2 " + config_ + " --metrics " +
+          path("whole.jsonl"))
+          .status,
+      0);
+  const Result first = shell(
+      binary() + " launch --nproc 2 " + config_ + " --save " + path("ckpt") +
+      " --stop-after 5 --metrics " + path("parts.jsonl"));
   ASSERT_EQ(first.status, 0) << first.output;
   EXPECT_TRUE(fs::exists(path("ckpt/rank-0/model.pt")));
   EXPECT_TRUE(fs::exists(path("ckpt/rank-1/model.pt")));
-  const Result rest = shell(binary() + " launch --nproc 2 " + config_ + " --resume " + path("ckpt") +
-                            " --metrics " + path("parts.jsonl"));
+  const Result rest = shell(
+      binary() + " launch --nproc 2 " + config_ + " --resume " + path("ckpt") +
+      " --metrics " + path("parts.jsonl"));
   ASSERT_EQ(rest.status, 0) << rest.output;
-  expectSameLosses(losses(path("whole.jsonl")), losses(path("parts.jsonl")), 0.0);
-  const Result wrongLayout = shell(binary() + " train " + config_ + " --resume " + path("ckpt"));
+  expectSameLosses(
+      losses(path("whole.jsonl")), losses(path("parts.jsonl")), 0.0);
+  const Result wrongLayout =
+      shell(binary() + " train " + config_ + " --resume " + path("ckpt"));
   EXPECT_EQ(wrongLayout.status, 2);
-  EXPECT_NE(wrongLayout.output.find("resume it with `tpipe launch`"), std::string::npos) << wrongLayout.output;
+  EXPECT_NE(
+      wrongLayout.output.find("resume it with `tpipe launch`"),
+      std::string::npos)
+      << wrongLayout.output;
 }
 
 // Ranks that run different models, seeds or schedules would train a wrong
 // model or deadlock: rendezvous compares their runs first.
 TEST_F(DistributedTest, RanksThatDisagreeAboutTheRunStopNamingTheKey) {
   const int port = 20000 + static_cast<int>((::getpid() + 7777) % 20000);
-  const std::string env = "MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(port) + " WORLD_SIZE=2 ";
+  const std::string env =
+      "MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(port) +
+      " WORLD_SIZE=2 ";
   // Rank 0 runs a model whose first stage emits 40 features; rank 1 expects 32.
-  const Result r = shell("(" + env + "RANK=0 " + binary() + " train " + config_ +
-                         " --set model.layers.2.out_features=40 > " + path("rank0.log") + " 2>&1 &) ; " + env +
-                         "RANK=1 " + binary() + " train " + config_ + " --set pipeline.timeout_s=10");
+  const Result r = shell(
+      "(" + env + "RANK=0 " + binary() + " train " + config_ +
+      " --set model.layers.2.out_features=40 > " + path("rank0.log") +
+      " 2>&1 &) ; " + env + "RANK=1 " + binary() + " train " + config_ +
+      " --set pipeline.timeout_s=10");
   EXPECT_EQ(r.status, 2) << r.output;
-  EXPECT_NE(r.output.find("rank(s) 1 differ from rank 0, first at 'model.layers[2].out_features'"),
-            std::string::npos)
+  EXPECT_NE(
+      r.output.find(
+          "rank(s) 1 differ from rank 0, first at 'model.layers[2].out_features'"),
+      std::string::npos)
       << r.output;
   EXPECT_LT(r.seconds, 10.0);
   expectNoOrphans();
 }
 
-}  // namespace
+} // namespace

@@ -13,7 +13,8 @@ namespace {
 struct HoarderImpl : torch::nn::Module {
   std::vector<torch::Tensor> kept;
   torch::Tensor forward(torch::Tensor x) {
-    if (!isRecomputing()) kept.push_back(torch::empty({1000}, torch::kFloat));
+    if (!isRecomputing())
+      kept.push_back(torch::empty({1000}, torch::kFloat));
     return x;
   }
 };
@@ -26,7 +27,8 @@ torch::Tensor loss(const torch::Tensor& out, const torch::Tensor& y) {
 TEST(MemoryTest, AllocationsAreChargedToTheWorkersDevice) {
   torch::manual_seed(0);
   Hoarder hoarder;
-  torch::nn::Sequential net(torch::nn::Linear(8, 8), hoarder, torch::nn::Linear(8, 3));
+  torch::nn::Sequential net(
+      torch::nn::Linear(8, 8), hoarder, torch::nn::Linear(8, 3));
   PipelineOptions options;
   options.devices = {"cpu:0", "cpu:1", "cpu:2"};
   options.microBatches = 4;
@@ -39,7 +41,8 @@ TEST(MemoryTest, AllocationsAreChargedToTheWorkersDevice) {
   Pipeline pipe(layers, options);
   const auto before = pipe.memory();
   ASSERT_EQ(before.size(), 3u);
-  pipe.trainStep(torch::randn({8, 8}), torch::randint(0, 3, {8}, torch::kLong), loss);
+  pipe.trainStep(
+      torch::randn({8, 8}), torch::randint(0, 3, {8}, torch::kLong), loss);
   const auto after = pipe.memory();
   // Stage 1 holds exactly what the hoarder kept: 4 micro-batches x 4000 B.
   EXPECT_EQ(after[1].liveBytes - before[1].liveBytes, 4 * 4000);
@@ -47,21 +50,27 @@ TEST(MemoryTest, AllocationsAreChargedToTheWorkersDevice) {
   // Stages 0 and 2 keep only their weight gradients.
   EXPECT_EQ(after[0].liveBytes - before[0].liveBytes, (8 * 8 + 8) * 4);
   EXPECT_EQ(after[2].liveBytes - before[2].liveBytes, (8 * 3 + 3) * 4);
-  EXPECT_GT(after[0].peakBytes, after[0].liveBytes);  // activations came and went
+  EXPECT_GT(
+      after[0].peakBytes, after[0].liveBytes); // activations came and went
 }
 
 TEST(MemoryTest, ExceedingACapacityEndsTheStepAndKeepsTheParameters) {
   torch::manual_seed(1);
-  torch::nn::Sequential net(torch::nn::Linear(64, 256), torch::nn::ReLU(), torch::nn::Linear(256, 256),
-                            torch::nn::ReLU(), torch::nn::Linear(256, 4));
+  torch::nn::Sequential net(
+      torch::nn::Linear(64, 256),
+      torch::nn::ReLU(),
+      torch::nn::Linear(256, 256),
+      torch::nn::ReLU(),
+      torch::nn::Linear(256, 4));
   PipelineOptions options;
   options.devices = {"cpu:0", "cpu:1"};
   options.microBatches = 2;
-  options.deviceMemory = {0, 64 * 1024};  // stage 1 may hold 64 KiB
+  options.deviceMemory = {0, 64 * 1024}; // stage 1 may hold 64 KiB
   Pipeline pipe(layersOf(net), options);
   torch::optim::SGD sgd(pipe.parameters(), 0.1);
   std::vector<torch::Tensor> snapshot;
-  for (const auto& p : pipe.parameters()) snapshot.push_back(p.detach().clone());
+  for (const auto& p : pipe.parameters())
+    snapshot.push_back(p.detach().clone());
   torch::Tensor x = torch::randn({64, 64});
   torch::Tensor y = torch::randint(0, 4, {64}, torch::kLong);
   try {
@@ -71,12 +80,17 @@ TEST(MemoryTest, ExceedingACapacityEndsTheStepAndKeepsTheParameters) {
     FAIL() << "expected an out-of-memory error";
   } catch (const c10::Error& error) {
     const std::string message = error.what_without_backtrace();
-    EXPECT_NE(message.find("out of memory on stage 1 (cpu:1)"), std::string::npos) << message;
-    EXPECT_NE(message.find("exceeds the capacity of 64.00 KiB"), std::string::npos) << message;
+    EXPECT_NE(
+        message.find("out of memory on stage 1 (cpu:1)"), std::string::npos)
+        << message;
+    EXPECT_NE(
+        message.find("exceeds the capacity of 64.00 KiB"), std::string::npos)
+        << message;
     EXPECT_NE(message.find("in use"), std::string::npos) << message;
   }
   const auto params = pipe.parameters();
-  for (size_t i = 0; i < params.size(); ++i) EXPECT_TRUE(torch::equal(params[i], snapshot[i]));
+  for (size_t i = 0; i < params.size(); ++i)
+    EXPECT_TRUE(torch::equal(params[i], snapshot[i]));
   // With room to work, the same pipeline trains on.
   pipe.setMemoryCapacity(1, 0);
   sgd.zero_grad();
@@ -106,10 +120,13 @@ TEST(MemoryTest, PredictionIsWithinTwentyPercentOfTheMeasurement) {
       const TrainSummary summary = train(parseConfig(json), options);
       ASSERT_EQ(summary.memory.size(), 2u);
       for (const auto& row : summary.memory) {
-        const double error = static_cast<double>(row.predictedBytes - row.measuredPeakBytes) /
-                             static_cast<double>(row.measuredPeakBytes);
-        EXPECT_LT(std::abs(error), 0.20) << row.device << ": predicted " << row.predictedBytes << ", measured "
-                                         << row.measuredPeakBytes << "\n" << sink.str();
+        const double error =
+            static_cast<double>(row.predictedBytes - row.measuredPeakBytes) /
+            static_cast<double>(row.measuredPeakBytes);
+        EXPECT_LT(std::abs(error), 0.20)
+            << row.device << ": predicted " << row.predictedBytes
+            << ", measured " << row.measuredPeakBytes << "\n"
+            << sink.str();
         EXPECT_GT(row.activationPeakBytes, 0);
       }
       EXPECT_EQ(summary.memory[0].capacityBytes, 64 << 20);
@@ -132,12 +149,15 @@ TEST(MemoryTest, ParametersBeyondACapacityAreRejectedBeforeTraining) {
     train(parseConfig(json), options);
     FAIL();
   } catch (const ConfigError& error) {
-    EXPECT_NE(std::string(error.what()).find("pipeline.devices[0].memory: cpu:0 holds 3.01 MiB of parameters and "
-                                             "optimizer state, more than its capacity of 1.00 MiB"),
-              std::string::npos)
+    EXPECT_NE(
+        std::string(error.what())
+            .find(
+                "pipeline.devices[0].memory: cpu:0 holds 3.01 MiB of parameters and "
+                "optimizer state, more than its capacity of 1.00 MiB"),
+        std::string::npos)
         << error.what();
   }
 }
 
-}  // namespace
-}  // namespace tpipe
+} // namespace
+} // namespace tpipe

@@ -23,9 +23,10 @@ TEST(PartitionTest, MoreStagesThanLayersIsAClearError) {
     uniformBoundaries(3, 4);
     FAIL();
   } catch (const PartitionError& error) {
-    EXPECT_STREQ(error.what(),
-                 "cannot split 3 layers into 4 stages: every stage needs at "
-                 "least one layer");
+    EXPECT_STREQ(
+        error.what(),
+        "cannot split 3 layers into 4 stages: every stage needs at "
+        "least one layer");
   }
   EXPECT_THROW(uniformBoundaries(3, 0), PartitionError);
 }
@@ -46,7 +47,8 @@ double bottleneck(const std::vector<double>& w, const std::vector<int>& b) {
   double worst = 0;
   for (size_t k = 0; k + 1 < b.size(); ++k) {
     double sum = 0;
-    for (int i = b[k]; i < b[k + 1]; ++i) sum += w[i];
+    for (int i = b[k]; i < b[k + 1]; ++i)
+      sum += w[i];
     worst = std::max(worst, sum);
   }
   return worst;
@@ -57,10 +59,12 @@ double bottleneck(const std::vector<double>& w, const std::vector<int>& b) {
 std::vector<std::vector<int>> allSplits(int n, int k) {
   std::vector<std::vector<int>> splits;
   for (unsigned mask = 0; mask < (1u << (n - 1)); ++mask) {
-    if (__builtin_popcount(mask) != k - 1) continue;
+    if (__builtin_popcount(mask) != k - 1)
+      continue;
     std::vector<int> boundaries{0};
     for (int gap = 1; gap < n; ++gap) {
-      if (mask & (1u << (gap - 1))) boundaries.push_back(gap);
+      if (mask & (1u << (gap - 1)))
+        boundaries.push_back(gap);
     }
     boundaries.push_back(n);
     splits.push_back(boundaries);
@@ -75,7 +79,8 @@ TEST(PartitionTest, MinMaxIsOptimalAgainstBruteForce) {
     const int n = 1 + static_cast<int>(rng() % 9);
     const int k = 1 + static_cast<int>(rng() % n);
     std::vector<double> w(n);
-    for (auto& x : w) x = weight(rng);
+    for (auto& x : w)
+      x = weight(rng);
     const auto found = minMaxBoundaries(w, k);
     ASSERT_EQ(found.size(), static_cast<size_t>(k + 1));
     double best = 1e300;
@@ -100,31 +105,42 @@ PartitionProblem randomProblem(std::mt19937& rng, int n, int k) {
     layer.stashBytes = bytes(rng);
     problem.layers.push_back(layer);
   }
-  const bool capped = rng() % 2 == 0, speeds = rng() % 2 == 0, links = rng() % 2 == 0;
+  const bool capped = rng() % 2 == 0, speeds = rng() % 2 == 0,
+             links = rng() % 2 == 0;
   for (int d = 0; d < k; ++d) {
     DeviceSpec device;
     device.name = "cpu:" + std::to_string(d);
-    if (speeds) device.speed = std::uniform_real_distribution<double>(0.5, 2.0)(rng);
-    if (capped) device.memoryBytes = std::uniform_int_distribution<int64_t>(1500, 9000)(rng);
-    if (links) device.linkBytesPerMs = std::uniform_real_distribution<double>(50, 2000)(rng);
+    if (speeds)
+      device.speed = std::uniform_real_distribution<double>(0.5, 2.0)(rng);
+    if (capped)
+      device.memoryBytes =
+          std::uniform_int_distribution<int64_t>(1500, 9000)(rng);
+    if (links)
+      device.linkBytesPerMs =
+          std::uniform_real_distribution<double>(50, 2000)(rng);
     problem.devices.push_back(device);
   }
   const char* schedules[] = {"gpipe", "1f1b", "zb-h1"};
-  const CheckpointMode modes[] = {CheckpointMode::kAlways, CheckpointMode::kExceptLast, CheckpointMode::kNever};
+  const CheckpointMode modes[] = {
+      CheckpointMode::kAlways,
+      CheckpointMode::kExceptLast,
+      CheckpointMode::kNever};
   ScheduleSpec spec;
   spec.source = schedules[rng() % 3];
   spec.checkpoint = modes[rng() % 3];
   spec.microBatches = 1 + static_cast<int>(rng() % 4);
   spec.ranks = k;
   const double optimizerFactor = static_cast<double>(rng() % 3);
-  problem.memory = memoryModelOf(makeSchedule(spec), optimizerFactor, bytes(rng));
+  problem.memory =
+      memoryModelOf(makeSchedule(spec), optimizerFactor, bytes(rng));
   problem.stages = k;
   return problem;
 }
 
 bool fitsEverywhere(const PartitionPlan& plan) {
   for (const auto& stage : plan.stages) {
-    if (stage.capacityBytes > 0 && stage.memoryBytes > stage.capacityBytes) return false;
+    if (stage.capacityBytes > 0 && stage.memoryBytes > stage.capacityBytes)
+      return false;
   }
   return true;
 }
@@ -139,7 +155,8 @@ TEST(PartitionTest, OptimalMatchesBruteForceWithMemorySpeedsAndLinks) {
     double best = std::numeric_limits<double>::infinity();
     for (const auto& split : allSplits(n, k)) {
       const PartitionPlan plan = evaluatePartition(problem, split);
-      if (fitsEverywhere(plan)) best = std::min(best, plan.bottleneckMs);
+      if (fitsEverywhere(plan))
+        best = std::min(best, plan.bottleneckMs);
     }
     SCOPED_TRACE("trial " + std::to_string(trial));
     if (std::isinf(best)) {
@@ -150,7 +167,8 @@ TEST(PartitionTest, OptimalMatchesBruteForceWithMemorySpeedsAndLinks) {
     const PartitionPlan plan = optimalPartition(problem);
     EXPECT_TRUE(fitsEverywhere(plan));
     EXPECT_NEAR(plan.bottleneckMs, best, 1e-9 * best);
-    EXPECT_EQ(optimalPartition(problem).boundaries, plan.boundaries);  // deterministic
+    EXPECT_EQ(
+        optimalPartition(problem).boundaries, plan.boundaries); // deterministic
     ++feasibleCases;
   }
   EXPECT_GT(feasibleCases, 200);
@@ -159,7 +177,8 @@ TEST(PartitionTest, OptimalMatchesBruteForceWithMemorySpeedsAndLinks) {
 
 TEST(PartitionTest, ProfileOnlyPlanSumsForwardAndBackward) {
   PartitionProblem problem;
-  for (double t : {1.0, 2.0, 3.0, 4.0, 5.0, 6.0}) problem.layers.push_back({"", t, t, 0, 0, 0});
+  for (double t : {1.0, 2.0, 3.0, 4.0, 5.0, 6.0})
+    problem.layers.push_back({"", t, t, 0, 0, 0});
   problem.devices.assign(3, DeviceSpec{"cpu", 1.0, 0, 0.0});
   problem.stages = 3;
   const PartitionPlan plan = optimalPartition(problem);
@@ -170,7 +189,8 @@ TEST(PartitionTest, ProfileOnlyPlanSumsForwardAndBackward) {
 
 TEST(PartitionTest, InfeasibleRequestsAreExplained) {
   PartitionProblem problem;
-  for (int i = 0; i < 4; ++i) problem.layers.push_back({"l" + std::to_string(i), 1, 1, 100, 10, 10});
+  for (int i = 0; i < 4; ++i)
+    problem.layers.push_back({"l" + std::to_string(i), 1, 1, 100, 10, 10});
   problem.layers[2].paramBytes = 10000;
   problem.layers[2].name = "huge";
   problem.devices = {{"cpu:0", 1.0, 1000, 0.0}, {"cpu:1", 1.0, 2000, 0.0}};
@@ -179,9 +199,14 @@ TEST(PartitionTest, InfeasibleRequestsAreExplained) {
     optimalPartition(problem);
     FAIL();
   } catch (const PartitionError& error) {
-    EXPECT_NE(std::string(error.what()).find("layer 2 ('huge') alone needs 29.34 KiB"), std::string::npos)
+    EXPECT_NE(
+        std::string(error.what())
+            .find("layer 2 ('huge') alone needs 29.34 KiB"),
+        std::string::npos)
         << error.what();
-    EXPECT_NE(std::string(error.what()).find("largest device's 1.95 KiB (cpu:1)"), std::string::npos)
+    EXPECT_NE(
+        std::string(error.what()).find("largest device's 1.95 KiB (cpu:1)"),
+        std::string::npos)
         << error.what();
   }
   problem.layers[2].paramBytes = 100;
@@ -194,24 +219,32 @@ TEST(PartitionTest, InfeasibleRequestsAreExplained) {
     // k layers: 2 x 100k parameter bytes + 10k stashed + the stage input (10,
     // none for the first stage) + a workspace of one weight gradient and two
     // activation gradients (120): two layers need 540-550 B.
-    EXPECT_NE(std::string(error.what()).find("the model needs 960 B on one device"), std::string::npos)
+    EXPECT_NE(
+        std::string(error.what()).find("the model needs 960 B on one device"),
+        std::string::npos)
         << error.what();
-    EXPECT_NE(std::string(error.what()).find("2 devices of this size would fit"), std::string::npos)
+    EXPECT_NE(
+        std::string(error.what()).find("2 devices of this size would fit"),
+        std::string::npos)
         << error.what();
   }
 }
 
 TEST(PartitionTest, InFlightMicroBatchesFollowTheSchedule) {
   const CheckpointMode never = CheckpointMode::kNever;
-  EXPECT_EQ(memoryModelOf(gpipeSchedule(4, 8, never), 0, 0).stashed, (std::vector<int>{8, 8, 8, 8}));
-  const MemoryModel oneFOneB = memoryModelOf(oneFOneBSchedule(4, 8, never), 0, 0);
+  EXPECT_EQ(
+      memoryModelOf(gpipeSchedule(4, 8, never), 0, 0).stashed,
+      (std::vector<int>{8, 8, 8, 8}));
+  const MemoryModel oneFOneB =
+      memoryModelOf(oneFOneBSchedule(4, 8, never), 0, 0);
   EXPECT_EQ(oneFOneB.stashed, (std::vector<int>{4, 3, 2, 1}));
-  EXPECT_EQ(oneFOneB.live, oneFOneB.stashed);  // nothing rematerialized
+  EXPECT_EQ(oneFOneB.live, oneFOneB.stashed); // nothing rematerialized
   EXPECT_TRUE(oneFOneB.keepsEverything());
   EXPECT_EQ(memoryModelOf(oneFOneBSchedule(4, 2, never), 0, 0).stashedAt(0), 2);
   // Rematerialization keeps the stage inputs, and whole graphs only for the
   // micro-batch being recomputed (and the last, with except_last).
-  const MemoryModel remat = memoryModelOf(gpipeSchedule(4, 8, CheckpointMode::kAlways), 0, 0);
+  const MemoryModel remat =
+      memoryModelOf(gpipeSchedule(4, 8, CheckpointMode::kAlways), 0, 0);
   EXPECT_EQ(remat.stashed, (std::vector<int>{8, 8, 8, 8}));
   EXPECT_EQ(remat.live, (std::vector<int>{1, 1, 1, 1}));
   EXPECT_FALSE(remat.keepsEverything());
@@ -219,5 +252,5 @@ TEST(PartitionTest, InFlightMicroBatchesFollowTheSchedule) {
   EXPECT_EQ(formatBytes(12), "12 B");
 }
 
-}  // namespace
-}  // namespace tpipe
+} // namespace
+} // namespace tpipe

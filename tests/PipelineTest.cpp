@@ -10,13 +10,21 @@
 namespace tpipe {
 namespace {
 
-torch::nn::Sequential makeNet(torch::Dtype dtype, uint64_t seed,
-                              double dropout = 0.0) {
+torch::nn::Sequential makeNet(
+    torch::Dtype dtype,
+    uint64_t seed,
+    double dropout = 0.0) {
   torch::manual_seed(seed);
   torch::nn::Sequential net(
-      torch::nn::Linear(6, 12), torch::nn::Tanh(), torch::nn::Linear(12, 12),
-      torch::nn::GELU(), torch::nn::Dropout(dropout), torch::nn::Linear(12, 10),
-      torch::nn::Sigmoid(), torch::nn::Linear(10, 10), torch::nn::ReLU(),
+      torch::nn::Linear(6, 12),
+      torch::nn::Tanh(),
+      torch::nn::Linear(12, 12),
+      torch::nn::GELU(),
+      torch::nn::Dropout(dropout),
+      torch::nn::Linear(12, 10),
+      torch::nn::Sigmoid(),
+      torch::nn::Linear(10, 10),
+      torch::nn::ReLU(),
       torch::nn::Linear(10, 3));
   net->to(dtype);
   return net;
@@ -33,7 +41,8 @@ double relativeError(const torch::Tensor& a, const torch::Tensor& b) {
 
 std::vector<std::string> cpuDevices(int count) {
   std::vector<std::string> devices;
-  for (int i = 0; i < count; ++i) devices.push_back("cpu:" + std::to_string(i));
+  for (int i = 0; i < count; ++i)
+    devices.push_back("cpu:" + std::to_string(i));
   return devices;
 }
 
@@ -46,10 +55,10 @@ struct Case {
 };
 
 std::string describe(const Case& c, torch::Dtype dtype) {
-  return c.schedule + " ranks=" + std::to_string(c.ranks) + " v=" +
-         std::to_string(c.virtualStages) + " m=" +
-         std::to_string(c.microBatches) + " " + checkpointModeName(c.mode) +
-         (dtype == torch::kDouble ? " f64" : " f32");
+  return c.schedule + " ranks=" + std::to_string(c.ranks) +
+      " v=" + std::to_string(c.virtualStages) +
+      " m=" + std::to_string(c.microBatches) + " " +
+      checkpointModeName(c.mode) + (dtype == torch::kDouble ? " f64" : " f32");
 }
 
 // Loss and every gradient of a pipelined step equal the unpartitioned
@@ -60,7 +69,7 @@ void expectTransparent(const Case& c, torch::Dtype dtype) {
   torch::nn::Sequential reference = makeNet(dtype, 1);
   torch::nn::Sequential piped = makeNet(dtype, 1);
   torch::manual_seed(2);
-  const int64_t batch = 13;  // not divisible by 2, 4 or 7
+  const int64_t batch = 13; // not divisible by 2, 4 or 7
   torch::Tensor x = torch::randn({batch, 6}, dtype);
   torch::Tensor y = torch::randint(0, 3, {batch}, torch::kLong);
 
@@ -92,12 +101,15 @@ std::vector<Case> transparencyCases() {
   std::vector<Case> cases;
   for (int ranks = 1; ranks <= 4; ++ranks) {
     for (int m : {1, 2, 4, 7}) {
-      for (auto mode : {CheckpointMode::kAlways, CheckpointMode::kExceptLast,
-                        CheckpointMode::kNever}) {
+      for (auto mode :
+           {CheckpointMode::kAlways,
+            CheckpointMode::kExceptLast,
+            CheckpointMode::kNever}) {
         for (const char* schedule : {"gpipe", "1f1b", "zb-h1"}) {
           cases.push_back({schedule, ranks, 1, m, mode});
         }
-        if (m % ranks == 0) cases.push_back({"interleaved-1f1b", ranks, 2, m, mode});
+        if (m % ranks == 0)
+          cases.push_back({"interleaved-1f1b", ranks, 2, m, mode});
       }
     }
   }
@@ -105,11 +117,13 @@ std::vector<Case> transparencyCases() {
 }
 
 TEST(PipelineTest, TransparentInDouble) {
-  for (const Case& c : transparencyCases()) expectTransparent(c, torch::kDouble);
+  for (const Case& c : transparencyCases())
+    expectTransparent(c, torch::kDouble);
 }
 
 TEST(PipelineTest, TransparentInFloat) {
-  for (const Case& c : transparencyCases()) expectTransparent(c, torch::kFloat);
+  for (const Case& c : transparencyCases())
+    expectTransparent(c, torch::kFloat);
 }
 
 TEST(PipelineTest, SeveralOptimizerStepsTrackSequentialTraining) {
@@ -120,10 +134,10 @@ TEST(PipelineTest, SeveralOptimizerStepsTrackSequentialTraining) {
   options.microBatches = 4;
   options.schedule = "1f1b";
   Pipeline pipe(layersOf(piped), options);
-  torch::optim::SGD refOpt(reference->parameters(),
-                           torch::optim::SGDOptions(0.1).momentum(0.9));
-  torch::optim::SGD pipeOpt(pipe.parameters(),
-                            torch::optim::SGDOptions(0.1).momentum(0.9));
+  torch::optim::SGD refOpt(
+      reference->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  torch::optim::SGD pipeOpt(
+      pipe.parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
   torch::manual_seed(4);
   for (int step = 0; step < 5; ++step) {
     torch::Tensor x = torch::randn({10, 6}, torch::kDouble);
@@ -159,7 +173,8 @@ TEST(PipelineTest, DropoutMasksReplayUnderRecompute) {
     torch::Tensor y = torch::randint(0, 3, {12}, torch::kLong);
     pipe.trainStep(x, y, crossEntropy);
     std::vector<torch::Tensor> grads;
-    for (const auto& p : pipe.parameters()) grads.push_back(p.grad().clone());
+    for (const auto& p : pipe.parameters())
+      grads.push_back(p.grad().clone());
     return grads;
   };
   for (const char* schedule : {"gpipe", "1f1b"}) {
@@ -167,25 +182,35 @@ TEST(PipelineTest, DropoutMasksReplayUnderRecompute) {
     auto remat = gradientsWith(CheckpointMode::kAlways, schedule);
     auto again = gradientsWith(CheckpointMode::kNever, schedule);
     for (size_t i = 0; i < kept.size(); ++i) {
-      EXPECT_TRUE(torch::equal(kept[i], remat[i])) << schedule << " parameter " << i;
-      EXPECT_TRUE(torch::equal(kept[i], again[i])) << schedule << " parameter " << i;
+      EXPECT_TRUE(torch::equal(kept[i], remat[i]))
+          << schedule << " parameter " << i;
+      EXPECT_TRUE(torch::equal(kept[i], again[i]))
+          << schedule << " parameter " << i;
     }
   }
 }
 
 // A user's own random layer, unknown to tpipe by name: x + noise.
 struct NoiseImpl : torch::nn::Module {
-  torch::Tensor forward(const torch::Tensor& x) { return x + 0.3 * torch::randn_like(x); }
+  torch::Tensor forward(const torch::Tensor& x) {
+    return x + 0.3 * torch::randn_like(x);
+  }
 };
 TORCH_MODULE(Noise);
 
 TEST(PipelineTest, AUserDefinedRandomLayerReplaysUnderRecompute) {
   auto gradientsWith = [](CheckpointMode mode, Randomness declared) {
     torch::manual_seed(5);
-    torch::nn::Sequential net(torch::nn::Linear(6, 12), Noise(), torch::nn::Tanh(), torch::nn::Linear(12, 12),
-                              Noise(), torch::nn::Linear(12, 3));
+    torch::nn::Sequential net(
+        torch::nn::Linear(6, 12),
+        Noise(),
+        torch::nn::Tanh(),
+        torch::nn::Linear(12, 12),
+        Noise(),
+        torch::nn::Linear(12, 3));
     LayerList layers = layersOf(net);
-    for (auto& layer : layers) layer.randomness = declared;
+    for (auto& layer : layers)
+      layer.randomness = declared;
     PipelineOptions options;
     options.devices = cpuDevices(2);
     options.microBatches = 3;
@@ -197,17 +222,21 @@ TEST(PipelineTest, AUserDefinedRandomLayerReplaysUnderRecompute) {
     const torch::Tensor y = torch::randint(0, 3, {9}, torch::kLong);
     pipe.trainStep(x, y, crossEntropy);
     std::vector<torch::Tensor> grads;
-    for (const auto& p : pipe.parameters()) grads.push_back(p.grad().clone());
+    for (const auto& p : pipe.parameters())
+      grads.push_back(p.grad().clone());
     return grads;
   };
   const auto kept = gradientsWith(CheckpointMode::kNever, Randomness::kAuto);
   const auto remat = gradientsWith(CheckpointMode::kAlways, Randomness::kAuto);
-  for (size_t i = 0; i < kept.size(); ++i) EXPECT_TRUE(torch::equal(kept[i], remat[i])) << "parameter " << i;
+  for (size_t i = 0; i < kept.size(); ++i)
+    EXPECT_TRUE(torch::equal(kept[i], remat[i])) << "parameter " << i;
   // Declared deterministic, the layer draws from the shared stream: the
   // recompute draws other numbers (what kAuto protects against).
-  const auto declaredNone = gradientsWith(CheckpointMode::kAlways, Randomness::kNone);
+  const auto declaredNone =
+      gradientsWith(CheckpointMode::kAlways, Randomness::kNone);
   bool anyDiffers = false;
-  for (size_t i = 0; i < kept.size(); ++i) anyDiffers = anyDiffers || !torch::equal(kept[i], declaredNone[i]);
+  for (size_t i = 0; i < kept.size(); ++i)
+    anyDiffers = anyDiffers || !torch::equal(kept[i], declaredNone[i]);
   EXPECT_TRUE(anyDiffers);
 }
 
@@ -215,11 +244,15 @@ TEST(PipelineTest, AScheduleFromAFileRunsTransparently) {
   const std::string path = ::testing::TempDir() + "/tpipe-custom-schedule.json";
   {
     // zb-h1 written out, then edited by hand: rank 2 runs its W passes last.
-    nlohmann::json json = scheduleToJson(zeroBubbleH1Schedule(3, 4, CheckpointMode::kNever));
+    nlohmann::json json =
+        scheduleToJson(zeroBubbleH1Schedule(3, 4, CheckpointMode::kNever));
     auto& list = json["stages"][2];
-    nlohmann::json weights = nlohmann::json::array(), rest = nlohmann::json::array();
-    for (const auto& item : list) (item["op"] == "backward_weight" ? weights : rest).push_back(item);
-    for (const auto& item : weights) rest.push_back(item);
+    nlohmann::json weights = nlohmann::json::array(),
+                   rest = nlohmann::json::array();
+    for (const auto& item : list)
+      (item["op"] == "backward_weight" ? weights : rest).push_back(item);
+    for (const auto& item : weights)
+      rest.push_back(item);
     list = rest;
     std::ofstream(path) << json.dump();
   }
@@ -237,18 +270,22 @@ TEST(PipelineTest, AScheduleFromAFileRunsTransparently) {
   pipe.trainStep(x, y, crossEntropy);
   auto want = reference->parameters();
   auto got = pipe.parameters();
-  for (size_t i = 0; i < want.size(); ++i) EXPECT_LE(relativeError(got[i].grad(), want[i].grad()), 1e-12);
+  for (size_t i = 0; i < want.size(); ++i)
+    EXPECT_LE(relativeError(got[i].grad(), want[i].grad()), 1e-12);
   // The file must fit the pipeline.
   options.microBatches = 2;
   try {
     Pipeline wrong(layersOf(makeNet(torch::kDouble, 21)), options);
     FAIL();
   } catch (const c10::Error& error) {
-    EXPECT_NE(std::string(error.what_without_backtrace()).find("has 4 micro-batches; the pipeline has 2"),
-              std::string::npos);
+    EXPECT_NE(
+        std::string(error.what_without_backtrace())
+            .find("has 4 micro-batches; the pipeline has 2"),
+        std::string::npos);
   }
   options.schedule = ::testing::TempDir() + "/no-such-schedule.json";
-  EXPECT_THROW(Pipeline(layersOf(makeNet(torch::kDouble, 21)), options), c10::Error);
+  EXPECT_THROW(
+      Pipeline(layersOf(makeNet(torch::kDouble, 21)), options), c10::Error);
 }
 
 TEST(PipelineTest, ForwardMatchesTheModelInEvalMode) {
@@ -273,8 +310,9 @@ TEST(PipelineTest, PartitionMethodsAndNames) {
   options.balance = {2, 5, 3};
   Pipeline pipe(layersOf(net), options);
   EXPECT_EQ(pipe.boundaries(), (std::vector<int>{0, 2, 7, 10}));
-  EXPECT_EQ(pipe.stageDevices(),
-            (std::vector<std::string>{"cpu:0", "cpu:1", "cpu:2"}));
+  EXPECT_EQ(
+      pipe.stageDevices(),
+      (std::vector<std::string>{"cpu:0", "cpu:1", "cpu:2"}));
   EXPECT_EQ(pipe.namedParameters().front().first, "0.weight");
   EXPECT_EQ(pipe.namedParameters().back().first, "9.bias");
 
@@ -299,29 +337,33 @@ TEST(PipelineTest, BadOptionsAreClearErrors) {
   PipelineOptions options;
   options.devices = cpuDevices(12);
   options.stages = 11;
-  EXPECT_NE(constructionError(options).find("more stages (11) than layers (10)"),
-            std::string::npos)
+  EXPECT_NE(
+      constructionError(options).find("more stages (11) than layers (10)"),
+      std::string::npos)
       << constructionError(options);
 
   options = {};
   options.devices = {"cpu:0", "gpu:1"};
-  EXPECT_NE(constructionError(options).find("unknown device 'gpu:1'"),
-            std::string::npos)
+  EXPECT_NE(
+      constructionError(options).find("unknown device 'gpu:1'"),
+      std::string::npos)
       << constructionError(options);
 
   options = {};
   options.devices = cpuDevices(2);
   options.balance = {4, 4};
-  EXPECT_NE(constructionError(options).find(
-                "balance sums to 8 layers, but the model has 10"),
-            std::string::npos)
+  EXPECT_NE(
+      constructionError(options).find(
+          "balance sums to 8 layers, but the model has 10"),
+      std::string::npos)
       << constructionError(options);
 
   options = {};
   options.devices = cpuDevices(2);
   options.stages = 3;
-  EXPECT_NE(constructionError(options).find("need 3 devices, got 2"),
-            std::string::npos)
+  EXPECT_NE(
+      constructionError(options).find("need 3 devices, got 2"),
+      std::string::npos)
       << constructionError(options);
 
   options = {};
@@ -330,14 +372,16 @@ TEST(PipelineTest, BadOptionsAreClearErrors) {
 
   options = {};
   options.schedule = "zigzag";
-  EXPECT_NE(constructionError(options).find("unknown schedule 'zigzag'"),
-            std::string::npos);
+  EXPECT_NE(
+      constructionError(options).find("unknown schedule 'zigzag'"),
+      std::string::npos);
 
   options = {};
   options.devices = {"cuda:0"};
   if (!torch::cuda::is_available()) {
-    EXPECT_NE(constructionError(options).find("no usable CUDA device"),
-              std::string::npos)
+    EXPECT_NE(
+        constructionError(options).find("no usable CUDA device"),
+        std::string::npos)
         << constructionError(options);
   }
 }
@@ -348,23 +392,26 @@ TEST(PipelineTest, MoreMicroBatchesThanSamples) {
   options.microBatches = 8;
   Pipeline pipe(layersOf(makeNet(torch::kFloat, 10)), options);
   try {
-    pipe.trainStep(torch::randn({5, 6}), torch::zeros({5}, torch::kLong),
-                   crossEntropy);
+    pipe.trainStep(
+        torch::randn({5, 6}), torch::zeros({5}, torch::kLong), crossEntropy);
     FAIL() << "expected an error";
   } catch (const c10::Error& error) {
-    EXPECT_NE(std::string(error.what_without_backtrace())
-                  .find("more micro-batches (8) than samples (5)"),
-              std::string::npos);
+    EXPECT_NE(
+        std::string(error.what_without_backtrace())
+            .find("more micro-batches (8) than samples (5)"),
+        std::string::npos);
   }
-  EXPECT_THROW(pipe.trainStep(torch::randn({9, 6}),
-                              torch::zeros({8}, torch::kLong), crossEntropy),
-               c10::Error);
+  EXPECT_THROW(
+      pipe.trainStep(
+          torch::randn({9, 6}), torch::zeros({8}, torch::kLong), crossEntropy),
+      c10::Error);
 }
 
 struct ThrowingImpl : torch::nn::Module {
   bool armed = false;
   torch::Tensor forward(torch::Tensor x) {
-    if (armed) throw std::runtime_error("boom");
+    if (armed)
+      throw std::runtime_error("boom");
     return x;
   }
 };
@@ -373,13 +420,21 @@ TORCH_MODULE(Throwing);
 TEST(PipelineTest, AThrowingLayerEndsTheStepAndThePipelineRecovers) {
   torch::manual_seed(12);
   Throwing thrower;
-  torch::nn::Sequential net(torch::nn::Linear(6, 8), torch::nn::ReLU(),
-                            torch::nn::Linear(8, 8), thrower,
-                            torch::nn::Linear(8, 3), torch::nn::Identity());
+  torch::nn::Sequential net(
+      torch::nn::Linear(6, 8),
+      torch::nn::ReLU(),
+      torch::nn::Linear(8, 8),
+      thrower,
+      torch::nn::Linear(8, 3),
+      torch::nn::Identity());
   torch::manual_seed(12);
-  torch::nn::Sequential reference(torch::nn::Linear(6, 8), torch::nn::ReLU(),
-                                  torch::nn::Linear(8, 8), torch::nn::Identity(),
-                                  torch::nn::Linear(8, 3), torch::nn::Identity());
+  torch::nn::Sequential reference(
+      torch::nn::Linear(6, 8),
+      torch::nn::ReLU(),
+      torch::nn::Linear(8, 8),
+      torch::nn::Identity(),
+      torch::nn::Linear(8, 3),
+      torch::nn::Identity());
   for (const char* schedule : {"gpipe", "1f1b", "zb-h1"}) {
     PipelineOptions options;
     options.devices = cpuDevices(3);
@@ -393,14 +448,17 @@ TEST(PipelineTest, AThrowingLayerEndsTheStepAndThePipelineRecovers) {
       pipe.trainStep(x, y, crossEntropy);
       FAIL() << "expected the step to fail";
     } catch (const c10::Error& error) {
-      EXPECT_NE(std::string(error.what_without_backtrace())
-                    .find("stage 1 on cpu:1, micro-batch 0, forward: boom"),
-                std::string::npos)
+      EXPECT_NE(
+          std::string(error.what_without_backtrace())
+              .find("stage 1 on cpu:1, micro-batch 0, forward: boom"),
+          std::string::npos)
           << error.what_without_backtrace();
     }
     thrower->armed = false;
-    for (auto& p : pipe.parameters()) p.mutable_grad() = torch::Tensor();
-    for (auto& p : reference->parameters()) p.mutable_grad() = torch::Tensor();
+    for (auto& p : pipe.parameters())
+      p.mutable_grad() = torch::Tensor();
+    for (auto& p : reference->parameters())
+      p.mutable_grad() = torch::Tensor();
     torch::Tensor loss = pipe.trainStep(x, y, crossEntropy);
     torch::Tensor expected = crossEntropy(reference->forward(x), y);
     expected.backward();
@@ -420,19 +478,24 @@ TEST(PipelineTest, ABadLossIsReportedWithItsStage) {
   Pipeline pipe(layersOf(makeNet(torch::kFloat, 13)), options);
   auto perSample = [](const torch::Tensor& out, const torch::Tensor& y) {
     return torch::nn::functional::cross_entropy(
-        out, y, torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kNone));
+        out,
+        y,
+        torch::nn::functional::CrossEntropyFuncOptions().reduction(
+            torch::kNone));
   };
   try {
-    pipe.trainStep(torch::randn({4, 6}), torch::zeros({4}, torch::kLong), perSample);
+    pipe.trainStep(
+        torch::randn({4, 6}), torch::zeros({4}, torch::kLong), perSample);
     FAIL();
   } catch (const c10::Error& error) {
-    EXPECT_NE(std::string(error.what_without_backtrace())
-                  .find("stage 1 on cpu:1, micro-batch 0, forward: the loss "
-                        "function must return a scalar"),
-              std::string::npos)
+    EXPECT_NE(
+        std::string(error.what_without_backtrace())
+            .find("stage 1 on cpu:1, micro-batch 0, forward: the loss "
+                  "function must return a scalar"),
+        std::string::npos)
         << error.what_without_backtrace();
   }
 }
 
-}  // namespace
-}  // namespace tpipe
+} // namespace
+} // namespace tpipe

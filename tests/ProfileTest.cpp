@@ -11,11 +11,16 @@ namespace {
 
 LayerList stack() {
   torch::manual_seed(0);
-  return layersOf(torch::nn::Sequential(torch::nn::Linear(256, 512), torch::nn::ReLU(),
-                                        torch::nn::Flatten(), torch::nn::Linear(512, 64)));
+  return layersOf(torch::nn::Sequential(
+      torch::nn::Linear(256, 512),
+      torch::nn::ReLU(),
+      torch::nn::Flatten(),
+      torch::nn::Linear(512, 64)));
 }
 
-at::Tensor sample(int64_t n) { return torch::randn({n, 256}); }
+at::Tensor sample(int64_t n) {
+  return torch::randn({n, 256});
+}
 
 TEST(ProfileTest, RecordsBytesOfParametersOutputsAndStash) {
   ProfileOptions options;
@@ -27,9 +32,10 @@ TEST(ProfileTest, RecordsBytesOfParametersOutputsAndStash) {
   const auto& linear = profile.layers[0].cost;
   EXPECT_EQ(linear.paramBytes, (256 * 512 + 512) * 4);
   EXPECT_EQ(linear.activationBytes, 16 * 512 * 4);
-  EXPECT_GE(linear.stashBytes, linear.activationBytes);  // at least its output
+  EXPECT_GE(linear.stashBytes, linear.activationBytes); // at least its output
   EXPECT_EQ(profile.layers[1].cost.paramBytes, 0);
-  EXPECT_EQ(profile.layers[2].cost.stashBytes, 0);  // flatten of a 2-D input is a view
+  EXPECT_EQ(
+      profile.layers[2].cost.stashBytes, 0); // flatten of a 2-D input is a view
   for (const auto& layer : profile.layers) {
     EXPECT_GT(layer.cost.forwardMs, 0.0);
     EXPECT_GE(layer.cost.backwardMs, 0.0);
@@ -38,10 +44,11 @@ TEST(ProfileTest, RecordsBytesOfParametersOutputsAndStash) {
 }
 
 TEST(ProfileTest, TheLeastSquaresLineIsExactOnALineAndAveragesNoise) {
-  const LinearFit exact = fitLine({8, 16, 32}, {0.5 + 0.1 * 8, 0.5 + 0.1 * 16, 0.5 + 0.1 * 32});
+  const LinearFit exact =
+      fitLine({8, 16, 32}, {0.5 + 0.1 * 8, 0.5 + 0.1 * 16, 0.5 + 0.1 * 32});
   EXPECT_NEAR(exact.intercept, 0.5, 1e-12);
   EXPECT_NEAR(exact.slope, 0.1, 1e-12);
-  EXPECT_NEAR(exact.at(48), 5.3, 1e-12);  // a held-out size
+  EXPECT_NEAR(exact.at(48), 5.3, 1e-12); // a held-out size
   // Symmetric noise around the line cancels in the fit.
   const LinearFit noisy = fitLine({10, 10, 20, 20}, {1.9, 2.1, 2.9, 3.1});
   EXPECT_NEAR(noisy.at(10), 2.0, 1e-12);
@@ -52,7 +59,8 @@ TEST(ProfileTest, TheLeastSquaresLineIsExactOnALineAndAveragesNoise) {
 // the fit's arithmetic is tested exactly above.
 TEST(ProfileTest, TheFitPredictsAHeldOutMicroBatchSize) {
   torch::manual_seed(1);
-  LayerList heavy = layersOf(torch::nn::Sequential(torch::nn::Linear(1024, 1024)));
+  LayerList heavy =
+      layersOf(torch::nn::Sequential(torch::nn::Linear(1024, 1024)));
   auto input = [](int64_t n) { return torch::randn({n, 1024}); };
   ProfileOptions options;
   options.microBatchSize = 64;
@@ -62,10 +70,14 @@ TEST(ProfileTest, TheFitPredictsAHeldOutMicroBatchSize) {
   ProfileOptions heldOut = options;
   heldOut.microBatchSize = 96;
   const Profile measured = profileLayers(heavy, input, heldOut);
-  const double predicted = profile.layers[0].forward.at(96) + profile.layers[0].backward.at(96);
-  const double actual = measured.layers[0].cost.forwardMs + measured.layers[0].cost.backwardMs;
-  EXPECT_GT(predicted / actual, 1.0 / 3) << "predicted " << predicted << " ms, measured " << actual << " ms";
-  EXPECT_LT(predicted / actual, 3.0) << "predicted " << predicted << " ms, measured " << actual << " ms";
+  const double predicted =
+      profile.layers[0].forward.at(96) + profile.layers[0].backward.at(96);
+  const double actual =
+      measured.layers[0].cost.forwardMs + measured.layers[0].cost.backwardMs;
+  EXPECT_GT(predicted / actual, 1.0 / 3)
+      << "predicted " << predicted << " ms, measured " << actual << " ms";
+  EXPECT_LT(predicted / actual, 3.0)
+      << "predicted " << predicted << " ms, measured " << actual << " ms";
   EXPECT_GT(profile.layers[0].forward.slope, 0.0);
 }
 
@@ -77,12 +89,18 @@ TEST(ProfileTest, JsonRoundTripAndScaling) {
   const Profile back = profileFromJson(profileToJson(profile));
   ASSERT_EQ(back.layers.size(), profile.layers.size());
   EXPECT_EQ(back.layers[0].cost.paramBytes, profile.layers[0].cost.paramBytes);
-  EXPECT_DOUBLE_EQ(back.layers[3].backward.slope, profile.layers[3].backward.slope);
+  EXPECT_DOUBLE_EQ(
+      back.layers[3].backward.slope, profile.layers[3].backward.slope);
   const auto doubled = back.costsAt(8);
-  EXPECT_EQ(doubled[0].activationBytes, 2 * profile.layers[0].cost.activationBytes);
-  EXPECT_THROW(profileFromJson(nlohmann::json::parse(R"({"layers": [{"name": "x"}]})")), ConfigError);
-  EXPECT_THROW(profileFromJson(nlohmann::json::parse(R"({"layers": [{"forward_ms": -1, "backward_ms": 1}]})")),
-               ConfigError);
+  EXPECT_EQ(
+      doubled[0].activationBytes, 2 * profile.layers[0].cost.activationBytes);
+  EXPECT_THROW(
+      profileFromJson(nlohmann::json::parse(R"({"layers": [{"name": "x"}]})")),
+      ConfigError);
+  EXPECT_THROW(
+      profileFromJson(nlohmann::json::parse(
+          R"({"layers": [{"forward_ms": -1, "backward_ms": 1}]})")),
+      ConfigError);
 }
 
 TEST(ProfileTest, AllocatorChargesTheThreadsDevice) {
@@ -102,8 +120,8 @@ TEST(ProfileTest, AllocatorChargesTheThreadsDevice) {
   EXPECT_EQ(memory::liveBytes(3), before);
 }
 
-}  // namespace
-}  // namespace tpipe
+} // namespace
+} // namespace tpipe
 
 namespace tpipe {
 namespace {
@@ -112,17 +130,22 @@ namespace {
 // it found them (values, gradients, buffers, device, random stream).
 TEST(ProfileTest, LeavesTheCallersModulesAsFound) {
   torch::manual_seed(3);
-  torch::nn::Sequential net(torch::nn::Linear(8, 8), torch::nn::BatchNorm1d(8), torch::nn::Dropout(0.5),
-                            torch::nn::Linear(8, 4));
+  torch::nn::Sequential net(
+      torch::nn::Linear(8, 8),
+      torch::nn::BatchNorm1d(8),
+      torch::nn::Dropout(0.5),
+      torch::nn::Linear(8, 4));
   const LayerList layers = layersOf(net);
-  for (auto& p : net->parameters()) p.mutable_grad() = torch::full_like(p, 0.25);
+  for (auto& p : net->parameters())
+    p.mutable_grad() = torch::full_like(p, 0.25);
   std::vector<torch::Tensor> grads, gradValues, values, buffers;
   for (auto& p : net->parameters()) {
     grads.push_back(p.grad());
     gradValues.push_back(p.grad().clone());
     values.push_back(p.detach().clone());
   }
-  for (auto& b : net->buffers()) buffers.push_back(b.clone());
+  for (auto& b : net->buffers())
+    buffers.push_back(b.clone());
   const torch::Tensor nextRandom = [] {
     auto generator = at::detail::getDefaultCPUGenerator().clone();
     return torch::rand({4}, generator);
@@ -130,18 +153,27 @@ TEST(ProfileTest, LeavesTheCallersModulesAsFound) {
   ProfileOptions options;
   options.microBatchSize = 4;
   options.repeats = 2;
-  profileLayers(layers, [](int64_t n) { return torch::randn({n, 8}); }, options);
+  profileLayers(
+      layers,
+      [](int64_t n) {
+        return torch::randn({n, 8});
+      },
+      options);
   const auto parameters = net->parameters();
   for (size_t i = 0; i < parameters.size(); ++i) {
     EXPECT_TRUE(torch::equal(parameters[i], values[i])) << "parameter " << i;
-    EXPECT_TRUE(parameters[i].grad().is_same(grads[i])) << "the caller's .grad tensor " << i;
-    EXPECT_TRUE(torch::equal(parameters[i].grad(), gradValues[i])) << "gradient " << i;
+    EXPECT_TRUE(parameters[i].grad().is_same(grads[i]))
+        << "the caller's .grad tensor " << i;
+    EXPECT_TRUE(torch::equal(parameters[i].grad(), gradValues[i]))
+        << "gradient " << i;
     EXPECT_TRUE(parameters[i].device().is_cpu());
   }
   const auto after = net->buffers();
-  for (size_t i = 0; i < after.size(); ++i) EXPECT_TRUE(torch::equal(after[i], buffers[i])) << "buffer " << i;
-  EXPECT_TRUE(torch::equal(torch::rand({4}), nextRandom)) << "the default generator moved";
+  for (size_t i = 0; i < after.size(); ++i)
+    EXPECT_TRUE(torch::equal(after[i], buffers[i])) << "buffer " << i;
+  EXPECT_TRUE(torch::equal(torch::rand({4}), nextRandom))
+      << "the default generator moved";
 }
 
-}  // namespace
-}  // namespace tpipe
+} // namespace
+} // namespace tpipe

@@ -13,8 +13,10 @@ namespace {
 std::string computeOrder(const Schedule& schedule, int rank) {
   std::string out;
   for (const Instruction& instruction : schedule.perRank[rank]) {
-    if (!isCompute(instruction)) continue;
-    if (!out.empty()) out += ' ';
+    if (!isCompute(instruction))
+      continue;
+    if (!out.empty())
+      out += ' ';
     out += shortLabel(instruction);
     if (schedule.virtualStages > 1) {
       out += '@' + std::to_string(stageOf(instruction));
@@ -27,13 +29,19 @@ std::string computeOrder(const Schedule& schedule, int rank) {
 std::string fullOrder(const Schedule& schedule, int rank) {
   std::string out;
   for (const Instruction& instruction : schedule.perRank[rank]) {
-    if (!out.empty()) out += ' ';
+    if (!out.empty())
+      out += ' ';
     const std::string mb = std::to_string(microBatchOf(instruction));
-    if (std::holds_alternative<SendActivation>(instruction)) out += "sA" + mb;
-    else if (std::holds_alternative<RecvActivation>(instruction)) out += "rA" + mb;
-    else if (std::holds_alternative<SendGrad>(instruction)) out += "sG" + mb;
-    else if (std::holds_alternative<RecvGrad>(instruction)) out += "rG" + mb;
-    else out += shortLabel(instruction);
+    if (std::holds_alternative<SendActivation>(instruction))
+      out += "sA" + mb;
+    else if (std::holds_alternative<RecvActivation>(instruction))
+      out += "rA" + mb;
+    else if (std::holds_alternative<SendGrad>(instruction))
+      out += "sG" + mb;
+    else if (std::holds_alternative<RecvGrad>(instruction))
+      out += "rG" + mb;
+    else
+      out += shortLabel(instruction);
   }
   return out;
 }
@@ -46,12 +54,15 @@ TEST(ScheduleTest, GpipeFullListsWithTransfers) {
 }
 
 TEST(ScheduleTest, GpipeCheckpointModesPlaceRecomputeBeforeTheWait) {
-  EXPECT_EQ(fullOrder(gpipeSchedule(2, 3, CheckpointMode::kExceptLast), 0),
-            "F0 sA0 F1 sA1 F2 sA2 rG2 B2 R1 rG1 B1 R0 rG0 B0");
-  EXPECT_EQ(computeOrder(gpipeSchedule(3, 3, CheckpointMode::kAlways), 2),
-            "F0 F1 F2 R2 B2 R1 B1 R0 B0");
-  EXPECT_EQ(computeOrder(gpipeSchedule(3, 3, CheckpointMode::kNever), 1),
-            "F0 F1 F2 B2 B1 B0");
+  EXPECT_EQ(
+      fullOrder(gpipeSchedule(2, 3, CheckpointMode::kExceptLast), 0),
+      "F0 sA0 F1 sA1 F2 sA2 rG2 B2 R1 rG1 B1 R0 rG0 B0");
+  EXPECT_EQ(
+      computeOrder(gpipeSchedule(3, 3, CheckpointMode::kAlways), 2),
+      "F0 F1 F2 R2 B2 R1 B1 R0 B0");
+  EXPECT_EQ(
+      computeOrder(gpipeSchedule(3, 3, CheckpointMode::kNever), 1),
+      "F0 F1 F2 B2 B1 B0");
 }
 
 TEST(ScheduleTest, OneFOneBTable) {
@@ -60,48 +71,59 @@ TEST(ScheduleTest, OneFOneBTable) {
   EXPECT_EQ(computeOrder(s, 1), "F0 F1 B0 F2 B1 F3 B2 B3");
   EXPECT_EQ(computeOrder(s, 2), "F0 B0 F1 B1 F2 B2 F3 B3");
   // Fewer micro-batches than warm-up slots: all forwards, then backwards.
-  EXPECT_EQ(computeOrder(oneFOneBSchedule(4, 2, CheckpointMode::kNever), 0),
-            "F0 F1 B0 B1");
+  EXPECT_EQ(
+      computeOrder(oneFOneBSchedule(4, 2, CheckpointMode::kNever), 0),
+      "F0 F1 B0 B1");
 }
 
 TEST(ScheduleTest, InterleavedTable) {
   const Schedule s = interleavedSchedule(2, 4, 2, CheckpointMode::kNever);
   EXPECT_EQ(s.stages(), 4);
-  EXPECT_EQ(computeOrder(s, 0),
-            "F0@0 F1@0 F0@2 F1@2 F2@0 B0@2 F3@0 B1@2 F2@2 B0@0 F3@2 B1@0 "
-            "B2@2 B3@2 B2@0 B3@0");
-  EXPECT_EQ(computeOrder(s, 1),
-            "F0@1 F1@1 F0@3 B0@3 F1@3 B1@3 F2@1 B0@1 F3@1 B1@1 F2@3 B2@3 "
-            "F3@3 B3@3 B2@1 B3@1");
-  EXPECT_THROW(interleavedSchedule(2, 3, 2, CheckpointMode::kNever),
-               ScheduleError);
+  EXPECT_EQ(
+      computeOrder(s, 0),
+      "F0@0 F1@0 F0@2 F1@2 F2@0 B0@2 F3@0 B1@2 F2@2 B0@0 F3@2 B1@0 "
+      "B2@2 B3@2 B2@0 B3@0");
+  EXPECT_EQ(
+      computeOrder(s, 1),
+      "F0@1 F1@1 F0@3 B0@3 F1@3 B1@3 F2@1 B0@1 F3@1 B1@1 F2@3 B2@3 "
+      "F3@3 B3@3 B2@1 B3@1");
+  EXPECT_THROW(
+      interleavedSchedule(2, 3, 2, CheckpointMode::kNever), ScheduleError);
 }
 
 TEST(ScheduleTest, ZeroBubbleH1Table) {
   const Schedule s = zeroBubbleH1Schedule(4, 8, CheckpointMode::kNever);
-  EXPECT_EQ(computeOrder(s, 0),
-            "F0 F1 F2 F3 b0 w0 F4 b1 w1 F5 b2 w2 F6 b3 w3 F7 b4 w4 b5 w5 b6 "
-            "w6 b7 w7");
-  EXPECT_EQ(computeOrder(s, 1),
-            "F0 F1 F2 b0 F3 b1 w0 F4 b2 w1 F5 b3 w2 F6 b4 w3 F7 b5 w4 b6 w5 "
-            "b7 w6 w7");
-  EXPECT_EQ(computeOrder(s, 3),
-            "F0 b0 F1 b1 F2 b2 F3 b3 w0 F4 b4 w1 F5 b5 w2 F6 b6 w3 F7 b7 w4 "
-            "w5 w6 w7");
+  EXPECT_EQ(
+      computeOrder(s, 0),
+      "F0 F1 F2 F3 b0 w0 F4 b1 w1 F5 b2 w2 F6 b3 w3 F7 b4 w4 b5 w5 b6 "
+      "w6 b7 w7");
+  EXPECT_EQ(
+      computeOrder(s, 1),
+      "F0 F1 F2 b0 F3 b1 w0 F4 b2 w1 F5 b3 w2 F6 b4 w3 F7 b5 w4 b6 w5 "
+      "b7 w6 w7");
+  EXPECT_EQ(
+      computeOrder(s, 3),
+      "F0 b0 F1 b1 F2 b2 F3 b3 w0 F4 b4 w1 F5 b5 w2 F6 b6 w3 F7 b7 w4 "
+      "w5 w6 w7");
 }
 
 TEST(ScheduleTest, EveryGeneratorValidatesAcrossShapes) {
   for (const auto& name : scheduleNames()) {
     for (int p : {1, 2, 3, 4, 8}) {
       for (int m : {1, 2, 4, 7, 8, 16}) {
-        for (auto mode : {CheckpointMode::kAlways, CheckpointMode::kExceptLast,
-                          CheckpointMode::kNever}) {
+        for (auto mode :
+             {CheckpointMode::kAlways,
+              CheckpointMode::kExceptLast,
+              CheckpointMode::kNever}) {
           for (int v : {1, 2, 3}) {
             const bool interleaved = name == "interleaved-1f1b";
-            if (v > 1 && !interleaved) continue;
-            if (interleaved && v > 1 && m % p != 0) continue;
-            SCOPED_TRACE(name + " p=" + std::to_string(p) + " m=" +
-                         std::to_string(m) + " v=" + std::to_string(v));
+            if (v > 1 && !interleaved)
+              continue;
+            if (interleaved && v > 1 && m % p != 0)
+              continue;
+            SCOPED_TRACE(
+                name + " p=" + std::to_string(p) + " m=" + std::to_string(m) +
+                " v=" + std::to_string(v));
             EXPECT_NO_THROW(makeSchedule({name, p, m, v, mode}));
           }
         }
@@ -115,13 +137,14 @@ TEST(ScheduleTest, UnknownScheduleAndVirtualStagesAreRejected) {
     makeSchedule({"gpipe2", 2, 2, 1, CheckpointMode::kNever});
     FAIL() << "expected an error";
   } catch (const ScheduleError& error) {
-    EXPECT_NE(std::string(error.what()).find("unknown schedule 'gpipe2'"),
-              std::string::npos);
+    EXPECT_NE(
+        std::string(error.what()).find("unknown schedule 'gpipe2'"),
+        std::string::npos);
   }
-  EXPECT_THROW(makeSchedule({"1f1b", 2, 4, 2, CheckpointMode::kNever}),
-               ScheduleError);
-  EXPECT_THROW(makeSchedule({"gpipe", 0, 4, 1, CheckpointMode::kNever}),
-               ScheduleError);
+  EXPECT_THROW(
+      makeSchedule({"1f1b", 2, 4, 2, CheckpointMode::kNever}), ScheduleError);
+  EXPECT_THROW(
+      makeSchedule({"gpipe", 0, 4, 1, CheckpointMode::kNever}), ScheduleError);
 }
 
 std::string validationError(const Schedule& schedule) {
@@ -135,11 +158,12 @@ std::string validationError(const Schedule& schedule) {
 
 TEST(ScheduleTest, ValidatorRejectsMissingReceive) {
   Schedule s = gpipeSchedule(2, 2, CheckpointMode::kNever);
-  s.perRank[1].erase(s.perRank[1].begin());  // rA0
-  EXPECT_NE(validationError(s).find(
-                "missing receive of the activation before forward for stage 1, "
-                "micro-batch 0"),
-            std::string::npos)
+  s.perRank[1].erase(s.perRank[1].begin()); // rA0
+  EXPECT_NE(
+      validationError(s).find(
+          "missing receive of the activation before forward for stage 1, "
+          "micro-batch 0"),
+      std::string::npos)
       << validationError(s);
 }
 
@@ -149,8 +173,9 @@ TEST(ScheduleTest, ValidatorRejectsBackwardBeforeForward) {
   s.ranks = 1;
   s.microBatches = 1;
   s.perRank = {{Backward{0, 0}, Forward{0, 0, false}}};
-  EXPECT_NE(validationError(s).find("backward before forward for stage 0"),
-            std::string::npos)
+  EXPECT_NE(
+      validationError(s).find("backward before forward for stage 0"),
+      std::string::npos)
       << validationError(s);
 }
 
@@ -160,38 +185,48 @@ TEST(ScheduleTest, ValidatorRejectsAWaitCycleAndShowsStuckInstructions) {
   s.ranks = 2;
   s.microBatches = 1;
   // Rank 0 waits for a gradient before it sends the activation rank 1 needs.
-  s.perRank = {{Forward{0, 0, false}, RecvGrad{0, 0}, SendActivation{0, 0},
-                Backward{0, 0}},
-               {RecvActivation{1, 0}, Forward{1, 0, false}, Backward{1, 0},
-                SendGrad{1, 0}}};
+  s.perRank = {
+      {Forward{0, 0, false},
+       RecvGrad{0, 0},
+       SendActivation{0, 0},
+       Backward{0, 0}},
+      {RecvActivation{1, 0},
+       Forward{1, 0, false},
+       Backward{1, 0},
+       SendGrad{1, 0}}};
   const std::string error = validationError(s);
   EXPECT_NE(error.find("deadlock"), std::string::npos) << error;
-  EXPECT_NE(error.find("rank 0 waits at instruction 1 (recv grad 0 <- stage 1)"),
-            std::string::npos)
+  EXPECT_NE(
+      error.find("rank 0 waits at instruction 1 (recv grad 0 <- stage 1)"),
+      std::string::npos)
       << error;
-  EXPECT_NE(error.find("rank 1 waits at instruction 0 (recv act 0 <- stage 0)"),
-            std::string::npos)
+  EXPECT_NE(
+      error.find("rank 1 waits at instruction 0 (recv act 0 <- stage 0)"),
+      std::string::npos)
       << error;
 }
 
 TEST(ScheduleTest, ValidatorRejectsRecomputeRulesAndWrongRank) {
   Schedule s = gpipeSchedule(1, 1, CheckpointMode::kNever);
   s.perRank[0].insert(s.perRank[0].begin() + 1, Recompute{0, 0});
-  EXPECT_NE(validationError(s).find("recompute of a forward that kept"),
-            std::string::npos);
+  EXPECT_NE(
+      validationError(s).find("recompute of a forward that kept"),
+      std::string::npos);
   Schedule t = gpipeSchedule(2, 1, CheckpointMode::kNever);
   std::swap(t.perRank[0], t.perRank[1]);
   EXPECT_NE(validationError(t).find("which lives on rank"), std::string::npos);
   Schedule u = gpipeSchedule(1, 2, CheckpointMode::kNever);
   u.perRank[0].push_back(Forward{0, 1, false});
-  EXPECT_NE(validationError(u).find("forward appears twice"), std::string::npos);
+  EXPECT_NE(
+      validationError(u).find("forward appears twice"), std::string::npos);
 }
 
 TEST(ScheduleTest, UnitCostBubbleMatchesTheoryForGpipeAndOneFOneB) {
   for (int p : {1, 2, 4, 8}) {
     for (int m : {1, 4, 8, 32}) {
       for (const char* name : {"gpipe", "1f1b"}) {
-        const Schedule s = makeSchedule({name, p, m, 1, CheckpointMode::kNever});
+        const Schedule s =
+            makeSchedule({name, p, m, 1, CheckpointMode::kNever});
         const Simulation sim = simulate(s, {StageCosts{}});
         ASSERT_TRUE(sim.finished);
         EXPECT_NEAR(sim.bubbleFraction, theoreticalBubble(p, m), 1e-12)
@@ -283,5 +318,5 @@ TEST(ScheduleTest, PrintedTimelineShowsEveryRank) {
       << out.str();
 }
 
-}  // namespace
-}  // namespace tpipe
+} // namespace
+} // namespace tpipe

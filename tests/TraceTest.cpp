@@ -12,8 +12,12 @@ namespace {
 
 torch::nn::Sequential net() {
   torch::manual_seed(0);
-  return torch::nn::Sequential(torch::nn::Linear(16, 32), torch::nn::Tanh(), torch::nn::Linear(32, 32),
-                               torch::nn::ReLU(), torch::nn::Linear(32, 4));
+  return torch::nn::Sequential(
+      torch::nn::Linear(16, 32),
+      torch::nn::Tanh(),
+      torch::nn::Linear(32, 32),
+      torch::nn::ReLU(),
+      torch::nn::Linear(32, 4));
 }
 
 torch::Tensor loss(const torch::Tensor& out, const torch::Tensor& y) {
@@ -38,9 +42,11 @@ Recorded run(const std::string& schedule, bool record, int steps = 3) {
   torch::Tensor x = torch::randn({16, 16});
   torch::Tensor y = torch::randint(0, 4, {16}, torch::kLong);
   Recorded result;
-  for (int s = 0; s < steps; ++s) result.loss = pipe.trainStep(x, y, loss).item<double>();
-  pipe.forward(x);  // inference is not recorded
-  for (const auto& p : pipe.parameters()) result.grads.push_back(p.grad().clone());
+  for (int s = 0; s < steps; ++s)
+    result.loss = pipe.trainStep(x, y, loss).item<double>();
+  pipe.forward(x); // inference is not recorded
+  for (const auto& p : pipe.parameters())
+    result.grads.push_back(p.grad().clone());
   result.trace = pipe.trace();
   return result;
 }
@@ -48,7 +54,8 @@ Recorded run(const std::string& schedule, bool record, int steps = 3) {
 int computeInstructions(const Schedule& schedule) {
   int count = 0;
   for (const auto& list : schedule.perRank) {
-    for (const auto& instruction : list) count += isCompute(instruction);
+    for (const auto& instruction : list)
+      count += isCompute(instruction);
   }
   return count;
 }
@@ -57,26 +64,30 @@ TEST(TraceTest, ChromeTraceHasOneEventPerComputeInstruction) {
   for (const char* schedule : {"gpipe", "zb-h1"}) {
     const Recorded r = run(schedule, true);
     ASSERT_EQ(r.trace.steps.size(), 3u);
-    const nlohmann::json json = nlohmann::json::parse(chromeTrace(r.trace).dump());
+    const nlohmann::json json =
+        nlohmann::json::parse(chromeTrace(r.trace).dump());
     int compute = 0, instants = 0, threads = 0;
     for (const auto& event : json["traceEvents"]) {
       ASSERT_TRUE(event.contains("ph"));
       if (event["ph"] == "X") {
         ASSERT_GE(event["dur"].get<double>(), 0.0);
         const std::string cat = event["cat"];
-        if (cat == "forward" || cat == "backward" || cat == "recompute" || cat == "backward_input" ||
-            cat == "backward_weight") {
+        if (cat == "forward" || cat == "backward" || cat == "recompute" ||
+            cat == "backward_input" || cat == "backward_weight") {
           ++compute;
-          EXPECT_TRUE(std::regex_match(event["name"].get<std::string>(), std::regex("[FBRbw][0-9]+")));
+          EXPECT_TRUE(std::regex_match(
+              event["name"].get<std::string>(), std::regex("[FBRbw][0-9]+")));
           EXPECT_TRUE(event["args"].contains("micro_batch"));
           EXPECT_TRUE(event["args"].contains("stage"));
         }
       }
-      if (event["ph"] == "i") ++instants;
-      if (event["ph"] == "M" && event["name"] == "thread_name") ++threads;
+      if (event["ph"] == "i")
+        ++instants;
+      if (event["ph"] == "M" && event["name"] == "thread_name")
+        ++threads;
     }
     EXPECT_EQ(compute, 3 * computeInstructions(r.trace.schedule)) << schedule;
-    EXPECT_EQ(instants, 4);  // three step starts and the end
+    EXPECT_EQ(instants, 4); // three step starts and the end
     EXPECT_EQ(threads, 3);
   }
 }
@@ -85,13 +96,17 @@ TEST(TraceTest, TransfersCarryTheirBytes) {
   const Recorded r = run("1f1b", true, 1);
   int transfers = 0;
   for (const auto& event : r.trace.steps[0].events) {
-    const Instruction& instruction = r.trace.schedule.perRank[event.rank][event.index];
+    const Instruction& instruction =
+        r.trace.schedule.perRank[event.rank][event.index];
     if (!isCompute(instruction)) {
       ++transfers;
-      EXPECT_EQ(event.bytes, 4 * 32 * 4) << shortLabel(instruction);  // 4 samples x 32 floats
+      EXPECT_EQ(event.bytes, 4 * 32 * 4)
+          << shortLabel(instruction); // 4 samples x 32 floats
     }
   }
-  EXPECT_EQ(transfers, 2 * 2 * 2 * 4);  // 2 boundaries x (act + grad) x (send + recv) x 4
+  EXPECT_EQ(
+      transfers,
+      2 * 2 * 2 * 4); // 2 boundaries x (act + grad) x (send + recv) x 4
 }
 
 TEST(TraceTest, ReportAddsUp) {
@@ -116,9 +131,12 @@ TEST(TraceTest, ReportAddsUp) {
 // Minimal XML well-formedness: every tag closes in order, attributes quoted.
 bool wellFormed(const std::string& xml, std::string& why) {
   std::vector<std::string> open;
-  const std::regex tag(R"(<(/?)([a-zA-Z]+)((?:\s+[a-zA-Z0-9:-]+="[^"<]*")*)\s*(/?)>)");
+  const std::regex tag(
+      R"(<(/?)([a-zA-Z]+)((?:\s+[a-zA-Z0-9:-]+="[^"<]*")*)\s*(/?)>)");
   size_t position = 0;
-  for (auto it = std::sregex_iterator(xml.begin(), xml.end(), tag); it != std::sregex_iterator(); ++it) {
+  for (auto it = std::sregex_iterator(xml.begin(), xml.end(), tag);
+       it != std::sregex_iterator();
+       ++it) {
     const auto& m = *it;
     const std::string between = xml.substr(position, m.position() - position);
     if (between.find('<') != std::string::npos) {
@@ -147,8 +165,8 @@ TEST(TraceTest, TimelineSvgIsWellFormed) {
   EXPECT_TRUE(wellFormed(svg, why)) << why;
   EXPECT_EQ(svg.rfind("<svg", 0), 0u);
   EXPECT_NE(svg.find("bubble"), std::string::npos);
-  EXPECT_NE(svg.find("backward weight (W)"), std::string::npos);  // legend
-  EXPECT_NE(svg.find("cpu:2"), std::string::npos);                // a row per device
+  EXPECT_NE(svg.find("backward weight (W)"), std::string::npos); // legend
+  EXPECT_NE(svg.find("cpu:2"), std::string::npos); // a row per device
 }
 
 TEST(TraceTest, RecordingChangesNothingInResults) {
@@ -157,9 +175,10 @@ TEST(TraceTest, RecordingChangesNothingInResults) {
     const Recorded on = run(schedule, true);
     EXPECT_TRUE(off.trace.steps.empty());
     EXPECT_EQ(off.loss, on.loss);
-    for (size_t i = 0; i < off.grads.size(); ++i) EXPECT_TRUE(torch::equal(off.grads[i], on.grads[i]));
+    for (size_t i = 0; i < off.grads.size(); ++i)
+      EXPECT_TRUE(torch::equal(off.grads[i], on.grads[i]));
   }
 }
 
-}  // namespace
-}  // namespace tpipe
+} // namespace
+} // namespace tpipe

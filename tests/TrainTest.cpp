@@ -33,7 +33,8 @@ Json smokeConfig() {
 }
 
 Config withOverrides(Json json, const std::vector<std::string>& overrides) {
-  for (const auto& assignment : overrides) applyOverride(json, assignment);
+  for (const auto& assignment : overrides)
+    applyOverride(json, assignment);
   return parseConfig(json);
 }
 
@@ -44,7 +45,8 @@ TrainSummary quietTrain(const Config& config, TrainOptions options = {}) {
 }
 
 fs::path scratch(const std::string& name) {
-  const fs::path dir = fs::temp_directory_path() / ("tpipe-test-" + std::to_string(::getpid()) + "-" + name);
+  const fs::path dir = fs::temp_directory_path() /
+      ("tpipe-test-" + std::to_string(::getpid()) + "-" + name);
   fs::remove_all(dir);
   fs::create_directories(dir);
   return dir;
@@ -76,7 +78,16 @@ TEST(TrainTest, ShapeInferenceSizesEveryLayer) {
       {"type": "linear", "out_features": 4}]})");
   BuiltModel model = buildModel(parseConfig(json).model, 0);
   const std::vector<std::vector<int64_t>> expected = {
-      {1, 28, 28}, {4, 12, 12}, {4, 12, 12}, {4, 12, 12}, {4, 6, 4}, {4, 4, 3}, {48}, {48}, {48}, {4}};
+      {1, 28, 28},
+      {4, 12, 12},
+      {4, 12, 12},
+      {4, 12, 12},
+      {4, 6, 4},
+      {4, 4, 3},
+      {48},
+      {48},
+      {48},
+      {4}};
   EXPECT_EQ(model.shapes, expected);
   // The inferred shapes are the real ones.
   torch::Tensor x = torch::randn({2, 1, 28, 28});
@@ -89,20 +100,31 @@ TEST(TrainTest, ShapeInferenceSizesEveryLayer) {
 }
 
 TEST(TrainTest, ShapeInferenceNamesTheFirstLayerThatDoesNotFit) {
-  EXPECT_EQ(shapeError(Json::parse(R"([{"type": "linear", "out_features": 4},
+  EXPECT_EQ(
+      shapeError(
+          Json::parse(R"([{"type": "linear", "out_features": 4},
                                       {"type": "conv2d", "out_channels": 2, "kernel_size": 3}])"),
-                       {12}),
-            "model.layers[1] (conv2d): expects [channels, height, width] per sample, got [4]");
-  EXPECT_EQ(shapeError(Json::parse(R"([{"type": "conv2d", "out_channels": 2, "kernel_size": 7}])"), {1, 5, 5}),
-            "model.layers[0] (conv2d): kernel 7 does not fit an input of shape [1, 5, 5] with padding 0");
-  EXPECT_EQ(shapeError(Json::parse(R"([{"type": "linear", "out_features": 6},
+          {12}),
+      "model.layers[1] (conv2d): expects [channels, height, width] per sample, got [4]");
+  EXPECT_EQ(
+      shapeError(
+          Json::parse(
+              R"([{"type": "conv2d", "out_channels": 2, "kernel_size": 7}])"),
+          {1, 5, 5}),
+      "model.layers[0] (conv2d): kernel 7 does not fit an input of shape [1, 5, 5] with padding 0");
+  EXPECT_EQ(
+      shapeError(
+          Json::parse(R"([{"type": "linear", "out_features": 6},
                                       {"type": "embedding", "num_embeddings": 9, "embedding_dim": 2}])"),
-                       {12}),
-            "model.layers[1] (embedding): expects integer token ids, got a float input of shape [6]");
-  EXPECT_EQ(shapeError(Json::parse(R"([{"type": "embedding", "num_embeddings": 9, "embedding_dim": 6},
+          {12}),
+      "model.layers[1] (embedding): expects integer token ids, got a float input of shape [6]");
+  EXPECT_EQ(
+      shapeError(
+          Json::parse(
+              R"([{"type": "embedding", "num_embeddings": 9, "embedding_dim": 6},
                                       {"type": "transformer_block", "heads": 4}])"),
-                       {5}),
-            "model.layers[1] (transformer_block): dim 6 is not divisible by heads 4");
+          {5}),
+      "model.layers[1] (transformer_block): dim 6 is not divisible by heads 4");
 }
 
 TEST(TrainTest, LossMustFitTheModelAndData) {
@@ -115,28 +137,37 @@ TEST(TrainTest, LossMustFitTheModelAndData) {
     checkLossFits(config, buildModel(config.model, 0));
     FAIL();
   } catch (const ConfigError& error) {
-    EXPECT_NE(std::string(error.what()).find("fashion-mnist has 10 classes"), std::string::npos);
+    EXPECT_NE(
+        std::string(error.what()).find("fashion-mnist has 10 classes"),
+        std::string::npos);
   }
 }
 
 TEST(TrainTest, FashionMnistReaderReadsTheRealFiles) {
   struct stat info {};
-  if (::stat((std::string(kFashionMnistPath) + "/t10k-labels-idx1-ubyte.gz").c_str(), &info) != 0) {
+  if (::stat(
+          (std::string(kFashionMnistPath) + "/t10k-labels-idx1-ubyte.gz")
+              .c_str(),
+          &info) != 0) {
     GTEST_SKIP() << "dataset-fashion-mnist is not installed";
   }
   Json json = smokeConfig();
-  json["model"] = Json::parse(R"({"layers": [{"type": "flatten"}, {"type": "linear", "out_features": 10}]})");
+  json["model"] = Json::parse(
+      R"({"layers": [{"type": "flatten"}, {"type": "linear", "out_features": 10}]})");
   json["data"] = Json::parse(R"({"dataset": "fashion-mnist"})");
   json["pipeline"]["devices"] = Json::array({"cpu:0"});
   const Config config = parseConfig(json);
   const Dataset data = loadDataset(config, buildModel(config.model, 0));
-  EXPECT_EQ(data.trainInputs.sizes().vec(), (std::vector<int64_t>{60000, 1, 28, 28}));
-  EXPECT_EQ(data.evalInputs.sizes().vec(), (std::vector<int64_t>{10000, 1, 28, 28}));
+  EXPECT_EQ(
+      data.trainInputs.sizes().vec(), (std::vector<int64_t>{60000, 1, 28, 28}));
+  EXPECT_EQ(
+      data.evalInputs.sizes().vec(), (std::vector<int64_t>{10000, 1, 28, 28}));
   EXPECT_EQ(data.trainTargets.dtype(), torch::kLong);
   EXPECT_GE(data.trainInputs.min().item<float>(), 0.0f);
   EXPECT_LE(data.trainInputs.max().item<float>(), 1.0f);
   // The dataset's documented facts: 6,000 images per class, mean ~0.286.
-  EXPECT_TRUE(torch::equal(data.trainTargets.bincount(), torch::full({10}, 6000, torch::kLong)));
+  EXPECT_TRUE(torch::equal(
+      data.trainTargets.bincount(), torch::full({10}, 6000, torch::kLong)));
   EXPECT_NEAR(data.trainInputs.mean().item<double>(), 0.2860, 1e-3);
   // First training label of the published file is 9 (ankle boot).
   EXPECT_EQ(data.trainTargets[0].item<int64_t>(), 9);
@@ -148,9 +179,11 @@ TEST(TrainTest, FashionMnistReaderReadsTheRealFiles) {
     loadDataset(bad, buildModel(bad.model, 0));
     FAIL();
   } catch (const ConfigError& error) {
-    EXPECT_NE(std::string(error.what()).find("/nonexistent/fashion/train-images-idx3-ubyte.gz not found "
-                                             "(Debian's package dataset-fashion-mnist"),
-              std::string::npos)
+    EXPECT_NE(
+        std::string(error.what())
+            .find("/nonexistent/fashion/train-images-idx3-ubyte.gz not found "
+                  "(Debian's package dataset-fashion-mnist"),
+        std::string::npos)
         << error.what();
   }
 }
@@ -159,12 +192,17 @@ TEST(TrainTest, TextDatasetPredictsTheNextByte) {
   const fs::path dir = scratch("text");
   {
     std::ofstream out(dir / "tiny.txt");
-    for (int i = 0; i < 50; ++i) out << "abcdefghij";
+    for (int i = 0; i < 50; ++i)
+      out << "abcdefghij";
   }
   Json json = smokeConfig();
-  json["model"] = Json::parse(R"({"layers": [{"type": "embedding", "num_embeddings": 256, "embedding_dim": 8},
+  json["model"] = Json::parse(
+      R"({"layers": [{"type": "embedding", "num_embeddings": 256, "embedding_dim": 8},
                                              {"type": "linear", "out_features": 256}]})");
-  json["data"] = {{"dataset", "text"}, {"path", (dir / "tiny.txt").string()}, {"seq_len", 9}};
+  json["data"] = {
+      {"dataset", "text"},
+      {"path", (dir / "tiny.txt").string()},
+      {"seq_len", 9}};
   json["pipeline"]["devices"] = Json::array({"cpu:0"});
   const Config config = parseConfig(json);
   const Dataset data = loadDataset(config, buildModel(config.model, 0));
@@ -176,19 +214,23 @@ TEST(TrainTest, TextDatasetPredictsTheNextByte) {
   EXPECT_EQ(data.evalInputs.size(0), 5);
   EXPECT_EQ(data.trainInputs.size(0), (450 - 10) / 2 + 1);
   EXPECT_EQ(data.trainInputs[1][0].item<int64_t>(), 'c');
-  EXPECT_EQ(data.evalInputs[0][0].item<int64_t>(), 'a');  // byte 450
+  EXPECT_EQ(data.evalInputs[0][0].item<int64_t>(), 'a'); // byte 450
   fs::remove_all(dir);
 }
 
 TEST(TrainTest, APipelinedRunEqualsTheSameRunOnOneStage) {
   const auto piped = quietTrain(withOverrides(smokeConfig(), {}));
-  const auto single = quietTrain(withOverrides(smokeConfig(), {"pipeline.devices=[\"cpu:0\"]"}));
+  const auto single = quietTrain(
+      withOverrides(smokeConfig(), {"pipeline.devices=[\"cpu:0\"]"}));
   ASSERT_EQ(piped.losses.size(), 8u);
   ASSERT_EQ(single.losses.size(), 8u);
   // Dropout masks come from each stage's own generator, so compare without it.
-  const auto a = quietTrain(withOverrides(smokeConfig(), {"model.layers.2.p=0.0"}));
-  const auto b = quietTrain(withOverrides(smokeConfig(), {"model.layers.2.p=0.0", "pipeline.devices=[\"cpu:0\"]"}));
-  for (size_t i = 0; i < a.losses.size(); ++i) EXPECT_NEAR(a.losses[i], b.losses[i], 1e-5) << "step " << i;
+  const auto a =
+      quietTrain(withOverrides(smokeConfig(), {"model.layers.2.p=0.0"}));
+  const auto b = quietTrain(withOverrides(
+      smokeConfig(), {"model.layers.2.p=0.0", "pipeline.devices=[\"cpu:0\"]"}));
+  for (size_t i = 0; i < a.losses.size(); ++i)
+    EXPECT_NEAR(a.losses[i], b.losses[i], 1e-5) << "step " << i;
   EXPECT_LT(a.losses.back(), a.losses.front());
 }
 
@@ -198,13 +240,16 @@ TEST(TrainTest, AConvolutionalPipelineEqualsOneStage) {
       {"type": "conv2d", "out_channels": 4, "kernel_size": 3, "padding": 1}, {"type": "relu"},
       {"type": "maxpool2d", "kernel_size": 2}, {"type": "conv2d", "out_channels": 6, "kernel_size": 3},
       {"type": "batchnorm2d"}, {"type": "flatten"}, {"type": "linear", "out_features": 4}]})");
-  json["pipeline"]["devices"] = Json::array({"cpu:0", "cpu:1", "cpu:2", "cpu:3"});
-  json["pipeline"]["micro_batches"] = 1;  // batch norm normalizes per micro-batch
+  json["pipeline"]["devices"] =
+      Json::array({"cpu:0", "cpu:1", "cpu:2", "cpu:3"});
+  json["pipeline"]["micro_batches"] =
+      1; // batch norm normalizes per micro-batch
   const auto piped = quietTrain(parseConfig(json));
   json["pipeline"]["devices"] = Json::array({"cpu:0"});
   const auto single = quietTrain(parseConfig(json));
   ASSERT_EQ(piped.losses.size(), single.losses.size());
-  for (size_t i = 0; i < piped.losses.size(); ++i) EXPECT_NEAR(piped.losses[i], single.losses[i], 1e-5);
+  for (size_t i = 0; i < piped.losses.size(); ++i)
+    EXPECT_NEAR(piped.losses[i], single.losses[i], 1e-5);
 }
 
 TEST(TrainTest, ResumeReproducesTheUninterruptedLosses) {
@@ -212,8 +257,10 @@ TEST(TrainTest, ResumeReproducesTheUninterruptedLosses) {
     SCOPED_TRACE(optimizer);
     const fs::path dir = scratch(std::string("resume-") + optimizer);
     Json json = smokeConfig();
-    json["train"]["optimizer"] = {{"type", optimizer}, {"lr", 0.05}, {"decay", "cosine"}};
-    if (std::string(optimizer) == "sgd") json["train"]["optimizer"]["momentum"] = 0.9;
+    json["train"]["optimizer"] = {
+        {"type", optimizer}, {"lr", 0.05}, {"decay", "cosine"}};
+    if (std::string(optimizer) == "sgd")
+      json["train"]["optimizer"]["momentum"] = 0.9;
     json["train"]["steps"] = 10;
     const TrainSummary whole = quietTrain(parseConfig(json));
 
@@ -229,7 +276,8 @@ TEST(TrainTest, ResumeReproducesTheUninterruptedLosses) {
     EXPECT_EQ(rest.startStep, 4);
     ASSERT_EQ(rest.losses.size(), 6u);
     for (size_t i = 0; i < rest.losses.size(); ++i) {
-      EXPECT_EQ(rest.losses[i], whole.losses[i + 4]) << "step " << i + 5;  // bit-exact
+      EXPECT_EQ(rest.losses[i], whole.losses[i + 4])
+          << "step " << i + 5; // bit-exact
     }
     // The metrics file continues: steps 1..10, 1-based, then the eval record.
     std::ifstream metrics(save.metricsPath);
@@ -255,16 +303,23 @@ TEST(TrainTest, CheckpointHoldsSequentialNamesAndSurvivesAFailedSave) {
   options.saveDir = (dir / "ckpt").string();
   quietTrain(parseConfig(json), options);
   std::ifstream file(dir / "ckpt" / "model.pt", std::ios::binary);
-  std::vector<char> bytes((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+  std::vector<char> bytes(
+      (std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
   const auto weights = torch::pickle_load(bytes).toGenericDict();
   std::vector<std::string> names;
-  for (const auto& item : weights) names.push_back(item.key().toStringRef());
+  for (const auto& item : weights)
+    names.push_back(item.key().toStringRef());
   std::sort(names.begin(), names.end());
-  EXPECT_EQ(names, (std::vector<std::string>{"0.bias", "0.weight", "3.bias", "3.weight", "5.bias", "5.weight"}));
+  EXPECT_EQ(
+      names,
+      (std::vector<std::string>{
+          "0.bias", "0.weight", "3.bias", "3.weight", "5.bias", "5.weight"}));
   // Initial weights, as the same seed builds them.
-  const BuiltModel model = buildModel(parseConfig(json).model, parseConfig(json).train.seed);
-  EXPECT_TRUE(torch::equal(weights.at("3.weight").toTensor(),
-                           model.layers[3].module.ptr()->named_parameters()["weight"]));
+  const BuiltModel model =
+      buildModel(parseConfig(json).model, parseConfig(json).train.seed);
+  EXPECT_TRUE(torch::equal(
+      weights.at("3.weight").toTensor(),
+      model.layers[3].module.ptr()->named_parameters()["weight"]));
   // A crash mid-save leaves a staging directory behind; checkpoint.json still
   // names the complete state, and resuming works.
   fs::create_directories(dir / "ckpt" / "state-9.tmp");
@@ -276,10 +331,11 @@ TEST(TrainTest, CheckpointHoldsSequentialNamesAndSurvivesAFailedSave) {
 
   // Debian's python3-torch (scripts/setup installs it): the check runs or
   // fails, never skips.
-  const std::string command = "/usr/bin/python3 -c \"import torch; d = torch.load('" +
-                              (dir / "ckpt" / "model.pt").string() +
-                              "'); assert sorted(d) == ['0.bias', '0.weight', '3.bias', '3.weight', "
-                              "'5.bias', '5.weight'], d.keys(); assert d['3.weight'].shape == (16, 16)\"";
+  const std::string command =
+      "/usr/bin/python3 -c \"import torch; d = torch.load('" +
+      (dir / "ckpt" / "model.pt").string() +
+      "'); assert sorted(d) == ['0.bias', '0.weight', '3.bias', '3.weight', "
+      "'5.bias', '5.weight'], d.keys(); assert d['3.weight'].shape == (16, 16)\"";
   EXPECT_EQ(std::system(command.c_str()), 0)
       << "Python's torch.load failed on model.pt (is python3-torch installed? scripts/setup installs it)";
   fs::remove_all(dir);
@@ -296,18 +352,22 @@ TEST(TrainTest, DeferredBatchNormTracksTheWholeBatch) {
   PipelineOptions options;
   options.devices = {"cpu:0", "cpu:1"};
   options.microBatches = m;
-  options.checkpoint = CheckpointMode::kAlways;  // recompute must not count twice
+  options.checkpoint =
+      CheckpointMode::kAlways; // recompute must not count twice
   Pipeline pipe(model.layers, options);
   torch::Tensor x = torch::randn({10, 3, 4, 4}) * 2 + 1;
   torch::Tensor y = torch::randint(0, 4, {10}, torch::kLong);
   pipe.trainStep(x, y, [](const torch::Tensor& out, const torch::Tensor& t) {
     return torch::nn::functional::cross_entropy(out, t);
   });
-  torch::nn::BatchNorm2d reference(torch::nn::BatchNorm2dOptions(3).momentum(0.5));
+  torch::nn::BatchNorm2d reference(
+      torch::nn::BatchNorm2dOptions(3).momentum(0.5));
   reference->forward(x);
   const auto buffers = model.layers[0].module.ptr()->named_buffers();
-  EXPECT_TRUE(torch::allclose(buffers["running_mean"], reference->running_mean, 1e-5, 1e-6));
-  EXPECT_TRUE(torch::allclose(buffers["running_var"], reference->running_var, 1e-5, 1e-6));
+  EXPECT_TRUE(torch::allclose(
+      buffers["running_mean"], reference->running_mean, 1e-5, 1e-6));
+  EXPECT_TRUE(torch::allclose(
+      buffers["running_var"], reference->running_var, 1e-5, 1e-6));
   EXPECT_EQ(buffers["num_batches_tracked"].item<int64_t>(), 1);
 }
 
@@ -315,7 +375,8 @@ TEST(TrainTest, CharTransformerLearnsOnTinyText) {
   const fs::path dir = scratch("char");
   {
     std::ofstream out(dir / "text.txt");
-    for (int i = 0; i < 80; ++i) out << "the quick brown fox jumps over the lazy dog. ";
+    for (int i = 0; i < 80; ++i)
+      out << "the quick brown fox jumps over the lazy dog. ";
   }
   Json json = Json::parse(R"({
     "model": {"layers": [
@@ -334,5 +395,5 @@ TEST(TrainTest, CharTransformerLearnsOnTinyText) {
   fs::remove_all(dir);
 }
 
-}  // namespace
-}  // namespace tpipe
+} // namespace
+} // namespace tpipe

@@ -20,35 +20,36 @@
 namespace tpipe {
 
 struct LayerSpec {
-  std::string type;       // "linear", "conv2d", ..., "transformer_block"
-  nlohmann::json params;  // checked against the type's keys, defaults filled
+  std::string type;      // "linear", "conv2d", ..., "transformer_block"
+  nlohmann::json params; // checked against the type's keys, defaults filled
 };
 
 struct ModelConfig {
-  std::vector<int64_t> inputShape;  // per sample, without the batch dim
+  std::vector<int64_t> inputShape; // per sample, without the batch dim
   std::vector<LayerSpec> layers;
 };
 
 struct DataConfig {
-  std::string dataset;  // fashion-mnist | text | synthetic
-  std::string path;     // directory (fashion-mnist) or file (text)
+  std::string dataset; // fashion-mnist | text | synthetic
+  std::string path;    // directory (fashion-mnist) or file (text)
   bool shuffle = true;
-  bool normalize = false;  // fashion-mnist: standardize with mean/std
-  int64_t seqLen = 64;     // text: characters per sample
-  int64_t stride = 0;      // text: training windows start every stride bytes (0: seq_len / 4)
+  bool normalize = false; // fashion-mnist: standardize with mean/std
+  int64_t seqLen = 64;    // text: characters per sample
+  int64_t stride =
+      0; // text: training windows start every stride bytes (0: seq_len / 4)
   int64_t samples = 1024;  // synthetic: training samples
-  int64_t evalSamples = 0;  // 0: the dataset's own test split / default
+  int64_t evalSamples = 0; // 0: the dataset's own test split / default
 };
 
 struct DeviceConfig {
-  std::string name;         // "cpu:0", "cuda:1"
-  int64_t memoryBytes = 0;  // declared capacity; 0: unlimited
-  double speed = 1.0;       // relative speed for the partitioner
+  std::string name;        // "cpu:0", "cuda:1"
+  int64_t memoryBytes = 0; // declared capacity; 0: unlimited
+  double speed = 1.0;      // relative speed for the partitioner
 };
 
 struct PipelineConfig {
   std::vector<DeviceConfig> devices;
-  int stages = 0;  // 0: one per device
+  int stages = 0; // 0: one per device
   int microBatches = 1;
   ScheduleSource schedule = ScheduleKind::kGpipe;
   int virtualStages = 1;
@@ -56,32 +57,32 @@ struct PipelineConfig {
   PartitionMethod partition = PartitionMethod::kUniform;
   std::vector<int> balance;
   int threadsPerDevice = 0;
-  int dataParallel = 1;    // replicas of the pipeline, one process per rank
-  double timeoutS = 60.0;  // across processes: give up on a silent peer
+  int dataParallel = 1;   // replicas of the pipeline, one process per rank
+  double timeoutS = 60.0; // across processes: give up on a silent peer
 };
 
 struct OptimizerConfig {
-  std::string type = "sgd";  // sgd | adam | adamw
+  std::string type = "sgd"; // sgd | adam | adamw
   double lr = 0.1;
   double momentum = 0.0;
   double weightDecay = 0.0;
   double beta1 = 0.9;
   double beta2 = 0.999;
   double eps = 1e-8;
-  int64_t warmupSteps = 0;      // linear warm-up from 0 to lr
-  std::string decay = "none";   // none | cosine (to minLr at the last step)
+  int64_t warmupSteps = 0;    // linear warm-up from 0 to lr
+  std::string decay = "none"; // none | cosine (to minLr at the last step)
   double minLr = 0.0;
 };
 
 struct TrainConfig {
   int64_t batchSize = 64;
   int64_t steps = 100;
-  std::string loss = "cross_entropy";  // cross_entropy | mse
+  std::string loss = "cross_entropy"; // cross_entropy | mse
   uint64_t seed = 0;
   OptimizerConfig optimizer;
-  int64_t evalEvery = 0;        // 0: evaluate at the end only
-  int64_t checkpointEvery = 0;  // 0: save at the end only (with --save)
-  int64_t logEvery = 0;         // 0: about 20 progress lines per run
+  int64_t evalEvery = 0;       // 0: evaluate at the end only
+  int64_t checkpointEvery = 0; // 0: save at the end only (with --save)
+  int64_t logEvery = 0;        // 0: about 20 progress lines per run
 };
 
 struct Config {
@@ -107,14 +108,19 @@ nlohmann::json describeConfig(const Config& config);
 
 // The first key path at which two JSON values differ ("train.seed",
 // "model.layers[3].out_features"), or "" when they are equal.
-std::string firstDifference(const nlohmann::json& a, const nlohmann::json& b, const std::string& path = "");
+std::string firstDifference(
+    const nlohmann::json& a,
+    const nlohmann::json& b,
+    const std::string& path = "");
 
 // Reads a JSON file, applies "key.path=value" overrides (value parsed as
 // JSON when it is valid JSON, as a string otherwise), and parses it.
-nlohmann::json readConfigJson(const std::string& path,
-                              const std::vector<std::string>& overrides = {});
-Config loadConfig(const std::string& path,
-                  const std::vector<std::string>& overrides = {});
+nlohmann::json readConfigJson(
+    const std::string& path,
+    const std::vector<std::string>& overrides = {});
+Config loadConfig(
+    const std::string& path,
+    const std::vector<std::string>& overrides = {});
 
 // Applies one "a.b.0.c=value" override in place; throws ConfigError.
 void applyOverride(nlohmann::json& json, const std::string& assignment);
@@ -126,4 +132,4 @@ int64_t parseBytes(const nlohmann::json& value, const std::string& path);
 extern const char* const kFashionMnistPath;
 extern const char* const kDefaultTextPath;
 
-}  // namespace tpipe
+} // namespace tpipe

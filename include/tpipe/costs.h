@@ -30,11 +30,11 @@ struct DeviceSpec {
 // What one stage's instructions cost, for the simulator.
 struct StageCosts {
   double forward = 1.0;
-  double backward = 2.0;        // a whole Backward
-  double backwardInput = 1.0;   // zero-bubble B
-  double backwardWeight = 1.0;  // zero-bubble W
+  double backward = 2.0;       // a whole Backward
+  double backwardInput = 1.0;  // zero-bubble B
+  double backwardWeight = 1.0; // zero-bubble W
   double recompute = 1.0;
   double transfer = 0.0;
 };
 
-}  // namespace tpipe
+} // namespace tpipe

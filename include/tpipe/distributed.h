@@ -43,7 +43,7 @@ struct WorldInfo {
   int localRank = 0;
   std::string masterAddr = "127.0.0.1";
   int masterPort = 29500;
-  bool fromEnvironment = false;  // false: a single process
+  bool fromEnvironment = false; // false: a single process
 };
 
 // Reads the rendezvous variables; worldSize 1 when none are set. Throws
@@ -62,18 +62,21 @@ class Communicator {
   // compared at rendezvous. Throws UserError when rendezvous fails: an
   // unreachable or foreign store, a wrong token, missing ranks, runs that
   // differ, peers whose Gloo pairs cannot connect.
-  Communicator(const WorldInfo& world, int pipelineRanks, std::chrono::milliseconds timeout,
-               const std::string& runDescription = "{}");
+  Communicator(
+      const WorldInfo& world,
+      int pipelineRanks,
+      std::chrono::milliseconds timeout,
+      const std::string& runDescription = "{}");
   ~Communicator();
   Communicator(const Communicator&) = delete;
   Communicator& operator=(const Communicator&) = delete;
 
   int rank() const;
   int worldSize() const;
-  int pipelineRanks() const;  // P
-  int replicas() const;       // D = worldSize / P
-  int replica() const;        // rank / P
-  int stageRank() const;      // rank % P
+  int pipelineRanks() const; // P
+  int replicas() const;      // D = worldSize / P
+  int replica() const;       // rank / P
+  int stageRank() const;     // rank % P
   std::chrono::milliseconds timeout() const;
 
   // Sums over every process (each passes its own part).
@@ -88,7 +91,9 @@ class Communicator {
  private:
   friend class runtime::ProcessGroupTransport;
   struct Impl;
-  Impl& impl() { return *impl_; }
+  Impl& impl() {
+    return *impl_;
+  }
   std::unique_ptr<Impl> impl_;
 };
 
@@ -96,6 +101,9 @@ class Communicator {
 // rendezvous variables set, prefixes each rank's output with "[rank k] ",
 // forwards SIGINT/SIGTERM, and, when any rank fails, ends the others.
 // Returns 0 when all succeed, else the first failure's exit status.
-int launchLocal(const std::string& executable, int processes, const std::vector<std::string>& arguments);
+int launchLocal(
+    const std::string& executable,
+    int processes,
+    const std::vector<std::string>& arguments);
 
-}  // namespace tpipe
+} // namespace tpipe

@@ -23,4 +23,4 @@ class ConfigError : public UserError {
   using UserError::UserError;
 };
 
-}  // namespace tpipe
+} // namespace tpipe

@@ -28,13 +28,14 @@ std::vector<int> balanceBoundaries(const std::vector<int>& balance, int layers);
 
 // The contiguous split into `stages` parts minimizing the largest part's
 // summed weight (exact; ties go to the split whose boundaries come first).
-std::vector<int> minMaxBoundaries(const std::vector<double>& weights,
-                                  int stages);
+std::vector<int> minMaxBoundaries(
+    const std::vector<double>& weights,
+    int stages);
 
 // Layers per stage from boundaries: {0, 2, 5} -> {2, 3}.
 std::vector<int> balanceOf(const std::vector<int>& boundaries);
 
-}  // namespace tpipe
+} // namespace tpipe
 
 namespace tpipe {
 
@@ -47,8 +48,8 @@ namespace tpipe {
 struct MemoryModel {
   std::vector<int> stashed;
   std::vector<int> live;
-  double optimizerFactor = 0.0;  // sgd 0, sgd+momentum 1, adam 2
-  int64_t inputBytes = 0;        // the model input per micro-batch
+  double optimizerFactor = 0.0; // sgd 0, sgd+momentum 1, adam 2
+  int64_t inputBytes = 0;       // the model input per micro-batch
 
   int stashedAt(int stage) const;
   int liveAt(int stage) const;
@@ -67,20 +68,20 @@ struct PartitionProblem {
 
 struct StageReport {
   int firstLayer = 0;
-  int endLayer = 0;  // exclusive
+  int endLayer = 0; // exclusive
   std::string device;
-  double computeMs = 0.0;   // (forward + backward) / device speed
-  double transferMs = 0.0;  // output activation over the link
-  double timeMs = 0.0;      // computeMs + transferMs
+  double computeMs = 0.0;  // (forward + backward) / device speed
+  double transferMs = 0.0; // output activation over the link
+  double timeMs = 0.0;     // computeMs + transferMs
   int64_t paramBytes = 0;
-  int64_t memoryBytes = 0;  // parameters, gradients, optimizer, activations
-  int64_t activationBytes = 0;  // the activation share of memoryBytes
-  int64_t capacityBytes = 0;    // 0: unlimited
-  int inFlight = 0;             // micro-batches whose activations it keeps
+  int64_t memoryBytes = 0;     // parameters, gradients, optimizer, activations
+  int64_t activationBytes = 0; // the activation share of memoryBytes
+  int64_t capacityBytes = 0;   // 0: unlimited
+  int inFlight = 0;            // micro-batches whose activations it keeps
 };
 
 struct PartitionPlan {
-  std::vector<int> boundaries;  // stages + 1 layer indices
+  std::vector<int> boundaries; // stages + 1 layer indices
   double bottleneckMs = 0.0;
   std::vector<StageReport> stages;
 };
@@ -89,8 +90,9 @@ struct PartitionPlan {
 std::string formatBytes(int64_t bytes);
 
 // Evaluates one given partition (no search): times and memory per stage.
-PartitionPlan evaluatePartition(const PartitionProblem& problem,
-                                const std::vector<int>& boundaries);
+PartitionPlan evaluatePartition(
+    const PartitionProblem& problem,
+    const std::vector<int>& boundaries);
 
 // The partition minimizing the bottleneck stage time within every device's
 // memory: exact (bisection on the bottleneck with an interval-reachability
@@ -99,4 +101,4 @@ PartitionPlan evaluatePartition(const PartitionProblem& problem,
 // device, or the number of devices of this size that would fit.
 PartitionPlan optimalPartition(const PartitionProblem& problem);
 
-}  // namespace tpipe
+} // namespace tpipe

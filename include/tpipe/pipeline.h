@@ -67,13 +67,13 @@ namespace tpipe {
 
 // Whether a layer draws random numbers (see the header comment).
 enum class Randomness {
-  kAuto,   // dropout-like modules and unknown modules draw; known ones do not
-  kNone,   // declared deterministic: its stage skips the generator swap
-  kDraws,  // declared random: its stage's numbers are replayed on recompute
+  kAuto,  // dropout-like modules and unknown modules draw; known ones do not
+  kNone,  // declared deterministic: its stage skips the generator swap
+  kDraws, // declared random: its stage's numbers are replayed on recompute
 };
 
 struct NamedLayer {
-  std::string name;  // parameter names are "<name>.<parameter>"
+  std::string name; // parameter names are "<name>.<parameter>"
   torch::nn::AnyModule module;
   Randomness randomness = Randomness::kAuto;
 };
@@ -102,16 +102,16 @@ struct PipelineOptions {
   // Total stages; 0 means one per device (times virtualStages).
   int stages = 0;
   PartitionMethod partition = PartitionMethod::kUniform;
-  std::vector<int> balance;  // layers per stage; implies kBalance
+  std::vector<int> balance; // layers per stage; implies kBalance
   int microBatches = 1;
   // A built-in schedule or a schedule file (as `tpipe schedule --json`
   // writes it), validated before use: `schedule = "1f1b"` or "mine.json".
   ScheduleSource schedule = ScheduleKind::kGpipe;
-  int virtualStages = 1;           // stages per device (interleaved-1f1b)
+  int virtualStages = 1; // stages per device (interleaved-1f1b)
   CheckpointMode checkpoint = CheckpointMode::kExceptLast;
   // Intra-op threads of each device's worker; 0 shares the cores fairly.
   int threadsPerDevice = 0;
-  uint64_t seed = 0;  // seeds each stage's random generator
+  uint64_t seed = 0; // seeds each stage's random generator
   // Record every executed instruction's start and end (see trace()); off,
   // it costs one branch per instruction. The last `keepSteps` are kept.
   bool record = false;
@@ -136,15 +136,15 @@ struct PipelineOptions {
 
 struct DeviceMemory {
   std::string device;
-  int64_t liveBytes = 0;  // allocated by its worker and still alive
-  int64_t peakBytes = 0;  // since the last resetPeakMemory()
+  int64_t liveBytes = 0; // allocated by its worker and still alive
+  int64_t peakBytes = 0; // since the last resetPeakMemory()
   int64_t capacityBytes = 0;
 };
 
 // Must return the mean loss over the micro-batch (a scalar); the pipeline
 // weights each micro-batch by its share of the batch.
-using LossFunction = std::function<torch::Tensor(const torch::Tensor& output,
-                                                 const torch::Tensor& target)>;
+using LossFunction = std::function<
+    torch::Tensor(const torch::Tensor& output, const torch::Tensor& target)>;
 
 // True on a worker thread while it re-runs a checkpointed forward. Layers
 // that keep running statistics (batch norm) skip their update then, so a
@@ -169,9 +169,10 @@ class Pipeline {
   // the error names stage, device, micro-batch and instruction, and the
   // pipeline is ready for the next step (gradients of the failed step are
   // partial: zero them).
-  torch::Tensor trainStep(const torch::Tensor& input,
-                          const torch::Tensor& target,
-                          const LossFunction& lossFn);
+  torch::Tensor trainStep(
+      const torch::Tensor& input,
+      const torch::Tensor& target,
+      const LossFunction& lossFn);
 
   // Micro-batched inference under no-grad; outputs concatenated in order.
   torch::Tensor forward(const torch::Tensor& input);
@@ -181,8 +182,8 @@ class Pipeline {
   std::vector<std::pair<std::string, torch::Tensor>> namedParameters() const;
 
   const LayerList& layers() const;
-  const std::vector<int>& boundaries() const;  // stages + 1 layer indices
-  const Plan& plan() const;  // what runs: boundaries, schedule, predictions
+  const std::vector<int>& boundaries() const; // stages + 1 layer indices
+  const Plan& plan() const; // what runs: boundaries, schedule, predictions
   const Schedule& schedule() const;
   const PipelineOptions& options() const;
   // The device each stage runs on, as named in the options.
@@ -210,4 +211,4 @@ class Pipeline {
   std::unique_ptr<Impl> impl_;
 };
 
-}  // namespace tpipe
+} // namespace tpipe

@@ -41,13 +41,13 @@
 namespace tpipe {
 
 enum class PartitionMethod {
-  kUniform,     // layers per stage as even as possible
-  kParameters,  // balance parameter bytes (optimal min-max)
-  kTime,        // the fastest plan by measured costs, within memory
-  kBalance,     // an explicit balance (layers per stage)
+  kUniform,    // layers per stage as even as possible
+  kParameters, // balance parameter bytes (optimal min-max)
+  kTime,       // the fastest plan by measured costs, within memory
+  kBalance,    // an explicit balance (layers per stage)
 };
 
-PartitionMethod parsePartitionMethod(const std::string& name);  // UserError
+PartitionMethod parsePartitionMethod(const std::string& name); // UserError
 const char* partitionMethodName(PartitionMethod method);
 
 // The optimizer's state per parameter byte: sgd 0, sgd with momentum 1,
@@ -66,30 +66,32 @@ struct PlanRequest {
   // virtual stage) the count from 1 to the devices that predicts fastest.
   int stages = 0;
   PartitionMethod partition = PartitionMethod::kUniform;
-  std::vector<int> balance;  // layers per stage, with kBalance
+  std::vector<int> balance; // layers per stage, with kBalance
   ScheduleSource schedule = ScheduleKind::kGpipe;
   int microBatches = 1;
   int virtualStages = 1;
   CheckpointMode checkpoint = CheckpointMode::kExceptLast;
   double optimizerFactor = 0.0;
-  int64_t inputBytes = 0;  // the model input per micro-batch
+  int64_t inputBytes = 0; // the model input per micro-batch
 };
 
 struct Plan {
   PartitionMethod partition = PartitionMethod::kUniform;
-  std::vector<int> boundaries;  // stages + 1 layer indices
+  std::vector<int> boundaries; // stages + 1 layer indices
   Schedule schedule;
   CheckpointMode checkpoint = CheckpointMode::kExceptLast;
-  std::vector<StageReport> stages;  // predicted time and memory per stage
+  std::vector<StageReport> stages; // predicted time and memory per stage
   double bottleneckMs = 0.0;
-  Simulation simulation;  // the predicted step under the plan's costs
+  Simulation simulation; // the predicted step under the plan's costs
   std::string costSource;
   double costNoise = 0.0;
-  std::vector<std::string> notes;  // near-equal alternatives, choices made
+  std::vector<std::string> notes; // near-equal alternatives, choices made
   // A stage exceeds its device's capacity (only for methods that do not
   // search: uniform, parameters, balance; kTime throws instead).
   bool overCapacity() const;
-  int stageCount() const { return static_cast<int>(boundaries.size()) - 1; }
+  int stageCount() const {
+    return static_cast<int>(boundaries.size()) - 1;
+  }
 };
 
 // Throws UserError (PartitionError, ScheduleError) naming what is wrong.
@@ -98,17 +100,20 @@ Plan resolvePlan(const PlanRequest& request);
 // Per-stage costs for the simulator: forward and backward sums scaled by the
 // device speed, B and W as halves of the backward, recompute as one more
 // forward, transfer from the link.
-std::vector<StageCosts> stageCostsOf(const std::vector<LayerCost>& layers,
-                                     const std::vector<DeviceSpec>& devices,
-                                     const std::vector<int>& boundaries);
+std::vector<StageCosts> stageCostsOf(
+    const std::vector<LayerCost>& layers,
+    const std::vector<DeviceSpec>& devices,
+    const std::vector<int>& boundaries);
 
 // The partitioner's memory model for a schedule: each stage's peak held and
 // live micro-batches from its unit-cost simulation.
-MemoryModel memoryModelOf(const Schedule& schedule, double optimizerFactor,
-                          int64_t inputBytes);
+MemoryModel memoryModelOf(
+    const Schedule& schedule,
+    double optimizerFactor,
+    int64_t inputBytes);
 
 nlohmann::json planToJson(const Plan& plan);
 // The per-stage table, the simulated timeline, the cost source and notes.
 void printPlan(std::ostream& out, const Plan& plan);
 
-}  // namespace tpipe
+} // namespace tpipe

@@ -32,28 +32,32 @@
 namespace tpipe {
 
 struct LinearFit {
-  double intercept = 0.0;  // ms
-  double slope = 0.0;      // ms per sample
-  double at(double samples) const { return intercept + slope * samples; }
+  double intercept = 0.0; // ms
+  double slope = 0.0;     // ms per sample
+  double at(double samples) const {
+    return intercept + slope * samples;
+  }
 };
 
 // Least-squares line through (size, time) points (Eigen, column-pivoting QR).
-LinearFit fitLine(const std::vector<int64_t>& sizes, const std::vector<double>& times);
+LinearFit fitLine(
+    const std::vector<int64_t>& sizes,
+    const std::vector<double>& times);
 
 struct LayerProfile {
-  LayerCost cost;  // at the profile's micro-batch size
+  LayerCost cost; // at the profile's micro-batch size
   LinearFit forward, backward;
 };
 
 struct Profile {
   std::string device = "cpu";
   int64_t microBatchSize = 1;
-  int64_t inputBytes = 0;  // the model input per micro-batch
+  int64_t inputBytes = 0; // the model input per micro-batch
   std::vector<int64_t> fitSizes;
   std::vector<LayerProfile> layers;
-  double noise = 0.0;  // relative uncertainty of the summed medians
+  double noise = 0.0; // relative uncertainty of the summed medians
   int rounds = 1;
-  bool settled = true;  // noise reached ProfileOptions::noiseBound
+  bool settled = true; // noise reached ProfileOptions::noiseBound
 
   // Costs at another micro-batch size: times from the fits, bytes scaled.
   std::vector<LayerCost> costsAt(int64_t microBatchSize) const;
@@ -72,10 +76,12 @@ struct ProfileOptions {
 };
 
 // `sample(n)` returns a model input batch of n samples.
-Profile profileLayers(const LayerList& layers, const std::function<at::Tensor(int64_t)>& sample,
-                      const ProfileOptions& options);
+Profile profileLayers(
+    const LayerList& layers,
+    const std::function<at::Tensor(int64_t)>& sample,
+    const ProfileOptions& options);
 
 nlohmann::json profileToJson(const Profile& profile);
-Profile profileFromJson(const nlohmann::json& json);  // throws ConfigError
+Profile profileFromJson(const nlohmann::json& json); // throws ConfigError
 
-}  // namespace tpipe
+} // namespace tpipe

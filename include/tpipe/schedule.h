@@ -27,9 +27,9 @@ namespace tpipe {
 // Which micro-batches keep only their stage input during the forward and
 // recompute the rest right before their backward (GPipe / torchgpipe).
 enum class CheckpointMode {
-  kAlways,      // every micro-batch
-  kExceptLast,  // all but the last micro-batch, whose backward comes first
-  kNever,       // keep every activation
+  kAlways,     // every micro-batch
+  kExceptLast, // all but the last micro-batch, whose backward comes first
+  kNever,      // keep every activation
 };
 
 CheckpointMode parseCheckpointMode(const std::string& name);
@@ -41,7 +41,8 @@ bool isCheckpointed(CheckpointMode mode, int microBatch, int microBatches);
 //
 // Forward          x = stage 0 ? input[mb] : received[mb]
 //                  y = stage(x) (no-grad and keep only x when checkpointed)
-//                  last stage: loss[mb] = lossFn(y, target[mb]) * |mb| / |batch|
+//                  last stage: loss[mb] = lossFn(y, target[mb]) * |mb| /
+//                  |batch|
 struct Forward {
   int stage;
   int microBatch;
@@ -88,9 +89,16 @@ struct RecvGrad {
   int microBatch;
 };
 
-using Instruction =
-    std::variant<Forward, Recompute, Backward, BackwardInput, BackwardWeight,
-                 SendActivation, RecvActivation, SendGrad, RecvGrad>;
+using Instruction = std::variant<
+    Forward,
+    Recompute,
+    Backward,
+    BackwardInput,
+    BackwardWeight,
+    SendActivation,
+    RecvActivation,
+    SendGrad,
+    RecvGrad>;
 
 // JSON / display name of the instruction's kind, e.g. "forward".
 const char* opName(const Instruction& instruction);
@@ -102,7 +110,7 @@ bool isCompute(const Instruction& instruction);
 std::string shortLabel(const Instruction& instruction);
 
 struct Schedule {
-  std::string name;  // generator name, or "custom"
+  std::string name; // generator name, or "custom"
   // false: an inference schedule (forwards and activation transfers only).
   bool training = true;
   int ranks = 0;
@@ -110,15 +118,19 @@ struct Schedule {
   int microBatches = 0;
   std::vector<std::vector<Instruction>> perRank;
 
-  int stages() const { return ranks * virtualStages; }
-  int rankOfStage(int stage) const { return stage % ranks; }
+  int stages() const {
+    return ranks * virtualStages;
+  }
+  int rankOfStage(int stage) const {
+    return stage % ranks;
+  }
 };
 
 enum class ScheduleKind {
-  kGpipe,         // "gpipe": fill-drain
-  kOneFOneB,      // "1f1b"
-  kInterleaved,   // "interleaved-1f1b": virtual stages per rank
-  kZeroBubbleH1,  // "zb-h1": backward split into input and weight passes
+  kGpipe,        // "gpipe": fill-drain
+  kOneFOneB,     // "1f1b"
+  kInterleaved,  // "interleaved-1f1b": virtual stages per rank
+  kZeroBubbleH1, // "zb-h1": backward split into input and weight passes
 };
 const char* scheduleKindName(ScheduleKind kind);
 
@@ -130,19 +142,32 @@ const char* scheduleKindName(ScheduleKind kind);
 // names.
 class ScheduleSource {
  public:
-  ScheduleSource(ScheduleKind kind = ScheduleKind::kGpipe) : kind_(kind), known_(true) {}
+  ScheduleSource(ScheduleKind kind = ScheduleKind::kGpipe)
+      : kind_(kind), known_(true) {}
   ScheduleSource(const std::string& text);
   ScheduleSource(const char* text) : ScheduleSource(std::string(text)) {}
   static ScheduleSource file(const std::string& path);
 
-  bool isFile() const { return !path_.empty(); }
-  bool isBuiltIn() const { return path_.empty() && known_; }
-  ScheduleKind kind() const { return kind_; }       // when isBuiltIn()
-  const std::string& path() const { return path_; }  // when isFile()
+  bool isFile() const {
+    return !path_.empty();
+  }
+  bool isBuiltIn() const {
+    return path_.empty() && known_;
+  }
+  ScheduleKind kind() const {
+    return kind_;
+  } // when isBuiltIn()
+  const std::string& path() const {
+    return path_;
+  } // when isFile()
   // The name or the path, as written.
   std::string text() const;
-  bool operator==(const ScheduleSource& other) const { return text() == other.text(); }
-  bool operator!=(const ScheduleSource& other) const { return !(*this == other); }
+  bool operator==(const ScheduleSource& other) const {
+    return text() == other.text();
+  }
+  bool operator!=(const ScheduleSource& other) const {
+    return !(*this == other);
+  }
 
  private:
   ScheduleKind kind_ = ScheduleKind::kGpipe;
@@ -164,8 +189,11 @@ const std::vector<std::string>& scheduleNames();
 // Generators. All throw ScheduleError for impossible requests.
 Schedule gpipeSchedule(int ranks, int microBatches, CheckpointMode mode);
 Schedule oneFOneBSchedule(int ranks, int microBatches, CheckpointMode mode);
-Schedule interleavedSchedule(int ranks, int microBatches, int virtualStages,
-                             CheckpointMode mode);
+Schedule interleavedSchedule(
+    int ranks,
+    int microBatches,
+    int virtualStages,
+    CheckpointMode mode);
 Schedule zeroBubbleH1Schedule(int ranks, int microBatches, CheckpointMode mode);
 // Inference: every rank forwards its stages' micro-batches in order.
 Schedule forwardOnlySchedule(int ranks, int virtualStages, int microBatches);
@@ -189,30 +217,31 @@ void validate(const Schedule& schedule);
 // send on one stage to the data being available on the neighbour.
 struct TimedInstruction {
   int rank;
-  int index;  // position in schedule.perRank[rank]
+  int index; // position in schedule.perRank[rank]
   double start;
   double end;
 };
 
 struct Simulation {
   double makespan = 0.0;
-  std::vector<double> busy;  // per rank: compute time incl. recompute
-  std::vector<double> idle;  // per rank: makespan - busy
-  double bubbleFraction = 0.0;  // sum(idle) / (ranks * makespan)
+  std::vector<double> busy;    // per rank: compute time incl. recompute
+  std::vector<double> idle;    // per rank: makespan - busy
+  double bubbleFraction = 0.0; // sum(idle) / (ranks * makespan)
   // Per stage: peak count of micro-batches with anything stashed (input or
   // activations), and of those holding a full activation graph.
   std::vector<int> peakStashed;
   std::vector<int> peakLive;
   std::vector<TimedInstruction> timeline;
-  bool finished = true;  // false: a stall; `stuck` says where
+  bool finished = true; // false: a stall; `stuck` says where
   std::string stuck;
 };
 
 // Runs the schedule's instruction lists against the costs (one entry per
 // stage, or one entry for all). Receives wait for their send; sends never
 // block. Never throws on a stall: see Simulation::finished.
-Simulation simulate(const Schedule& schedule,
-                    const std::vector<StageCosts>& costs);
+Simulation simulate(
+    const Schedule& schedule,
+    const std::vector<StageCosts>& costs);
 
 // The textbook bubble (p - 1) / (m + p - 1) of fill-drain and 1F1B.
 double theoreticalBubble(int stages, int microBatches);
@@ -221,15 +250,19 @@ double theoreticalBubble(int stages, int microBatches);
 double theoreticalBubble(const Schedule& schedule);
 
 void printInstructions(std::ostream& out, const Schedule& schedule);
-void printSimulation(std::ostream& out, const Schedule& schedule,
-                     const Simulation& simulation, int width = 72);
+void printSimulation(
+    std::ostream& out,
+    const Schedule& schedule,
+    const Simulation& simulation,
+    int width = 72);
 
 nlohmann::json scheduleToJson(const Schedule& schedule);
-Schedule scheduleFromJson(const nlohmann::json& json);  // then validate()
+Schedule scheduleFromJson(const nlohmann::json& json); // then validate()
 // Reads, parses and validates a schedule file (as `tpipe schedule --json`
 // writes it); throws ScheduleError naming the file.
 Schedule loadScheduleFile(const std::string& path);
-nlohmann::json simulationToJson(const Schedule& schedule,
-                                const Simulation& simulation);
+nlohmann::json simulationToJson(
+    const Schedule& schedule,
+    const Simulation& simulation);
 
-}  // namespace tpipe
+} // namespace tpipe

@@ -16,21 +16,21 @@ namespace tpipe {
 
 struct TraceEvent {
   int rank = 0;
-  int index = 0;  // position in the schedule's list for this rank
-  double startUs = 0.0;  // since the step began (steady clock)
+  int index = 0;        // position in the schedule's list for this rank
+  double startUs = 0.0; // since the step began (steady clock)
   double endUs = 0.0;
-  int64_t bytes = 0;  // transfers: tensor bytes sent or received
+  int64_t bytes = 0; // transfers: tensor bytes sent or received
 };
 
 struct StepTrace {
-  int step = 0;          // the pipeline's step counter (1-based)
-  double wallUs = 0.0;   // the step's wall time, first dispatch to last end
-  std::vector<TraceEvent> events;  // every executed instruction
+  int step = 0;        // the pipeline's step counter (1-based)
+  double wallUs = 0.0; // the step's wall time, first dispatch to last end
+  std::vector<TraceEvent> events; // every executed instruction
 };
 
 struct Trace {
-  Schedule schedule;                 // what the events index into
-  std::vector<std::string> devices;  // per rank
+  Schedule schedule;                // what the events index into
+  std::vector<std::string> devices; // per rank
   std::vector<StepTrace> steps;
 };
 
@@ -41,21 +41,21 @@ struct RankBubble {
   std::string device;
   double wallMs = 0.0;
   double computeMs = 0.0;
-  double recomputeMs = 0.0;  // part of computeMs
+  double recomputeMs = 0.0; // part of computeMs
   double communicationMs = 0.0;
   double busyMs = 0.0;
   double idleMs = 0.0;
 };
 
 struct BubbleReport {
-  int steps = 0;                // averaged over
+  int steps = 0; // averaged over
   std::vector<RankBubble> ranks;
-  double stepMs = 0.0;          // mean measured step
-  double measuredBubble = 0.0;  // sum idle / (ranks * wall)
-  double theoreticalBubble = 0.0;  // (p - 1) / (m + p - 1)
-  double simulatedBubble = 0.0;    // simulator on the measured mean times
+  double stepMs = 0.0;            // mean measured step
+  double measuredBubble = 0.0;    // sum idle / (ranks * wall)
+  double theoreticalBubble = 0.0; // (p - 1) / (m + p - 1)
+  double simulatedBubble = 0.0;   // simulator on the measured mean times
   double simulatedStepMs = 0.0;
-  std::vector<StageCosts> measuredCosts;  // per stage, ms
+  std::vector<StageCosts> measuredCosts; // per stage, ms
 };
 
 // Averages the steps of a trace (all of them; skip warm-up steps before).
@@ -72,4 +72,4 @@ nlohmann::json chromeTrace(const Trace& trace);
 // idle time blank, a legend and the bubble in the title.
 std::string timelineSvg(const Trace& trace, int stepIndex = -1);
 
-}  // namespace tpipe
+} // namespace tpipe

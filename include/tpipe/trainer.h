@@ -21,7 +21,7 @@ struct BuiltModel {
   LayerList layers;
   // shapes[0] is the input (per sample); shapes[i + 1] is layer i's output.
   std::vector<std::vector<int64_t>> shapes;
-  bool integerInput = false;  // token ids (embedding first)
+  bool integerInput = false; // token ids (embedding first)
   int64_t parameterCount = 0;
 };
 
@@ -58,7 +58,7 @@ struct TrainingCosts {
   std::vector<LayerCost> layers;
   int64_t inputBytes = 0;
   double noise = 0.0;
-  std::string source;  // "parameter bytes", "measured now", "profile.json"
+  std::string source; // "parameter bytes", "measured now", "profile.json"
 };
 
 // Whether the config's plan needs measured times or bytes: partition `time`,
@@ -68,8 +68,11 @@ bool needsMeasuredCosts(const Config& config);
 // Costs for the config's plan: read from a saved profile (`tpipe profile
 // --out`) when profilePath is given, measured now when `measure`, else
 // parameter bytes alone. A profile of another model is a ConfigError.
-TrainingCosts trainingCosts(const Config& config, const BuiltModel& model, const std::string& profilePath,
-                            bool measure);
+TrainingCosts trainingCosts(
+    const Config& config,
+    const BuiltModel& model,
+    const std::string& profilePath,
+    bool measure);
 
 // The plan resolver's request for a config: its devices (speed, memory),
 // partition method, schedule, micro-batches, checkpoint mode and optimizer.
@@ -81,18 +84,18 @@ struct TrainOptions {
   // --save into a directory that holds another checkpoint: refused unless
   // set (or the run resumes from that directory).
   bool overwrite = false;
-  std::string metricsPath;  // JSON lines; empty: none
-  std::string saveDir;      // checkpoints; empty: none
-  std::string resumeDir;    // continue from this checkpoint; empty: start
+  std::string metricsPath; // JSON lines; empty: none
+  std::string saveDir;     // checkpoints; empty: none
+  std::string resumeDir;   // continue from this checkpoint; empty: start
   // Stop (and checkpoint, with saveDir) once this many steps are done, as a
   // preempted job would; the schedule still spans train.steps. 0: run all.
   int64_t stopAfter = 0;
-  std::ostream* log = nullptr;  // progress and summary; null: std::cout
+  std::ostream* log = nullptr; // progress and summary; null: std::cout
   // The last recordSteps steps are recorded for the bubble report, and
   // written as a Chrome trace, an SVG timeline and a JSON report when asked.
   int recordSteps = 5;
   std::string tracePath, timelinePath, reportPath;
-  bool evaluate = true;  // evaluate at eval_every and at the end
+  bool evaluate = true; // evaluate at eval_every and at the end
   // Measure memory per device and print it next to the partitioner's
   // prediction (always on when a device declares a memory capacity).
   bool memoryReport = false;
@@ -106,24 +109,24 @@ struct MemoryRow {
   int64_t parameterBytes = 0;
   int64_t gradientBytes = 0;
   int64_t optimizerBytes = 0;
-  int64_t workerPeakBytes = 0;  // allocator peak of the worker's allocations
-  int64_t activationPeakBytes = 0;  // workerPeak - gradients
-  int64_t measuredPeakBytes = 0;    // parameters + optimizer + workerPeak
+  int64_t workerPeakBytes = 0;     // allocator peak of the worker's allocations
+  int64_t activationPeakBytes = 0; // workerPeak - gradients
+  int64_t measuredPeakBytes = 0;   // parameters + optimizer + workerPeak
   int64_t predictedBytes = 0;
   int64_t capacityBytes = 0;
 };
 
 struct TrainSummary {
-  int64_t startStep = 0;  // 0 unless resumed
-  int64_t steps = 0;      // optimizer steps taken in total
+  int64_t startStep = 0; // 0 unless resumed
+  int64_t steps = 0;     // optimizer steps taken in total
   double seconds = 0.0;
   double samplesPerSecond = 0.0;
   double finalLoss = 0.0;
   double evalLoss = 0.0;
-  double evalAccuracy = -1.0;  // < 0: not a classification loss
-  std::vector<double> losses;  // per step run in this call
-  BubbleReport bubble;         // over the recorded steps
-  std::vector<MemoryRow> memory;  // when measured
+  double evalAccuracy = -1.0;    // < 0: not a classification loss
+  std::vector<double> losses;    // per step run in this call
+  BubbleReport bubble;           // over the recorded steps
+  std::vector<MemoryRow> memory; // when measured
   // SIGINT or SIGTERM stopped the run after `steps` (with a checkpoint, when
   // saving); 0: it ran to its end.
   int stopSignal = 0;
@@ -140,4 +143,4 @@ TrainSummary train(const Config& config, const TrainOptions& options);
 using StepHook = std::function<void(int rank, int64_t step)>;
 void setStepHook(StepHook hook);
 
-}  // namespace tpipe
+} // namespace tpipe

@@ -22,36 +22,50 @@
 
 namespace {
 
-// `tpipe train` without a config trains this one (configs/fashion_mnist_cnn.json).
+// `tpipe train` without a config trains this one
+// (configs/fashion_mnist_cnn.json).
 const char* const kDefaultConfig =
 #include "default_config.inc"
     ;
 
-nlohmann::json configJson(const std::string& path, const std::vector<std::string>& overrides) {
-  if (!path.empty()) return tpipe::readConfigJson(path, overrides);
+nlohmann::json configJson(
+    const std::string& path,
+    const std::vector<std::string>& overrides) {
+  if (!path.empty())
+    return tpipe::readConfigJson(path, overrides);
   nlohmann::json json = nlohmann::json::parse(kDefaultConfig);
-  for (const auto& assignment : overrides) tpipe::applyOverride(json, assignment);
+  for (const auto& assignment : overrides)
+    tpipe::applyOverride(json, assignment);
   return json;
 }
 
 std::string shapeText(const std::vector<int64_t>& shape) {
   std::string text = "[";
-  for (size_t i = 0; i < shape.size(); ++i) text += (i ? ", " : "") + std::to_string(shape[i]);
+  for (size_t i = 0; i < shape.size(); ++i)
+    text += (i ? ", " : "") + std::to_string(shape[i]);
   return text + "]";
 }
 
 // Every check short of training: config, shape inference, loss fit, data.
-int validateConfig(const std::string& path, const std::vector<std::string>& overrides) {
+int validateConfig(
+    const std::string& path,
+    const std::vector<std::string>& overrides) {
   const tpipe::Config config = tpipe::parseConfig(configJson(path, overrides));
-  const tpipe::BuiltModel model = tpipe::buildModel(config.model, config.train.seed);
+  const tpipe::BuiltModel model =
+      tpipe::buildModel(config.model, config.train.seed);
   tpipe::checkLossFits(config, model);
   std::printf("%-6s %-18s %-18s %s\n", "layer", "type", "output", "parameters");
-  std::printf("%-6s %-18s %-18s\n", "input", "", shapeText(model.shapes[0]).c_str());
+  std::printf(
+      "%-6s %-18s %-18s\n", "input", "", shapeText(model.shapes[0]).c_str());
   const std::vector<int64_t> counts = tpipe::parameterCounts(model.layers);
   for (size_t i = 0; i < model.layers.size(); ++i) {
     const int64_t count = counts[i];
-    std::printf("%-6zu %-18s %-18s %lld\n", i, config.model.layers[i].type.c_str(),
-                shapeText(model.shapes[i + 1]).c_str(), static_cast<long long>(count));
+    std::printf(
+        "%-6zu %-18s %-18s %lld\n",
+        i,
+        config.model.layers[i].type.c_str(),
+        shapeText(model.shapes[i + 1]).c_str(),
+        static_cast<long long>(count));
   }
   const tpipe::Dataset data = tpipe::loadDataset(config, model);
   std::printf("%s\n", data.description.c_str());
@@ -62,8 +76,11 @@ int validateConfig(const std::string& path, const std::vector<std::string>& over
   spec.virtualStages = config.pipeline.virtualStages;
   spec.checkpoint = config.pipeline.checkpoint;
   const tpipe::Schedule schedule = tpipe::makeSchedule(spec);
-  std::printf("config OK: %lld parameters, %d stages, schedule %s valid\n",
-              static_cast<long long>(model.parameterCount), schedule.stages(), schedule.name.c_str());
+  std::printf(
+      "config OK: %lld parameters, %d stages, schedule %s valid\n",
+      static_cast<long long>(model.parameterCount),
+      schedule.stages(),
+      schedule.name.c_str());
   return 0;
 }
 
@@ -82,9 +99,8 @@ void suggestFits(const tpipe::PlanRequest& request) {
     change(copy);
     variants.push_back({std::move(what), std::move(copy)});
   };
-  add("rematerialization (pipeline.checkpoint = always)", [](auto& r) {
-    r.checkpoint = tpipe::CheckpointMode::kAlways;
-  });
+  add("rematerialization (pipeline.checkpoint = always)",
+      [](auto& r) { r.checkpoint = tpipe::CheckpointMode::kAlways; });
   add("1F1B (pipeline.schedule = 1f1b)", [](auto& r) { r.schedule = "1f1b"; });
   add("1F1B with rematerialization", [](auto& r) {
     r.schedule = "1f1b";
@@ -101,20 +117,27 @@ void suggestFits(const tpipe::PlanRequest& request) {
   const int devices = static_cast<int>(request.devices.size());
   const int layers = static_cast<int>(request.layers.size());
   for (int more = devices + 1; more <= std::min(layers, devices * 8); ++more) {
-    add(std::to_string(more) + " devices like " + request.devices.front().name, [&](auto& r) {
-      r.devices.assign(more, request.devices.front());
-      r.stages = more;
-    });
+    add(std::to_string(more) + " devices like " + request.devices.front().name,
+        [&](auto& r) {
+          r.devices.assign(more, request.devices.front());
+          r.stages = more;
+        });
   }
   bool anyDeviceCount = false;
   for (const auto& variant : variants) {
-    const bool deviceVariant = variant.what.find(" devices like ") != std::string::npos;
-    if (deviceVariant && anyDeviceCount) continue;
+    const bool deviceVariant =
+        variant.what.find(" devices like ") != std::string::npos;
+    if (deviceVariant && anyDeviceCount)
+      continue;
     try {
       const tpipe::Plan plan = tpipe::resolvePlan(variant.request);
       int64_t peak = 0;
-      for (const auto& stage : plan.stages) peak = std::max(peak, stage.memoryBytes);
-      std::printf("  would fit: %s (largest stage %s)\n", variant.what.c_str(), tpipe::formatBytes(peak).c_str());
+      for (const auto& stage : plan.stages)
+        peak = std::max(peak, stage.memoryBytes);
+      std::printf(
+          "  would fit: %s (largest stage %s)\n",
+          variant.what.c_str(),
+          tpipe::formatBytes(peak).c_str());
       anyDeviceCount = anyDeviceCount || deviceVariant;
     } catch (const tpipe::UserError&) {
     }
@@ -122,14 +145,20 @@ void suggestFits(const tpipe::PlanRequest& request) {
 }
 
 // A saved profile without a config: `stages` identical CPU devices.
-tpipe::PlanRequest profileOnlyRequest(const std::string& profilePath, int stages) {
-  if (stages < 1) throw tpipe::ConfigError("--stages: required with --profile and no CONFIG (a positive integer)");
-  const tpipe::Profile profile = tpipe::profileFromJson(tpipe::readJsonFile(profilePath, "--profile " + profilePath));
+tpipe::PlanRequest profileOnlyRequest(
+    const std::string& profilePath,
+    int stages) {
+  if (stages < 1)
+    throw tpipe::ConfigError(
+        "--stages: required with --profile and no CONFIG (a positive integer)");
+  const tpipe::Profile profile = tpipe::profileFromJson(
+      tpipe::readJsonFile(profilePath, "--profile " + profilePath));
   tpipe::PlanRequest request;
   request.layers = profile.costsAt(profile.microBatchSize);
   request.costSource = profilePath;
   request.costNoise = profile.noise;
-  for (int k = 0; k < stages; ++k) request.devices.push_back({"cpu:" + std::to_string(k)});
+  for (int k = 0; k < stages; ++k)
+    request.devices.push_back({"cpu:" + std::to_string(k)});
   request.stages = stages;
   request.partition = tpipe::PartitionMethod::kTime;
   return request;
@@ -137,16 +166,24 @@ tpipe::PlanRequest profileOnlyRequest(const std::string& profilePath, int stages
 
 // `plan` resolves exactly what `train` would run: the same request builder
 // and resolver; with the same --profile file, the same plan.
-int planCommand(const std::string& configPath, const std::vector<std::string>& overrides,
-                const std::string& profilePath, int stages, bool json) {
+int planCommand(
+    const std::string& configPath,
+    const std::vector<std::string>& overrides,
+    const std::string& profilePath,
+    int stages,
+    bool json) {
   tpipe::PlanRequest request;
   if (configPath.empty()) {
     request = profileOnlyRequest(profilePath, stages);
   } else {
-    tpipe::Config config = tpipe::parseConfig(configJson(configPath, overrides));
-    if (stages > 0) config.pipeline.stages = stages;
-    const tpipe::BuiltModel model = tpipe::buildModel(config.model, config.train.seed);
-    request = tpipe::planRequest(config, tpipe::trainingCosts(config, model, profilePath, true));
+    tpipe::Config config =
+        tpipe::parseConfig(configJson(configPath, overrides));
+    if (stages > 0)
+      config.pipeline.stages = stages;
+    const tpipe::BuiltModel model =
+        tpipe::buildModel(config.model, config.train.seed);
+    request = tpipe::planRequest(
+        config, tpipe::trainingCosts(config, model, profilePath, true));
   }
   tpipe::Plan plan;
   try {
@@ -162,33 +199,54 @@ int planCommand(const std::string& configPath, const std::vector<std::string>& o
   }
   tpipe::printPlan(std::cout, plan);
   if (plan.overCapacity()) {
-    std::printf("INFEASIBLE: a stage exceeds its device's capacity with partition '%s'\n",
-                tpipe::partitionMethodName(plan.partition));
+    std::printf(
+        "INFEASIBLE: a stage exceeds its device's capacity with partition '%s'\n",
+        tpipe::partitionMethodName(plan.partition));
     suggestFits(request);
     return 2;
   }
   return 0;
 }
 
-int profileCommand(const std::string& configPath, const std::vector<std::string>& overrides,
-                   const std::string& outPath) {
-  const tpipe::Config config = tpipe::parseConfig(configJson(configPath, overrides));
-  const tpipe::BuiltModel model = tpipe::buildModel(config.model, config.train.seed);
+int profileCommand(
+    const std::string& configPath,
+    const std::vector<std::string>& overrides,
+    const std::string& outPath) {
+  const tpipe::Config config =
+      tpipe::parseConfig(configJson(configPath, overrides));
+  const tpipe::BuiltModel model =
+      tpipe::buildModel(config.model, config.train.seed);
   const tpipe::Profile profile = tpipe::profileModel(config, model);
-  std::printf("%-24s %10s %10s %12s %12s %12s\n", "layer", "fwd ms", "bwd ms", "params", "output", "kept");
+  std::printf(
+      "%-24s %10s %10s %12s %12s %12s\n",
+      "layer",
+      "fwd ms",
+      "bwd ms",
+      "params",
+      "output",
+      "kept");
   for (const auto& layer : profile.layers) {
-    std::printf("%-24s %10.4f %10.4f %12s %12s %12s\n", layer.cost.name.substr(0, 24).c_str(), layer.cost.forwardMs,
-                layer.cost.backwardMs, tpipe::formatBytes(layer.cost.paramBytes).c_str(),
-                tpipe::formatBytes(layer.cost.activationBytes).c_str(),
-                tpipe::formatBytes(layer.cost.stashBytes).c_str());
+    std::printf(
+        "%-24s %10.4f %10.4f %12s %12s %12s\n",
+        layer.cost.name.substr(0, 24).c_str(),
+        layer.cost.forwardMs,
+        layer.cost.backwardMs,
+        tpipe::formatBytes(layer.cost.paramBytes).c_str(),
+        tpipe::formatBytes(layer.cost.activationBytes).c_str(),
+        tpipe::formatBytes(layer.cost.stashBytes).c_str());
   }
-  std::printf("(medians over %d round(s) at %lld samples per micro-batch on %s; noise %.1f%%%s)\n",
-              profile.rounds, static_cast<long long>(profile.microBatchSize), profile.device.c_str(),
-              100.0 * profile.noise, profile.settled ? "" : ", still above the bound");
+  std::printf(
+      "(medians over %d round(s) at %lld samples per micro-batch on %s; noise %.1f%%%s)\n",
+      profile.rounds,
+      static_cast<long long>(profile.microBatchSize),
+      profile.device.c_str(),
+      100.0 * profile.noise,
+      profile.settled ? "" : ", still above the bound");
   if (!outPath.empty()) {
     std::ofstream out(outPath);
     out << tpipe::profileToJson(profile).dump(1) << '\n';
-    if (!out) throw tpipe::ConfigError("--out: cannot write " + outPath);
+    if (!out)
+      throw tpipe::ConfigError("--out: cannot write " + outPath);
     std::printf("wrote %s\n", outPath.c_str());
   }
   return 0;
@@ -196,7 +254,8 @@ int profileCommand(const std::string& configPath, const std::vector<std::string>
 
 int printSchedule(const tpipe::ScheduleSpec& spec, bool json) {
   const tpipe::Schedule schedule = tpipe::makeSchedule(spec);
-  const tpipe::Simulation simulation = tpipe::simulate(schedule, {tpipe::StageCosts{}});
+  const tpipe::Simulation simulation =
+      tpipe::simulate(schedule, {tpipe::StageCosts{}});
   if (json) {
     nlohmann::json out = tpipe::scheduleToJson(schedule);
     out["simulation"] = tpipe::simulationToJson(schedule, simulation);
@@ -214,17 +273,20 @@ int printSchedule(const tpipe::ScheduleSpec& spec, bool json) {
 // errors exit 2, everything else 1. Exits at once rather than returning: a
 // thread stuck on a peer that never answered must not hold the exit.
 [[noreturn]] void exitWith(int code, const std::string& message) {
-  if (!message.empty()) std::cerr << "tpipe: error: " << message << std::endl;
+  if (!message.empty())
+    std::cerr << "tpipe: error: " << message << std::endl;
   std::cout.flush();
   std::fflush(nullptr);
   std::_Exit(code);
 }
 
-// "[json.exception.type_error.302] type must be number" -> "type must be number".
+// "[json.exception.type_error.302] type must be number" -> "type must be
+// number".
 std::string libraryText(const std::string& message) {
   const size_t close = message.find("] ");
-  return message.rfind("[json.exception.", 0) == 0 && close != std::string::npos ? message.substr(close + 2)
-                                                                                 : message;
+  return message.rfind("[json.exception.", 0) == 0 && close != std::string::npos
+      ? message.substr(close + 2)
+      : message;
 }
 
 // Every subcommand's options, filled by CLI11.
@@ -242,91 +304,163 @@ struct Arguments {
 
 CLI::App* addTrain(CLI::App& app, Arguments& a) {
   auto* train = app.add_subcommand(
-      "train", "train from a JSON config (default: the built-in Fashion-MNIST CNN config)");
-  train->add_option("config", a.configPath, "JSON config file")->check(CLI::ExistingFile);
-  train->add_option("--set", a.overrides, "override a config value: key.path=value (repeatable)");
-  train->add_option("--metrics", a.train.metricsPath, "write JSON lines, one per step");
-  train->add_option("--save", a.train.saveDir, "checkpoint directory");
-  train->add_option("--resume", a.train.resumeDir, "continue from this checkpoint directory");
-  train->add_option("--trace", a.train.tracePath, "write a Chrome trace (Perfetto) of the recorded steps");
-  train->add_option("--timeline", a.train.timelinePath, "draw the last recorded step as an SVG Gantt chart");
-  train->add_option("--report", a.train.reportPath, "write the bubble report as JSON");
-  train->add_flag("--memory-report", a.train.memoryReport,
-                  "measure memory per device next to the partitioner's prediction");
-  train->add_option("--record-steps", a.train.recordSteps, "how many final steps to record (default 5)");
-  train->add_option("--profile", a.train.profilePath,
-                    "plan from this saved profile (tpipe profile --out) instead of measuring")
+      "train",
+      "train from a JSON config (default: the built-in Fashion-MNIST CNN config)");
+  train->add_option("config", a.configPath, "JSON config file")
       ->check(CLI::ExistingFile);
-  train->add_flag("--overwrite", a.train.overwrite, "let --save replace a checkpoint already in the directory");
-  train->add_option("--stop-after", a.train.stopAfter,
-                    "stop after this many steps (a preemption: the schedule still spans train.steps)");
+  train->add_option(
+      "--set",
+      a.overrides,
+      "override a config value: key.path=value (repeatable)");
+  train->add_option(
+      "--metrics", a.train.metricsPath, "write JSON lines, one per step");
+  train->add_option("--save", a.train.saveDir, "checkpoint directory");
+  train->add_option(
+      "--resume", a.train.resumeDir, "continue from this checkpoint directory");
+  train->add_option(
+      "--trace",
+      a.train.tracePath,
+      "write a Chrome trace (Perfetto) of the recorded steps");
+  train->add_option(
+      "--timeline",
+      a.train.timelinePath,
+      "draw the last recorded step as an SVG Gantt chart");
+  train->add_option(
+      "--report", a.train.reportPath, "write the bubble report as JSON");
+  train->add_flag(
+      "--memory-report",
+      a.train.memoryReport,
+      "measure memory per device next to the partitioner's prediction");
+  train->add_option(
+      "--record-steps",
+      a.train.recordSteps,
+      "how many final steps to record (default 5)");
+  train
+      ->add_option(
+          "--profile",
+          a.train.profilePath,
+          "plan from this saved profile (tpipe profile --out) instead of measuring")
+      ->check(CLI::ExistingFile);
+  train->add_flag(
+      "--overwrite",
+      a.train.overwrite,
+      "let --save replace a checkpoint already in the directory");
+  train->add_option(
+      "--stop-after",
+      a.train.stopAfter,
+      "stop after this many steps (a preemption: the schedule still spans train.steps)");
   return train;
 }
 
 CLI::App* addLaunch(CLI::App& app, Arguments& a) {
   auto* launch = app.add_subcommand(
-      "launch", "run `tpipe train` as N local processes (one pipeline rank each) over c10d");
-  launch->add_option("--nproc", a.processes, "processes: pipeline ranks x data-parallel replicas")
+      "launch",
+      "run `tpipe train` as N local processes (one pipeline rank each) over c10d");
+  launch
+      ->add_option(
+          "--nproc",
+          a.processes,
+          "processes: pipeline ranks x data-parallel replicas")
       ->required()
       ->check(CLI::Range(1, 1024));
-  launch->prefix_command();  // CONFIG and the train options follow, passed on as they are
-  launch->footer("Everything after --nproc N is handed to `tpipe train` in every rank.");
+  launch->prefix_command(); // CONFIG and the train options follow, passed on as
+                            // they are
+  launch->footer(
+      "Everything after --nproc N is handed to `tpipe train` in every rank.");
   return launch;
 }
 
 CLI::App* addValidate(CLI::App& app, Arguments& a) {
-  auto* validate = app.add_subcommand("validate", "check a config without training");
-  validate->add_option("config", a.configPath, "JSON config file")->required()->check(CLI::ExistingFile);
-  validate->add_option("--set", a.overrides, "override a config value: key.path=value");
+  auto* validate =
+      app.add_subcommand("validate", "check a config without training");
+  validate->add_option("config", a.configPath, "JSON config file")
+      ->required()
+      ->check(CLI::ExistingFile);
+  validate->add_option(
+      "--set", a.overrides, "override a config value: key.path=value");
   return validate;
 }
 
 CLI::App* addPlan(CLI::App& app, Arguments& a) {
-  auto* plan = app.add_subcommand("plan", "partition a config's model (or a saved profile) and predict the step");
-  plan->add_option("config", a.configPath, "JSON config file")->check(CLI::ExistingFile);
-  plan->add_option("--set", a.overrides, "override a config value: key.path=value");
-  plan->add_option("--profile", a.profilePath, "plan from a saved profile (with or without a CONFIG)")
+  auto* plan = app.add_subcommand(
+      "plan",
+      "partition a config's model (or a saved profile) and predict the step");
+  plan->add_option("config", a.configPath, "JSON config file")
       ->check(CLI::ExistingFile);
-  plan->add_option("--stages", a.planStages, "stage count (required with --profile and no CONFIG)")
+  plan->add_option(
+      "--set", a.overrides, "override a config value: key.path=value");
+  plan->add_option(
+          "--profile",
+          a.profilePath,
+          "plan from a saved profile (with or without a CONFIG)")
+      ->check(CLI::ExistingFile);
+  plan->add_option(
+          "--stages",
+          a.planStages,
+          "stage count (required with --profile and no CONFIG)")
       ->check(CLI::Range(1, 4096));
   plan->add_flag("--json", a.json, "print JSON");
   return plan;
 }
 
 CLI::App* addProfile(CLI::App& app, Arguments& a) {
-  auto* profile = app.add_subcommand("profile", "measure each layer's time and memory");
-  profile->add_option("config", a.configPath, "JSON config file")->required()->check(CLI::ExistingFile);
-  profile->add_option("--set", a.overrides, "override a config value: key.path=value");
+  auto* profile =
+      app.add_subcommand("profile", "measure each layer's time and memory");
+  profile->add_option("config", a.configPath, "JSON config file")
+      ->required()
+      ->check(CLI::ExistingFile);
+  profile->add_option(
+      "--set", a.overrides, "override a config value: key.path=value");
   profile->add_option("--out", a.profileOut, "write the profile as JSON");
-  profile->add_option("--steps", a.profileSteps, "also run this many pipelined steps and report the bubble");
-  profile->add_option("--trace", a.train.tracePath, "with --steps: write a Chrome trace");
-  profile->add_option("--timeline", a.train.timelinePath, "with --steps: write an SVG timeline");
-  profile->add_option("--report", a.train.reportPath, "with --steps: write the bubble report as JSON");
+  profile->add_option(
+      "--steps",
+      a.profileSteps,
+      "also run this many pipelined steps and report the bubble");
+  profile->add_option(
+      "--trace", a.train.tracePath, "with --steps: write a Chrome trace");
+  profile->add_option(
+      "--timeline",
+      a.train.timelinePath,
+      "with --steps: write an SVG timeline");
+  profile->add_option(
+      "--report",
+      a.train.reportPath,
+      "with --steps: write the bubble report as JSON");
   return profile;
 }
 
 CLI::App* addSchedule(CLI::App& app, Arguments& a) {
-  auto* schedule = app.add_subcommand("schedule", "print a schedule's instruction lists and simulated timeline");
-  schedule->add_option("--stages", a.spec.ranks, "pipeline ranks (devices)")->required()->check(CLI::Range(1, 4096));
+  auto* schedule = app.add_subcommand(
+      "schedule",
+      "print a schedule's instruction lists and simulated timeline");
+  schedule->add_option("--stages", a.spec.ranks, "pipeline ranks (devices)")
+      ->required()
+      ->check(CLI::Range(1, 4096));
   schedule->add_option("--micro-batches", a.spec.microBatches, "micro-batches")
       ->required()
       ->check(CLI::Range(1, 65536));
-  schedule->add_option("--schedule", a.scheduleText, "gpipe | 1f1b | interleaved-1f1b | zb-h1");
-  schedule->add_option("--virtual", a.spec.virtualStages, "stages per device")->check(CLI::Range(1, 64));
-  schedule->add_option("--checkpoint", a.checkpoint, "always | except_last | never");
+  schedule->add_option(
+      "--schedule", a.scheduleText, "gpipe | 1f1b | interleaved-1f1b | zb-h1");
+  schedule->add_option("--virtual", a.spec.virtualStages, "stages per device")
+      ->check(CLI::Range(1, 64));
+  schedule->add_option(
+      "--checkpoint", a.checkpoint, "always | except_last | never");
   schedule->add_flag("--json", a.json, "print JSON");
   return schedule;
 }
 
 int runProfile(Arguments& a) {
   profileCommand(a.configPath, a.overrides, a.profileOut);
-  if (a.profileSteps <= 0) return 0;
-  tpipe::Config config = tpipe::parseConfig(configJson(a.configPath, a.overrides));
-  config.train.steps = a.profileSteps + 2;  // two warm-up steps
+  if (a.profileSteps <= 0)
+    return 0;
+  tpipe::Config config =
+      tpipe::parseConfig(configJson(a.configPath, a.overrides));
+  config.train.steps = a.profileSteps + 2; // two warm-up steps
   config.train.evalEvery = 0;
   a.train.recordSteps = a.profileSteps;
   a.train.evaluate = false;
-  std::cout << "\nrunning " << a.profileSteps << " recorded steps (after 2 warm-up steps)\n";
+  std::cout << "\nrunning " << a.profileSteps
+            << " recorded steps (after 2 warm-up steps)\n";
   tpipe::train(config, a.train);
   return 0;
 }
@@ -338,40 +472,50 @@ struct Subcommands {
 
 int dispatch(const Subcommands& c, Arguments& a) {
   if (*c.train) {
-    const tpipe::Config config = tpipe::parseConfig(configJson(a.configPath, a.overrides));
+    const tpipe::Config config =
+        tpipe::parseConfig(configJson(a.configPath, a.overrides));
     const tpipe::TrainSummary summary = tpipe::train(config, a.train);
     return summary.stopSignal ? 128 + summary.stopSignal : 0;
   }
   if (*c.launch) {
     const std::vector<std::string> arguments = c.launch->remaining();
-    if (arguments.empty()) throw tpipe::ConfigError("launch: give a CONFIG after --nproc N");
+    if (arguments.empty())
+      throw tpipe::ConfigError("launch: give a CONFIG after --nproc N");
     return tpipe::launchLocal("/proc/self/exe", a.processes, arguments);
   }
-  if (*c.validate) return validateConfig(a.configPath, a.overrides);
+  if (*c.validate)
+    return validateConfig(a.configPath, a.overrides);
   if (*c.plan) {
     if (a.configPath.empty() && a.profilePath.empty()) {
       throw tpipe::ConfigError("plan: give a CONFIG or --profile FILE");
     }
-    return planCommand(a.configPath, a.overrides, a.profilePath, a.planStages, a.json);
+    return planCommand(
+        a.configPath, a.overrides, a.profilePath, a.planStages, a.json);
   }
-  if (*c.profile) return runProfile(a);
+  if (*c.profile)
+    return runProfile(a);
   a.spec.checkpoint = tpipe::parseCheckpointMode(a.checkpoint);
   a.spec.source = a.scheduleText;
   return printSchedule(a.spec, a.json);
 }
 
-}  // namespace
+} // namespace
 
 int tpipe::runCommandLine(int argc, char** argv) {
   CLI::App app{"tpipe: pipeline-parallel training on LibTorch"};
   app.require_subcommand(1);
   Arguments arguments;
-  const Subcommands commands{addTrain(app, arguments),   addLaunch(app, arguments),  addValidate(app, arguments),
-                             addPlan(app, arguments),    addProfile(app, arguments), addSchedule(app, arguments)};
+  const Subcommands commands{
+      addTrain(app, arguments),
+      addLaunch(app, arguments),
+      addValidate(app, arguments),
+      addPlan(app, arguments),
+      addProfile(app, arguments),
+      addSchedule(app, arguments)};
   try {
     app.parse(argc, argv);
   } catch (const CLI::Success&) {
-    std::cout << app.help();  // --help
+    std::cout << app.help(); // --help
     return 0;
   } catch (const CLI::ParseError& error) {
     // CLI11's own exit codes (105, 106, ...) are not tpipe's: a usage error
@@ -381,9 +525,11 @@ int tpipe::runCommandLine(int argc, char** argv) {
   }
   try {
     return dispatch(commands, arguments);
-  } catch (const tpipe::UserError& error) {  // configs, files, schedules, partitions, peers
+  } catch (const tpipe::UserError&
+               error) { // configs, files, schedules, partitions, peers
     exitWith(2, error.what());
-  } catch (const nlohmann::json::exception& error) {  // a value of the wrong type in a user's file
+  } catch (const nlohmann::json::exception&
+               error) { // a value of the wrong type in a user's file
     exitWith(2, "a JSON value of the wrong type: " + libraryText(error.what()));
   } catch (const c10::Error& error) {
     exitWith(1, error.what_without_backtrace());

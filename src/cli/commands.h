@@ -9,4 +9,4 @@ namespace tpipe {
 // wrong; 1: anything else).
 int runCommandLine(int argc, char** argv);
 
-}  // namespace tpipe
+} // namespace tpipe

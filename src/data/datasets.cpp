@@ -26,29 +26,42 @@ bool fileExists(const std::string& path) {
 
 #ifdef TPIPE_NO_ZLIB
 using gzFile = void*;
-inline gzFile gzopen(const char*, const char*) { return nullptr; }
-inline int gzread(gzFile, void*, unsigned) { return -1; }
-inline int gzclose(gzFile) { return 0; }
+inline gzFile gzopen(const char*, const char*) {
+  return nullptr;
+}
+inline int gzread(gzFile, void*, unsigned) {
+  return -1;
+}
+inline int gzclose(gzFile) {
+  return 0;
+}
 #endif
 
 class GzipFile {
  public:
-  explicit GzipFile(const std::string& path) : path_(path), file_(gzopen(path.c_str(), "rb")) {
+  explicit GzipFile(const std::string& path)
+      : path_(path), file_(gzopen(path.c_str(), "rb")) {
 #ifdef TPIPE_NO_ZLIB
-    throw ConfigError("data.path: this tpipe was built without zlib and cannot read " + path);
+    throw ConfigError(
+        "data.path: this tpipe was built without zlib and cannot read " + path);
 #endif
-    if (file_ == nullptr) throw ConfigError("data.path: cannot open " + path);
+    if (file_ == nullptr)
+      throw ConfigError("data.path: cannot open " + path);
   }
-  ~GzipFile() { gzclose(file_); }
+  ~GzipFile() {
+    gzclose(file_);
+  }
   GzipFile(const GzipFile&) = delete;
   GzipFile& operator=(const GzipFile&) = delete;
 
   void read(void* buffer, size_t bytes) {
     auto* out = static_cast<char*>(buffer);
     while (bytes > 0) {
-      const unsigned chunk = static_cast<unsigned>(std::min<size_t>(bytes, 1u << 30));
+      const unsigned chunk =
+          static_cast<unsigned>(std::min<size_t>(bytes, 1u << 30));
       const int got = gzread(file_, out, chunk);
-      if (got <= 0) throw ConfigError("data.path: " + path_ + " is truncated or not gzip");
+      if (got <= 0)
+        throw ConfigError("data.path: " + path_ + " is truncated or not gzip");
       out += got;
       bytes -= static_cast<size_t>(got);
     }
@@ -57,7 +70,8 @@ class GzipFile {
   uint32_t bigEndian32() {
     std::array<unsigned char, 4> b{};
     read(b.data(), 4);
-    return (uint32_t{b[0]} << 24) | (uint32_t{b[1]} << 16) | (uint32_t{b[2]} << 8) | b[3];
+    return (uint32_t{b[0]} << 24) | (uint32_t{b[1]} << 16) |
+        (uint32_t{b[2]} << 8) | b[3];
   }
 
  private:
@@ -70,8 +84,10 @@ at::Tensor readIdx(const std::string& path, uint32_t magic, int dims) {
   GzipFile file(path);
   const uint32_t found = file.bigEndian32();
   if (found != magic) {
-    throw ConfigError("data.path: " + path + " is not an IDX file of the expected kind (magic " +
-                      std::to_string(found) + ")");
+    throw ConfigError(
+        "data.path: " + path +
+        " is not an IDX file of the expected kind (magic " +
+        std::to_string(found) + ")");
   }
   std::vector<int64_t> shape;
   int64_t count = 1;
@@ -86,29 +102,41 @@ at::Tensor readIdx(const std::string& path, uint32_t magic, int dims) {
 
 Dataset fashionMnist(const Config& config) {
   const std::string& dir = config.data.path;
-  const char* names[] = {"train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz",
-                         "t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"};
+  const char* names[] = {
+      "train-images-idx3-ubyte.gz",
+      "train-labels-idx1-ubyte.gz",
+      "t10k-images-idx3-ubyte.gz",
+      "t10k-labels-idx1-ubyte.gz"};
   for (const char* name : names) {
     const std::string path = dir + "/" + name;
     if (!fileExists(path)) {
-      throw ConfigError("data.path: " + path +
-                        " not found (Debian's package dataset-fashion-mnist provides it: "
-                        "apt-get install dataset-fashion-mnist)");
+      throw ConfigError(
+          "data.path: " + path +
+          " not found (Debian's package dataset-fashion-mnist provides it: "
+          "apt-get install dataset-fashion-mnist)");
     }
   }
   auto images = [&](const char* name) {
-    at::Tensor x = readIdx(dir + "/" + name, 0x803, 3).to(at::kFloat).div_(255.0).unsqueeze(1);
-    if (config.data.normalize) x = (x - 0.2860) / 0.3530;
+    at::Tensor x = readIdx(dir + "/" + name, 0x803, 3)
+                       .to(at::kFloat)
+                       .div_(255.0)
+                       .unsqueeze(1);
+    if (config.data.normalize)
+      x = (x - 0.2860) / 0.3530;
     return x;
   };
-  auto labels = [&](const char* name) { return readIdx(dir + "/" + name, 0x801, 1).to(at::kLong); };
+  auto labels = [&](const char* name) {
+    return readIdx(dir + "/" + name, 0x801, 1).to(at::kLong);
+  };
   Dataset data;
   data.trainInputs = images(names[0]);
   data.trainTargets = labels(names[1]);
   data.evalInputs = images(names[2]);
   data.evalTargets = labels(names[3]);
-  data.description = "fashion-mnist: " + std::to_string(data.trainInputs.size(0)) +
-                     " training and " + std::to_string(data.evalInputs.size(0)) + " test images";
+  data.description =
+      "fashion-mnist: " + std::to_string(data.trainInputs.size(0)) +
+      " training and " + std::to_string(data.evalInputs.size(0)) +
+      " test images";
   return data;
 }
 
@@ -119,26 +147,35 @@ Dataset fashionMnist(const Config& config) {
 Dataset text(const Config& config) {
   const std::string& path = config.data.path;
   if (!fileExists(path)) {
-    throw ConfigError("data.path: " + path + " not found" +
-                      (path == kDefaultTextPath ? " (Debian's package base-files provides it)" : ""));
+    throw ConfigError(
+        "data.path: " + path + " not found" +
+        (path == kDefaultTextPath ? " (Debian's package base-files provides it)"
+                                  : ""));
   }
   std::ifstream file(path, std::ios::binary);
-  std::vector<char> bytes((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+  std::vector<char> bytes(
+      (std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
   const int64_t window = config.data.seqLen + 1;
   const int64_t size = static_cast<int64_t>(bytes.size());
   const int64_t heldBytes = std::max<int64_t>(window, size / 10);
   const int64_t trainBytes = size - heldBytes;
   if (trainBytes < window) {
-    throw ConfigError("data.seq_len: " + path + " has " + std::to_string(size) +
-                      " bytes, too few for a training and a held-out window of " + std::to_string(window));
+    throw ConfigError(
+        "data.seq_len: " + path + " has " + std::to_string(size) +
+        " bytes, too few for a training and a held-out window of " +
+        std::to_string(window));
   }
-  const int64_t stride = config.data.stride > 0 ? config.data.stride : std::max<int64_t>(1, config.data.seqLen / 4);
+  const int64_t stride = config.data.stride > 0
+      ? config.data.stride
+      : std::max<int64_t>(1, config.data.seqLen / 4);
   auto windowsOf = [&](int64_t begin, int64_t end, int64_t step) {
     const int64_t count = (end - begin - window) / step + 1;
     at::Tensor all = at::empty({count, window}, at::kLong);
     auto* out = all.data_ptr<int64_t>();
     for (int64_t w = 0; w < count; ++w) {
-      for (int64_t i = 0; i < window; ++i) out[w * window + i] = static_cast<unsigned char>(bytes[begin + w * step + i]);
+      for (int64_t i = 0; i < window; ++i)
+        out[w * window + i] =
+            static_cast<unsigned char>(bytes[begin + w * step + i]);
     }
     return all;
   };
@@ -150,16 +187,18 @@ Dataset text(const Config& config) {
   data.evalInputs = held.narrow(1, 0, window - 1).contiguous();
   data.evalTargets = held.narrow(1, 1, window - 1).contiguous();
   std::array<double, 256> counts{};
-  for (char c : bytes) counts[static_cast<unsigned char>(c)] += 1;
+  for (char c : bytes)
+    counts[static_cast<unsigned char>(c)] += 1;
   double entropy = 0.0;
   for (double c : counts) {
-    if (c > 0) entropy -= c / size * std::log(c / size);
+    if (c > 0)
+      entropy -= c / size * std::log(c / size);
   }
   data.description = "text " + path + ": " + std::to_string(size) + " bytes, " +
-                     std::to_string(train.size(0)) + " training windows (stride " + std::to_string(stride) +
-                     ") and " + std::to_string(held.size(0)) + " held-out windows of " +
-                     std::to_string(window - 1) + "; unigram entropy " + std::to_string(entropy).substr(0, 5) +
-                     " nats";
+      std::to_string(train.size(0)) + " training windows (stride " +
+      std::to_string(stride) + ") and " + std::to_string(held.size(0)) +
+      " held-out windows of " + std::to_string(window - 1) +
+      "; unigram entropy " + std::to_string(entropy).substr(0, 5) + " nats";
   return data;
 }
 
@@ -167,9 +206,11 @@ Dataset text(const Config& config) {
 // argmax for cross-entropy, tanh of the projection for mse. Learnable, so a
 // smoke run shows the loss falling.
 Dataset synthetic(const Config& config, const BuiltModel& model) {
-  at::Generator generator = at::make_generator<at::CPUGeneratorImpl>(config.train.seed + 12345);
-  const int64_t evalCount = config.data.evalSamples > 0 ? config.data.evalSamples
-                                                        : std::max<int64_t>(1, config.data.samples / 5);
+  at::Generator generator =
+      at::make_generator<at::CPUGeneratorImpl>(config.train.seed + 12345);
+  const int64_t evalCount = config.data.evalSamples > 0
+      ? config.data.evalSamples
+      : std::max<int64_t>(1, config.data.samples / 5);
   const int64_t total = config.data.samples + evalCount;
   const auto& inShape = model.shapes.front();
   const auto& outShape = model.shapes.back();
@@ -177,25 +218,32 @@ Dataset synthetic(const Config& config, const BuiltModel& model) {
   shape.insert(shape.end(), inShape.begin(), inShape.end());
   at::Tensor inputs;
   if (model.integerInput) {
-    const int64_t vocab = config.model.layers.front().params["num_embeddings"].get<int64_t>();
+    const int64_t vocab =
+        config.model.layers.front().params["num_embeddings"].get<int64_t>();
     inputs = at::randint(vocab, shape, generator, at::kLong);
   } else {
     inputs = at::randn(shape, generator, at::kFloat);
   }
   at::Tensor flat = inputs.reshape({total, -1}).to(at::kFloat);
   int64_t outSize = 1;
-  for (int64_t d : outShape) outSize *= d;
+  for (int64_t d : outShape)
+    outSize *= d;
   at::Tensor targets;
   if (config.train.loss == "cross_entropy") {
     const int64_t classes = outShape.back();
     std::vector<int64_t> targetShape{total};
     targetShape.insert(targetShape.end(), outShape.begin(), outShape.end() - 1);
     const int64_t positions = outSize / classes;
-    at::Tensor teacher = at::randn({flat.size(1), positions * classes}, generator, at::kFloat);
-    targets = flat.matmul(teacher).reshape({total, positions, classes}).argmax(2).reshape(targetShape);
+    at::Tensor teacher =
+        at::randn({flat.size(1), positions * classes}, generator, at::kFloat);
+    targets = flat.matmul(teacher)
+                  .reshape({total, positions, classes})
+                  .argmax(2)
+                  .reshape(targetShape);
   } else {
-    at::Tensor teacher = at::randn({flat.size(1), outSize}, generator, at::kFloat) /
-                         std::sqrt(static_cast<double>(flat.size(1)));
+    at::Tensor teacher =
+        at::randn({flat.size(1), outSize}, generator, at::kFloat) /
+        std::sqrt(static_cast<double>(flat.size(1)));
     std::vector<int64_t> targetShape{total};
     targetShape.insert(targetShape.end(), outShape.begin(), outShape.end());
     targets = at::tanh(flat.matmul(teacher)).reshape(targetShape);
@@ -207,11 +255,11 @@ Dataset synthetic(const Config& config, const BuiltModel& model) {
   data.evalInputs = inputs.narrow(0, n, evalCount);
   data.evalTargets = targets.narrow(0, n, evalCount);
   data.description = "synthetic: " + std::to_string(n) + " training and " +
-                     std::to_string(evalCount) + " evaluation samples";
+      std::to_string(evalCount) + " evaluation samples";
   return data;
 }
 
-}  // namespace
+} // namespace
 
 void checkLossFits(const Config& config, const BuiltModel& model) {
   const auto& out = model.shapes.back();
@@ -219,26 +267,35 @@ void checkLossFits(const Config& config, const BuiltModel& model) {
   const std::string& dataset = config.data.dataset;
   auto shape = [](const std::vector<int64_t>& s) {
     std::string text = "[";
-    for (size_t i = 0; i < s.size(); ++i) text += (i ? ", " : "") + std::to_string(s[i]);
+    for (size_t i = 0; i < s.size(); ++i)
+      text += (i ? ", " : "") + std::to_string(s[i]);
     return text + "]";
   };
   if (loss == "cross_entropy") {
     if (out.size() != 1 && out.size() != 2) {
-      throw ConfigError("train.loss: cross_entropy needs an output of [classes] or [seq_len, classes] "
-                        "per sample; the model outputs " + shape(out));
+      throw ConfigError(
+          "train.loss: cross_entropy needs an output of [classes] or [seq_len, classes] "
+          "per sample; the model outputs " +
+          shape(out));
     }
     if (dataset == "fashion-mnist" && (out.size() != 1 || out[0] < 10)) {
-      throw ConfigError("model.layers: fashion-mnist has 10 classes; the model outputs " + shape(out) +
-                        " per sample (end with a linear layer of out_features 10)");
+      throw ConfigError(
+          "model.layers: fashion-mnist has 10 classes; the model outputs " +
+          shape(out) +
+          " per sample (end with a linear layer of out_features 10)");
     }
-    if (dataset == "text" && (out.size() != 2 || out[0] != config.data.seqLen || out[1] < 256)) {
-      throw ConfigError("model.layers: a text model predicts 256 byte values at each of " +
-                        std::to_string(config.data.seqLen) + " positions, [" +
-                        std::to_string(config.data.seqLen) + ", 256]; the model outputs " + shape(out));
+    if (dataset == "text" &&
+        (out.size() != 2 || out[0] != config.data.seqLen || out[1] < 256)) {
+      throw ConfigError(
+          "model.layers: a text model predicts 256 byte values at each of " +
+          std::to_string(config.data.seqLen) + " positions, [" +
+          std::to_string(config.data.seqLen) + ", 256]; the model outputs " +
+          shape(out));
     }
   } else if (dataset != "synthetic") {
-    throw ConfigError("train.loss: mse needs regression targets; " + dataset +
-                      " has class labels (use cross_entropy)");
+    throw ConfigError(
+        "train.loss: mse needs regression targets; " + dataset +
+        " has class labels (use cross_entropy)");
   }
 }
 
@@ -246,14 +303,16 @@ Dataset loadDataset(const Config& config, const BuiltModel& model) {
   checkLossFits(config, model);
   if (config.data.dataset == "fashion-mnist") {
     Dataset data = fashionMnist(config);
-    if (config.data.evalSamples > 0 && config.data.evalSamples < data.evalInputs.size(0)) {
+    if (config.data.evalSamples > 0 &&
+        config.data.evalSamples < data.evalInputs.size(0)) {
       data.evalInputs = data.evalInputs.narrow(0, 0, config.data.evalSamples);
       data.evalTargets = data.evalTargets.narrow(0, 0, config.data.evalSamples);
     }
     return data;
   }
-  if (config.data.dataset == "text") return text(config);
+  if (config.data.dataset == "text")
+    return text(config);
   return synthetic(config, model);
 }
 
-}  // namespace tpipe
+} // namespace tpipe

@@ -13,12 +13,20 @@
 namespace tpipe {
 
 // How a config value is checked.
-enum class ParamKind { kPositive, kNonNegative, kSize2, kSize2NonNegative, kBool, kProbability, kPositiveNumber };
+enum class ParamKind {
+  kPositive,
+  kNonNegative,
+  kSize2,
+  kSize2NonNegative,
+  kBool,
+  kProbability,
+  kPositiveNumber
+};
 
 struct ParamRule {
   const char* key;
   ParamKind kind;
-  nlohmann::json fallback;  // null: required (a pool's stride: the kernel size)
+  nlohmann::json fallback; // null: required (a pool's stride: the kernel size)
 };
 
 // What a builder gets: the checked parameters and the input shape of one
@@ -26,23 +34,23 @@ struct ParamRule {
 struct LayerInput {
   const nlohmann::json& params;
   const std::vector<int64_t>& shape;
-  bool integer;  // token ids (only an embedding takes them)
-  std::string where;  // "model.layers[4] (linear)"
+  bool integer;      // token ids (only an embedding takes them)
+  std::string where; // "model.layers[4] (linear)"
   [[noreturn]] void fail(const std::string& what) const;
   void require(bool ok, const std::string& what) const;
 };
 
-struct BuiltLayer;  // a module and its output shape (layers.cpp)
+struct BuiltLayer; // a module and its output shape (layers.cpp)
 using LayerBuildFn = BuiltLayer (*)(const LayerInput& input);
 
 struct LayerType {
   const char* name;
   std::vector<ParamRule> params;
-  const char* shapeRule;  // "[..., in] -> [..., out_features]"
+  const char* shapeRule; // "[..., in] -> [..., out_features]"
   LayerBuildFn build;
 };
 
 const std::vector<LayerType>& layerTypes();
 const LayerType* findLayerType(const std::string& name);
 
-}  // namespace tpipe
+} // namespace tpipe

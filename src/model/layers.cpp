@@ -31,7 +31,8 @@ using Shape = std::vector<int64_t>;
 std::string shapeText(const Shape& shape) {
   std::ostringstream out;
   out << '[';
-  for (size_t i = 0; i < shape.size(); ++i) out << (i ? ", " : "") << shape[i];
+  for (size_t i = 0; i < shape.size(); ++i)
+    out << (i ? ", " : "") << shape[i];
   out << ']';
   return out.str();
 }
@@ -40,12 +41,20 @@ std::string shapeText(const Shape& shape) {
 // causal mask. Input and output [batch, time, dim].
 class TransformerBlockImpl : public torch::nn::Module {
  public:
-  TransformerBlockImpl(int64_t dim, int64_t heads, int64_t mlpRatio, double dropout)
+  TransformerBlockImpl(
+      int64_t dim,
+      int64_t heads,
+      int64_t mlpRatio,
+      double dropout)
       : heads_(heads),
-        ln1(register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({dim})))),
+        ln1(register_module(
+            "ln1",
+            torch::nn::LayerNorm(torch::nn::LayerNormOptions({dim})))),
         qkv(register_module("qkv", torch::nn::Linear(dim, 3 * dim))),
         proj(register_module("proj", torch::nn::Linear(dim, dim))),
-        ln2(register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({dim})))),
+        ln2(register_module(
+            "ln2",
+            torch::nn::LayerNorm(torch::nn::LayerNormOptions({dim})))),
         fc1(register_module("fc1", torch::nn::Linear(dim, mlpRatio * dim))),
         fc2(register_module("fc2", torch::nn::Linear(mlpRatio * dim, dim))),
         drop(register_module("drop", torch::nn::Dropout(dropout))) {}
@@ -53,14 +62,22 @@ class TransformerBlockImpl : public torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& x) {
     const int64_t batch = x.size(0), time = x.size(1), dim = x.size(2);
     const int64_t headDim = dim / heads_;
-    auto parts = qkv(ln1(x)).view({batch, time, 3, heads_, headDim}).permute({2, 0, 3, 1, 4});
+    auto parts = qkv(ln1(x))
+                     .view({batch, time, 3, heads_, headDim})
+                     .permute({2, 0, 3, 1, 4});
     torch::Tensor q = parts[0], k = parts[1], v = parts[2];
-    torch::Tensor scores = torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(headDim));
-    torch::Tensor future = torch::ones({time, time}, torch::TensorOptions().dtype(torch::kBool).device(x.device()))
-                               .triu(1);
-    scores = scores.masked_fill(future, -std::numeric_limits<double>::infinity());
+    torch::Tensor scores = torch::matmul(q, k.transpose(-2, -1)) /
+        std::sqrt(static_cast<double>(headDim));
+    torch::Tensor future =
+        torch::ones(
+            {time, time},
+            torch::TensorOptions().dtype(torch::kBool).device(x.device()))
+            .triu(1);
+    scores =
+        scores.masked_fill(future, -std::numeric_limits<double>::infinity());
     torch::Tensor attention = drop(torch::softmax(scores, -1));
-    torch::Tensor mixed = torch::matmul(attention, v).transpose(1, 2).reshape({batch, time, dim});
+    torch::Tensor mixed =
+        torch::matmul(attention, v).transpose(1, 2).reshape({batch, time, dim});
     torch::Tensor h = x + drop(proj(mixed));
     return h + drop(fc2(torch::nn::functional::gelu(fc1(ln2(h)))));
   }
@@ -87,16 +104,21 @@ class DeferredBatchNorm2dImpl : public torch::nn::Module {
     bias = register_parameter("bias", torch::zeros({channels}));
     running_mean = register_buffer("running_mean", torch::zeros({channels}));
     running_var = register_buffer("running_var", torch::ones({channels}));
-    num_batches_tracked = register_buffer("num_batches_tracked", torch::zeros({}, torch::kLong));
+    num_batches_tracked =
+        register_buffer("num_batches_tracked", torch::zeros({}, torch::kLong));
   }
 
-  void setMicroBatches(int microBatches) { microBatches_ = microBatches; }
+  void setMicroBatches(int microBatches) {
+    microBatches_ = microBatches;
+  }
 
   torch::Tensor forward(const torch::Tensor& x) {
     if (!is_training()) {
-      return torch::batch_norm(x, weight, bias, running_mean, running_var, false, 0.0, eps_, true);
+      return torch::batch_norm(
+          x, weight, bias, running_mean, running_var, false, 0.0, eps_, true);
     }
-    if (!isRecomputing()) accumulate(x);
+    if (!isRecomputing())
+      accumulate(x);
     return torch::batch_norm(x, weight, bias, {}, {}, true, 0.0, eps_, true);
   }
 
@@ -111,11 +133,15 @@ class DeferredBatchNorm2dImpl : public torch::nn::Module {
     sum_ = sum_.defined() ? sum_ + sum : sum;
     squares_ = squares_.defined() ? squares_ + squares : squares;
     count_ += x.numel() / x.size(1);
-    if (++seen_ < microBatches_) return;
+    if (++seen_ < microBatches_)
+      return;
     const torch::Tensor mean = sum_ / count_;
-    const torch::Tensor variance = (squares_ / count_ - mean * mean) * (count_ / std::max<double>(count_ - 1, 1));
-    running_mean.mul_(1 - momentum_).add_(mean.to(running_mean.dtype()) * momentum_);
-    running_var.mul_(1 - momentum_).add_(variance.to(running_var.dtype()) * momentum_);
+    const torch::Tensor variance = (squares_ / count_ - mean * mean) *
+        (count_ / std::max<double>(count_ - 1, 1));
+    running_mean.mul_(1 - momentum_)
+        .add_(mean.to(running_mean.dtype()) * momentum_);
+    running_var.mul_(1 - momentum_)
+        .add_(variance.to(running_var.dtype()) * momentum_);
     num_batches_tracked.add_(1);
     sum_ = squares_ = torch::Tensor();
     count_ = 0;
@@ -135,14 +161,23 @@ std::vector<int64_t> pair(const nlohmann::json& value) {
 }
 
 void requireImage(const LayerInput& in) {
-  in.require(in.shape.size() == 3, "expects [channels, height, width] per sample, got " + shapeText(in.shape));
+  in.require(
+      in.shape.size() == 3,
+      "expects [channels, height, width] per sample, got " +
+          shapeText(in.shape));
 }
 
-int64_t window(const LayerInput& in, int64_t size, int64_t kernel, int64_t stride, int64_t padding) {
+int64_t window(
+    const LayerInput& in,
+    int64_t size,
+    int64_t kernel,
+    int64_t stride,
+    int64_t padding) {
   const int64_t out = (size + 2 * padding - kernel) / stride + 1;
-  in.require(size + 2 * padding >= kernel && out >= 1,
-             "kernel " + std::to_string(kernel) + " does not fit an input of shape " + shapeText(in.shape) +
-                 " with padding " + std::to_string(padding));
+  in.require(
+      size + 2 * padding >= kernel && out >= 1,
+      "kernel " + std::to_string(kernel) + " does not fit an input of shape " +
+          shapeText(in.shape) + " with padding " + std::to_string(padding));
   return out;
 }
 
@@ -156,153 +191,229 @@ BuiltLayer embedding(const LayerInput& in) {
   const auto& p = in.params;
   Shape out = in.shape;
   out.push_back(p["embedding_dim"].get<int64_t>());
-  return {torch::nn::AnyModule(
-              torch::nn::Embedding(p["num_embeddings"].get<int64_t>(), p["embedding_dim"].get<int64_t>())),
-          out};
+  return {
+      torch::nn::AnyModule(torch::nn::Embedding(
+          p["num_embeddings"].get<int64_t>(),
+          p["embedding_dim"].get<int64_t>())),
+      out};
 }
 
 BuiltLayer linear(const LayerInput& in) {
   Shape out = in.shape;
   out.back() = in.params["out_features"].get<int64_t>();
-  return {torch::nn::AnyModule(torch::nn::Linear(
-              torch::nn::LinearOptions(in.shape.back(), out.back()).bias(in.params["bias"].get<bool>()))),
-          out};
+  return {
+      torch::nn::AnyModule(torch::nn::Linear(
+          torch::nn::LinearOptions(in.shape.back(), out.back())
+              .bias(in.params["bias"].get<bool>()))),
+      out};
 }
 
 BuiltLayer conv2d(const LayerInput& in) {
   requireImage(in);
   const auto& p = in.params;
-  const auto kernel = pair(p["kernel_size"]), stride = pair(p["stride"]), padding = pair(p["padding"]);
+  const auto kernel = pair(p["kernel_size"]), stride = pair(p["stride"]),
+             padding = pair(p["padding"]);
   const int64_t channels = p["out_channels"].get<int64_t>();
-  Shape out = {channels, window(in, in.shape[1], kernel[0], stride[0], padding[0]),
-               window(in, in.shape[2], kernel[1], stride[1], padding[1])};
-  return {torch::nn::AnyModule(torch::nn::Conv2d(torch::nn::Conv2dOptions(in.shape[0], channels, {kernel[0], kernel[1]})
-                                                     .stride({stride[0], stride[1]})
-                                                     .padding({padding[0], padding[1]})
-                                                     .bias(p["bias"].get<bool>()))),
-          out};
+  Shape out = {
+      channels,
+      window(in, in.shape[1], kernel[0], stride[0], padding[0]),
+      window(in, in.shape[2], kernel[1], stride[1], padding[1])};
+  return {
+      torch::nn::AnyModule(
+          torch::nn::Conv2d(torch::nn::Conv2dOptions(
+                                in.shape[0], channels, {kernel[0], kernel[1]})
+                                .stride({stride[0], stride[1]})
+                                .padding({padding[0], padding[1]})
+                                .bias(p["bias"].get<bool>()))),
+      out};
 }
 
 template <class Pool, class Options>
 BuiltLayer pool2d(const LayerInput& in) {
   requireImage(in);
   const auto& p = in.params;
-  const auto kernel = pair(p["kernel_size"]), stride = pair(p["stride"]), padding = pair(p["padding"]);
-  in.require(padding[0] * 2 <= kernel[0] && padding[1] * 2 <= kernel[1],
-             "padding must be at most half the kernel size");
-  Shape out = {in.shape[0], window(in, in.shape[1], kernel[0], stride[0], padding[0]),
-               window(in, in.shape[2], kernel[1], stride[1], padding[1])};
-  return {torch::nn::AnyModule(
-              Pool(Options({kernel[0], kernel[1]}).stride({stride[0], stride[1]}).padding({padding[0], padding[1]}))),
-          out};
+  const auto kernel = pair(p["kernel_size"]), stride = pair(p["stride"]),
+             padding = pair(p["padding"]);
+  in.require(
+      padding[0] * 2 <= kernel[0] && padding[1] * 2 <= kernel[1],
+      "padding must be at most half the kernel size");
+  Shape out = {
+      in.shape[0],
+      window(in, in.shape[1], kernel[0], stride[0], padding[0]),
+      window(in, in.shape[2], kernel[1], stride[1], padding[1])};
+  return {
+      torch::nn::AnyModule(Pool(Options({kernel[0], kernel[1]})
+                                    .stride({stride[0], stride[1]})
+                                    .padding({padding[0], padding[1]}))),
+      out};
 }
 
 BuiltLayer flatten(const LayerInput& in) {
   int64_t size = 1;
-  for (int64_t d : in.shape) size *= d;
+  for (int64_t d : in.shape)
+    size *= d;
   return {torch::nn::AnyModule(torch::nn::Flatten()), {size}};
 }
 
 BuiltLayer dropout(const LayerInput& in) {
-  return {torch::nn::AnyModule(torch::nn::Dropout(in.params["p"].get<double>())), in.shape};
+  return {
+      torch::nn::AnyModule(torch::nn::Dropout(in.params["p"].get<double>())),
+      in.shape};
 }
 
 BuiltLayer layernorm(const LayerInput& in) {
-  return {torch::nn::AnyModule(torch::nn::LayerNorm(
-              torch::nn::LayerNormOptions({in.shape.back()}).eps(in.params["eps"].get<double>()))),
-          in.shape};
+  return {
+      torch::nn::AnyModule(
+          torch::nn::LayerNorm(torch::nn::LayerNormOptions({in.shape.back()})
+                                   .eps(in.params["eps"].get<double>()))),
+      in.shape};
 }
 
 BuiltLayer batchnorm2d(const LayerInput& in) {
   requireImage(in);
-  return {torch::nn::AnyModule(DeferredBatchNorm2d(in.shape[0], in.params["eps"].get<double>(),
-                                                   in.params["momentum"].get<double>())),
-          in.shape};
+  return {
+      torch::nn::AnyModule(DeferredBatchNorm2d(
+          in.shape[0],
+          in.params["eps"].get<double>(),
+          in.params["momentum"].get<double>())),
+      in.shape};
 }
 
 BuiltLayer transformerBlock(const LayerInput& in) {
-  in.require(in.shape.size() == 2, "expects [seq_len, dim] per sample, got " + shapeText(in.shape));
+  in.require(
+      in.shape.size() == 2,
+      "expects [seq_len, dim] per sample, got " + shapeText(in.shape));
   const int64_t heads = in.params["heads"].get<int64_t>();
-  in.require(in.shape[1] % heads == 0,
-             "dim " + std::to_string(in.shape[1]) + " is not divisible by heads " + std::to_string(heads));
-  return {torch::nn::AnyModule(TransformerBlock(in.shape[1], heads, in.params["mlp_ratio"].get<int64_t>(),
-                                                in.params["dropout"].get<double>())),
-          in.shape};
+  in.require(
+      in.shape[1] % heads == 0,
+      "dim " + std::to_string(in.shape[1]) + " is not divisible by heads " +
+          std::to_string(heads));
+  return {
+      torch::nn::AnyModule(TransformerBlock(
+          in.shape[1],
+          heads,
+          in.params["mlp_ratio"].get<int64_t>(),
+          in.params["dropout"].get<double>())),
+      in.shape};
 }
 
-}  // namespace
+} // namespace
 
-void LayerInput::fail(const std::string& what) const { throw ConfigError(where + ": " + what); }
+void LayerInput::fail(const std::string& what) const {
+  throw ConfigError(where + ": " + what);
+}
 
 void LayerInput::require(bool ok, const std::string& what) const {
-  if (!ok) fail(what);
+  if (!ok)
+    fail(what);
 }
 
 const std::vector<LayerType>& layerTypes() {
   using K = ParamKind;
   static const std::vector<LayerType> types = {
-      {"linear", {{"out_features", K::kPositive, nullptr}, {"bias", K::kBool, true}},
-       "[..., in] -> [..., out_features]", linear},
+      {"linear",
+       {{"out_features", K::kPositive, nullptr}, {"bias", K::kBool, true}},
+       "[..., in] -> [..., out_features]",
+       linear},
       {"conv2d",
-       {{"out_channels", K::kPositive, nullptr}, {"kernel_size", K::kSize2, nullptr}, {"stride", K::kSize2, 1},
-        {"padding", K::kSize2NonNegative, 0}, {"bias", K::kBool, true}},
-       "[c, h, w] -> [out_channels, h', w']", conv2d},
+       {{"out_channels", K::kPositive, nullptr},
+        {"kernel_size", K::kSize2, nullptr},
+        {"stride", K::kSize2, 1},
+        {"padding", K::kSize2NonNegative, 0},
+        {"bias", K::kBool, true}},
+       "[c, h, w] -> [out_channels, h', w']",
+       conv2d},
       {"maxpool2d",
-       {{"kernel_size", K::kSize2, nullptr}, {"stride", K::kSize2, nullptr}, {"padding", K::kSize2NonNegative, 0}},
-       "[c, h, w] -> [c, h', w']", pool2d<torch::nn::MaxPool2d, torch::nn::MaxPool2dOptions>},
+       {{"kernel_size", K::kSize2, nullptr},
+        {"stride", K::kSize2, nullptr},
+        {"padding", K::kSize2NonNegative, 0}},
+       "[c, h, w] -> [c, h', w']",
+       pool2d<torch::nn::MaxPool2d, torch::nn::MaxPool2dOptions>},
       {"avgpool2d",
-       {{"kernel_size", K::kSize2, nullptr}, {"stride", K::kSize2, nullptr}, {"padding", K::kSize2NonNegative, 0}},
-       "[c, h, w] -> [c, h', w']", pool2d<torch::nn::AvgPool2d, torch::nn::AvgPool2dOptions>},
+       {{"kernel_size", K::kSize2, nullptr},
+        {"stride", K::kSize2, nullptr},
+        {"padding", K::kSize2NonNegative, 0}},
+       "[c, h, w] -> [c, h', w']",
+       pool2d<torch::nn::AvgPool2d, torch::nn::AvgPool2dOptions>},
       {"flatten", {}, "[...] -> [product]", flatten},
       {"relu", {}, "same", elementwise<torch::nn::ReLU>},
       {"gelu", {}, "same", elementwise<torch::nn::GELU>},
       {"tanh", {}, "same", elementwise<torch::nn::Tanh>},
       {"sigmoid", {}, "same", elementwise<torch::nn::Sigmoid>},
       {"dropout", {{"p", K::kProbability, 0.5}}, "same", dropout},
-      {"layernorm", {{"eps", K::kPositiveNumber, 1e-5}}, "same (over the last dim)", layernorm},
-      {"batchnorm2d", {{"eps", K::kPositiveNumber, 1e-5}, {"momentum", K::kProbability, 0.1}},
-       "[c, h, w] -> same", batchnorm2d},
-      {"embedding", {{"num_embeddings", K::kPositive, nullptr}, {"embedding_dim", K::kPositive, nullptr}},
-       "token ids [...] -> [..., embedding_dim]", embedding},
+      {"layernorm",
+       {{"eps", K::kPositiveNumber, 1e-5}},
+       "same (over the last dim)",
+       layernorm},
+      {"batchnorm2d",
+       {{"eps", K::kPositiveNumber, 1e-5}, {"momentum", K::kProbability, 0.1}},
+       "[c, h, w] -> same",
+       batchnorm2d},
+      {"embedding",
+       {{"num_embeddings", K::kPositive, nullptr},
+        {"embedding_dim", K::kPositive, nullptr}},
+       "token ids [...] -> [..., embedding_dim]",
+       embedding},
       {"transformer_block",
-       {{"heads", K::kPositive, nullptr}, {"mlp_ratio", K::kPositive, 4}, {"dropout", K::kProbability, 0.0}},
-       "[seq_len, dim] -> same", transformerBlock},
+       {{"heads", K::kPositive, nullptr},
+        {"mlp_ratio", K::kPositive, 4},
+        {"dropout", K::kProbability, 0.0}},
+       "[seq_len, dim] -> same",
+       transformerBlock},
   };
   return types;
 }
 
 const LayerType* findLayerType(const std::string& name) {
   for (const auto& type : layerTypes()) {
-    if (name == type.name) return &type;
+    if (name == type.name)
+      return &type;
   }
   return nullptr;
 }
 
 namespace {
 
-BuiltLayer buildLayer(const LayerSpec& spec, size_t index, const Shape& shape, bool integer) {
-  const LayerInput input{spec.params, shape, integer, "model.layers[" + std::to_string(index) + "] (" + spec.type + ")"};
+BuiltLayer buildLayer(
+    const LayerSpec& spec,
+    size_t index,
+    const Shape& shape,
+    bool integer) {
+  const LayerInput input{
+      spec.params,
+      shape,
+      integer,
+      "model.layers[" + std::to_string(index) + "] (" + spec.type + ")"};
   const LayerType* type = findLayerType(spec.type);
-  if (type == nullptr) input.fail("unknown layer type");
+  if (type == nullptr)
+    input.fail("unknown layer type");
   const bool takesTokens = spec.type == "embedding";
-  if (takesTokens) input.require(integer, "expects integer token ids, got a float input of shape " + shapeText(shape));
+  if (takesTokens)
+    input.require(
+        integer,
+        "expects integer token ids, got a float input of shape " +
+            shapeText(shape));
   if (!takesTokens) {
-    input.require(!integer, "expects a float input, got integer token ids of shape " + shapeText(shape) +
-                                " (put an embedding first)");
+    input.require(
+        !integer,
+        "expects a float input, got integer token ids of shape " +
+            shapeText(shape) + " (put an embedding first)");
   }
   return type->build(input);
 }
 
-}  // namespace
+} // namespace
 
 BuiltModel buildModel(const ModelConfig& model, uint64_t seed) {
   torch::manual_seed(seed);
   BuiltModel built;
   built.shapes.push_back(model.inputShape);
-  built.integerInput = !model.layers.empty() && model.layers.front().type == "embedding";
+  built.integerInput =
+      !model.layers.empty() && model.layers.front().type == "embedding";
   bool integer = built.integerInput;
   for (size_t i = 0; i < model.layers.size(); ++i) {
-    BuiltLayer layer = buildLayer(model.layers[i], i, built.shapes.back(), integer);
+    BuiltLayer layer =
+        buildLayer(model.layers[i], i, built.shapes.back(), integer);
     integer = false;
     for (const auto& parameter : layer.module.ptr()->parameters()) {
       built.parameterCount += parameter.numel();
@@ -321,4 +432,4 @@ void setBatchNormMicroBatches(const BuiltModel& model, int microBatches) {
   }
 }
 
-}  // namespace tpipe
+} // namespace tpipe

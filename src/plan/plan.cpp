@@ -13,7 +13,7 @@ namespace tpipe {
 namespace {
 
 struct Candidate {
-  std::string what;  // "3 stages, time-optimal"
+  std::string what; // "3 stages, time-optimal"
   bool simple = false;
   PartitionProblem problem;
   PartitionPlan partition;
@@ -25,18 +25,23 @@ struct Candidate {
 Schedule scheduleFor(const PlanRequest& request, int stages) {
   const int layers = static_cast<int>(request.layers.size());
   if (stages > layers) {
-    throw PartitionError("more stages (" + std::to_string(stages) + ") than layers (" + std::to_string(layers) +
-                         "): every stage needs at least one layer");
+    throw PartitionError(
+        "more stages (" + std::to_string(stages) + ") than layers (" +
+        std::to_string(layers) + "): every stage needs at least one layer");
   }
   if (stages % request.virtualStages != 0) {
-    throw PartitionError("stages (" + std::to_string(stages) + ") must be a multiple of virtual stages (" +
-                         std::to_string(request.virtualStages) + ")");
+    throw PartitionError(
+        "stages (" + std::to_string(stages) +
+        ") must be a multiple of virtual stages (" +
+        std::to_string(request.virtualStages) + ")");
   }
   const int ranks = stages / request.virtualStages;
   if (ranks > static_cast<int>(request.devices.size())) {
-    throw PartitionError(std::to_string(stages) + " stages with " + std::to_string(request.virtualStages) +
-                         " virtual stage(s) per device need " + std::to_string(ranks) + " devices, got " +
-                         std::to_string(request.devices.size()));
+    throw PartitionError(
+        std::to_string(stages) + " stages with " +
+        std::to_string(request.virtualStages) +
+        " virtual stage(s) per device need " + std::to_string(ranks) +
+        " devices, got " + std::to_string(request.devices.size()));
   }
   ScheduleSpec spec;
   spec.source = request.schedule;
@@ -47,40 +52,52 @@ Schedule scheduleFor(const PlanRequest& request, int stages) {
   return makeSchedule(spec);
 }
 
-PartitionProblem problemFor(const PlanRequest& request, const Schedule& schedule) {
+PartitionProblem problemFor(
+    const PlanRequest& request,
+    const Schedule& schedule) {
   PartitionProblem problem;
   problem.layers = request.layers;
   problem.stages = schedule.stages();
   // With virtual stages, stage k runs on rank k % ranks.
-  for (int k = 0; k < schedule.stages(); ++k) problem.devices.push_back(request.devices[schedule.rankOfStage(k)]);
-  problem.memory = memoryModelOf(schedule, request.optimizerFactor, request.inputBytes);
+  for (int k = 0; k < schedule.stages(); ++k)
+    problem.devices.push_back(request.devices[schedule.rankOfStage(k)]);
+  problem.memory =
+      memoryModelOf(schedule, request.optimizerFactor, request.inputBytes);
   return problem;
 }
 
-Candidate evaluate(const PlanRequest& request, const Schedule& schedule, const PartitionPlan& partition,
-                   std::string what, bool simple) {
+Candidate evaluate(
+    const PlanRequest& request,
+    const Schedule& schedule,
+    const PartitionPlan& partition,
+    std::string what,
+    bool simple) {
   Candidate candidate;
   candidate.what = std::move(what);
   candidate.simple = simple;
   candidate.problem = problemFor(request, schedule);
   candidate.partition = partition;
   candidate.schedule = schedule;
-  candidate.simulation =
-      simulate(schedule, stageCostsOf(request.layers, candidate.problem.devices, partition.boundaries));
+  candidate.simulation = simulate(
+      schedule,
+      stageCostsOf(
+          request.layers, candidate.problem.devices, partition.boundaries));
   candidate.stepMs = candidate.simulation.makespan;
   return candidate;
 }
 
 bool fits(const PartitionPlan& plan) {
   for (const auto& stage : plan.stages) {
-    if (stage.capacityBytes > 0 && stage.memoryBytes > stage.capacityBytes) return false;
+    if (stage.capacityBytes > 0 && stage.memoryBytes > stage.capacityBytes)
+      return false;
   }
   return true;
 }
 
 std::vector<double> parameterWeights(const std::vector<LayerCost>& layers) {
   std::vector<double> weights;
-  for (const auto& layer : layers) weights.push_back(static_cast<double>(layer.paramBytes));
+  for (const auto& layer : layers)
+    weights.push_back(static_cast<double>(layer.paramBytes));
   return weights;
 }
 
@@ -101,29 +118,45 @@ std::vector<int> fixedBoundaries(const PlanRequest& request, int stages) {
 
 // For kTime: per stage count, the parameter-balanced split (when it fits)
 // and the time-optimal one, in order from simple to elaborate.
-std::vector<Candidate> timeCandidates(const PlanRequest& request, const std::vector<int>& counts) {
+std::vector<Candidate> timeCandidates(
+    const PlanRequest& request,
+    const std::vector<int>& counts) {
   std::vector<Candidate> candidates;
   std::string lastError;
   for (int stages : counts) {
     try {
       const Schedule schedule = scheduleFor(request, stages);
       const PartitionProblem problem = problemFor(request, schedule);
-      const std::string prefix = std::to_string(stages) + (stages == 1 ? " stage" : " stages");
-      const PartitionPlan balanced =
-          evaluatePartition(problem, minMaxBoundaries(parameterWeights(request.layers), stages));
-      if (fits(balanced)) candidates.push_back(evaluate(request, schedule, balanced, prefix + ", parameter-balanced", true));
-      candidates.push_back(evaluate(request, schedule, optimalPartition(problem), prefix + ", time-optimal", false));
+      const std::string prefix =
+          std::to_string(stages) + (stages == 1 ? " stage" : " stages");
+      const PartitionPlan balanced = evaluatePartition(
+          problem, minMaxBoundaries(parameterWeights(request.layers), stages));
+      if (fits(balanced))
+        candidates.push_back(evaluate(
+            request,
+            schedule,
+            balanced,
+            prefix + ", parameter-balanced",
+            true));
+      candidates.push_back(evaluate(
+          request,
+          schedule,
+          optimalPartition(problem),
+          prefix + ", time-optimal",
+          false));
     } catch (const UserError& error) {
       lastError = error.what();
     }
   }
-  if (candidates.empty()) throw PartitionError(lastError);
+  if (candidates.empty())
+    throw PartitionError(lastError);
   return candidates;
 }
 
 std::string boundaryText(const std::vector<int>& boundaries) {
   std::string text;
-  for (int b : boundaries) text += (text.empty() ? "" : " ") + std::to_string(b);
+  for (int b : boundaries)
+    text += (text.empty() ? "" : " ") + std::to_string(b);
   return text;
 }
 
@@ -135,13 +168,17 @@ std::string msText(double ms) {
 
 // The simplest candidate within the noise of the fastest; notes name the
 // others within noise.
-size_t chooseWithinNoise(const PlanRequest& request, const std::vector<Candidate>& candidates,
-                         std::vector<std::string>& notes) {
+size_t chooseWithinNoise(
+    const PlanRequest& request,
+    const std::vector<Candidate>& candidates,
+    std::vector<std::string>& notes) {
   size_t fastest = 0;
   for (size_t i = 1; i < candidates.size(); ++i) {
-    if (candidates[i].stepMs < candidates[fastest].stepMs) fastest = i;
+    if (candidates[i].stepMs < candidates[fastest].stepMs)
+      fastest = i;
   }
-  const double bound = candidates[fastest].stepMs * (1.0 + request.costNoise) + 1e-12;
+  const double bound =
+      candidates[fastest].stepMs * (1.0 + request.costNoise) + 1e-12;
   size_t chosen = fastest;
   for (size_t i = 0; i < candidates.size(); ++i) {
     if (candidates[i].stepMs <= bound) {
@@ -150,43 +187,65 @@ size_t chooseWithinNoise(const PlanRequest& request, const std::vector<Candidate
     }
   }
   for (size_t i = 0; i < candidates.size(); ++i) {
-    if (i == chosen || candidates[i].stepMs > bound) continue;
-    if (candidates[i].partition.boundaries == candidates[chosen].partition.boundaries) continue;
-    notes.push_back("within noise: " + candidates[i].what + " (boundaries " +
-                    boundaryText(candidates[i].partition.boundaries) + ") predicts " +
-                    msText(candidates[i].stepMs) + " per step");
+    if (i == chosen || candidates[i].stepMs > bound)
+      continue;
+    if (candidates[i].partition.boundaries ==
+        candidates[chosen].partition.boundaries)
+      continue;
+    notes.push_back(
+        "within noise: " + candidates[i].what + " (boundaries " +
+        boundaryText(candidates[i].partition.boundaries) + ") predicts " +
+        msText(candidates[i].stepMs) + " per step");
   }
-  if (chosen != fastest && candidates[fastest].partition.boundaries != candidates[chosen].partition.boundaries) {
+  if (chosen != fastest &&
+      candidates[fastest].partition.boundaries !=
+          candidates[chosen].partition.boundaries) {
     char text[160];
-    std::snprintf(text, sizeof text, "chose the simpler plan: the fastest is %.1f%% faster, within the %.1f%% noise",
-                  100.0 * (1.0 - candidates[fastest].stepMs / candidates[chosen].stepMs),
-                  100.0 * request.costNoise);
+    std::snprintf(
+        text,
+        sizeof text,
+        "chose the simpler plan: the fastest is %.1f%% faster, within the %.1f%% noise",
+        100.0 * (1.0 - candidates[fastest].stepMs / candidates[chosen].stepMs),
+        100.0 * request.costNoise);
     notes.push_back(text);
   }
   return chosen;
 }
 
 void checkRequest(const PlanRequest& request) {
-  if (request.layers.empty()) throw PartitionError("the layer list is empty");
-  if (request.devices.empty()) throw PartitionError("no devices given");
+  if (request.layers.empty())
+    throw PartitionError("the layer list is empty");
+  if (request.devices.empty())
+    throw PartitionError("no devices given");
   if (request.microBatches < 1) {
-    throw PartitionError("micro-batches must be >= 1, got " + std::to_string(request.microBatches));
+    throw PartitionError(
+        "micro-batches must be >= 1, got " +
+        std::to_string(request.microBatches));
   }
   if (request.virtualStages < 1) {
-    throw PartitionError("virtual stages must be >= 1, got " + std::to_string(request.virtualStages));
+    throw PartitionError(
+        "virtual stages must be >= 1, got " +
+        std::to_string(request.virtualStages));
   }
-  if (request.stages < 0) throw PartitionError("stages must be >= 1, got " + std::to_string(request.stages));
-  if (!(request.costNoise >= 0.0)) throw PartitionError("cost noise must be >= 0");
+  if (request.stages < 0)
+    throw PartitionError(
+        "stages must be >= 1, got " + std::to_string(request.stages));
+  if (!(request.costNoise >= 0.0))
+    throw PartitionError("cost noise must be >= 0");
   const bool balanced = request.partition == PartitionMethod::kBalance;
-  if (balanced && request.balance.empty()) throw PartitionError("partition 'balance' needs a balance list");
+  if (balanced && request.balance.empty())
+    throw PartitionError("partition 'balance' needs a balance list");
   if (!balanced && !request.balance.empty()) {
-    throw PartitionError("a balance is given with partition '" +
-                         std::string(partitionMethodName(request.partition)) +
-                         "': give one or the other (the balance implies partition 'balance')");
+    throw PartitionError(
+        "a balance is given with partition '" +
+        std::string(partitionMethodName(request.partition)) +
+        "': give one or the other (the balance implies partition 'balance')");
   }
-  if (balanced && request.stages > 0 && request.stages != static_cast<int>(request.balance.size())) {
-    throw PartitionError("stages (" + std::to_string(request.stages) + ") and balance (" +
-                         std::to_string(request.balance.size()) + " entries) disagree");
+  if (balanced && request.stages > 0 &&
+      request.stages != static_cast<int>(request.balance.size())) {
+    throw PartitionError(
+        "stages (" + std::to_string(request.stages) + ") and balance (" +
+        std::to_string(request.balance.size()) + " entries) disagree");
   }
 }
 
@@ -196,48 +255,74 @@ std::vector<Candidate> candidatesFor(const PlanRequest& request) {
   if (request.partition == PartitionMethod::kTime) {
     std::vector<int> counts;
     if (request.stages == 0 && request.virtualStages == 1) {
-      for (int count = 1; count <= std::min(layers, devices); ++count) counts.push_back(count);
+      for (int count = 1; count <= std::min(layers, devices); ++count)
+        counts.push_back(count);
     } else {
-      counts.push_back(request.stages > 0 ? request.stages : devices * request.virtualStages);
+      counts.push_back(
+          request.stages > 0 ? request.stages
+                             : devices * request.virtualStages);
     }
     return timeCandidates(request, counts);
   }
-  int stages = request.stages > 0 ? request.stages : devices * request.virtualStages;
-  if (request.partition == PartitionMethod::kBalance) stages = static_cast<int>(request.balance.size());
+  int stages =
+      request.stages > 0 ? request.stages : devices * request.virtualStages;
+  if (request.partition == PartitionMethod::kBalance)
+    stages = static_cast<int>(request.balance.size());
   const Schedule schedule = scheduleFor(request, stages);
-  const PartitionPlan partition = evaluatePartition(problemFor(request, schedule), fixedBoundaries(request, stages));
-  return {evaluate(request, schedule, partition, partitionMethodName(request.partition), true)};
+  const PartitionPlan partition = evaluatePartition(
+      problemFor(request, schedule), fixedBoundaries(request, stages));
+  return {evaluate(
+      request,
+      schedule,
+      partition,
+      partitionMethodName(request.partition),
+      true)};
 }
 
-}  // namespace
+} // namespace
 
 PartitionMethod parsePartitionMethod(const std::string& name) {
-  for (auto method : {PartitionMethod::kUniform, PartitionMethod::kParameters, PartitionMethod::kTime,
-                      PartitionMethod::kBalance}) {
-    if (name == partitionMethodName(method)) return method;
+  for (auto method :
+       {PartitionMethod::kUniform,
+        PartitionMethod::kParameters,
+        PartitionMethod::kTime,
+        PartitionMethod::kBalance}) {
+    if (name == partitionMethodName(method))
+      return method;
   }
-  throw UserError("unknown partition method '" + name + "' (uniform, parameters, time or balance)");
+  throw UserError(
+      "unknown partition method '" + name +
+      "' (uniform, parameters, time or balance)");
 }
 
 const char* partitionMethodName(PartitionMethod method) {
   switch (method) {
-    case PartitionMethod::kUniform: return "uniform";
-    case PartitionMethod::kParameters: return "parameters";
-    case PartitionMethod::kTime: return "time";
-    case PartitionMethod::kBalance: return "balance";
+    case PartitionMethod::kUniform:
+      return "uniform";
+    case PartitionMethod::kParameters:
+      return "parameters";
+    case PartitionMethod::kTime:
+      return "time";
+    case PartitionMethod::kBalance:
+      return "balance";
   }
   return "?";
 }
 
 double optimizerStateFactor(const std::string& optimizer, double momentum) {
-  if (optimizer == "sgd") return momentum > 0 ? 1.0 : 0.0;
-  return 2.0;  // adam, adamw: first and second moments
+  if (optimizer == "sgd")
+    return momentum > 0 ? 1.0 : 0.0;
+  return 2.0; // adam, adamw: first and second moments
 }
 
-bool Plan::overCapacity() const { return !fits(PartitionPlan{boundaries, bottleneckMs, stages}); }
+bool Plan::overCapacity() const {
+  return !fits(PartitionPlan{boundaries, bottleneckMs, stages});
+}
 
-std::vector<StageCosts> stageCostsOf(const std::vector<LayerCost>& layers, const std::vector<DeviceSpec>& devices,
-                                     const std::vector<int>& boundaries) {
+std::vector<StageCosts> stageCostsOf(
+    const std::vector<LayerCost>& layers,
+    const std::vector<DeviceSpec>& devices,
+    const std::vector<int>& boundaries) {
   std::vector<StageCosts> costs;
   for (size_t k = 0; k + 1 < boundaries.size(); ++k) {
     double forward = 0.0, backward = 0.0;
@@ -254,14 +339,18 @@ std::vector<StageCosts> stageCostsOf(const std::vector<LayerCost>& layers, const
     c.recompute = c.forward;
     const bool last = k + 2 == boundaries.size();
     c.transfer = last || device.linkBytesPerMs <= 0.0
-                     ? 0.0
-                     : static_cast<double>(layers[boundaries[k + 1] - 1].activationBytes) / device.linkBytesPerMs;
+        ? 0.0
+        : static_cast<double>(layers[boundaries[k + 1] - 1].activationBytes) /
+            device.linkBytesPerMs;
     costs.push_back(c);
   }
   return costs;
 }
 
-MemoryModel memoryModelOf(const Schedule& schedule, double optimizerFactor, int64_t inputBytes) {
+MemoryModel memoryModelOf(
+    const Schedule& schedule,
+    double optimizerFactor,
+    int64_t inputBytes) {
   const Simulation unit = simulate(schedule, {StageCosts{}});
   MemoryModel memory;
   memory.stashed = unit.peakStashed;
@@ -275,7 +364,8 @@ Plan resolvePlan(const PlanRequest& request) {
   checkRequest(request);
   Plan plan;
   const std::vector<Candidate> candidates = candidatesFor(request);
-  const Candidate& chosen = candidates[chooseWithinNoise(request, candidates, plan.notes)];
+  const Candidate& chosen =
+      candidates[chooseWithinNoise(request, candidates, plan.notes)];
   plan.partition = request.partition;
   plan.boundaries = chosen.partition.boundaries;
   plan.schedule = chosen.schedule;
@@ -285,69 +375,97 @@ Plan resolvePlan(const PlanRequest& request) {
   plan.simulation = chosen.simulation;
   plan.costSource = request.costSource;
   plan.costNoise = request.costNoise;
-  if (request.partition == PartitionMethod::kTime) plan.notes.insert(plan.notes.begin(), "chosen: " + chosen.what);
+  if (request.partition == PartitionMethod::kTime)
+    plan.notes.insert(plan.notes.begin(), "chosen: " + chosen.what);
   return plan;
 }
 
 nlohmann::json planToJson(const Plan& plan) {
   nlohmann::json stages = nlohmann::json::array();
   for (const auto& stage : plan.stages) {
-    stages.push_back({{"device", stage.device},
-                      {"first_layer", stage.firstLayer},
-                      {"end_layer", stage.endLayer},
-                      {"compute_ms", stage.computeMs},
-                      {"transfer_ms", stage.transferMs},
-                      {"time_ms", stage.timeMs},
-                      {"param_bytes", stage.paramBytes},
-                      {"memory_bytes", stage.memoryBytes},
-                      {"activation_bytes", stage.activationBytes},
-                      {"capacity_bytes", stage.capacityBytes},
-                      {"in_flight_micro_batches", stage.inFlight}});
+    stages.push_back(
+        {{"device", stage.device},
+         {"first_layer", stage.firstLayer},
+         {"end_layer", stage.endLayer},
+         {"compute_ms", stage.computeMs},
+         {"transfer_ms", stage.transferMs},
+         {"time_ms", stage.timeMs},
+         {"param_bytes", stage.paramBytes},
+         {"memory_bytes", stage.memoryBytes},
+         {"activation_bytes", stage.activationBytes},
+         {"capacity_bytes", stage.capacityBytes},
+         {"in_flight_micro_batches", stage.inFlight}});
   }
-  return {{"partition", partitionMethodName(plan.partition)},
-          {"stage_count", plan.stageCount()},
-          {"boundaries", plan.boundaries},
-          {"schedule", plan.schedule.name},
-          {"micro_batches", plan.schedule.microBatches},
-          {"virtual_stages", plan.schedule.virtualStages},
-          {"checkpoint", checkpointModeName(plan.checkpoint)},
-          {"bottleneck_ms", plan.bottleneckMs},
-          {"predicted_step_ms", plan.simulation.makespan},
-          {"cost_source", plan.costSource},
-          {"cost_noise", plan.costNoise},
-          {"notes", plan.notes},
-          {"stages", stages},
-          {"simulation", simulationToJson(plan.schedule, plan.simulation)}};
+  return {
+      {"partition", partitionMethodName(plan.partition)},
+      {"stage_count", plan.stageCount()},
+      {"boundaries", plan.boundaries},
+      {"schedule", plan.schedule.name},
+      {"micro_batches", plan.schedule.microBatches},
+      {"virtual_stages", plan.schedule.virtualStages},
+      {"checkpoint", checkpointModeName(plan.checkpoint)},
+      {"bottleneck_ms", plan.bottleneckMs},
+      {"predicted_step_ms", plan.simulation.makespan},
+      {"cost_source", plan.costSource},
+      {"cost_noise", plan.costNoise},
+      {"notes", plan.notes},
+      {"stages", stages},
+      {"simulation", simulationToJson(plan.schedule, plan.simulation)}};
 }
 
 void printPlan(std::ostream& out, const Plan& plan) {
   char line[256];
-  std::snprintf(line, sizeof line, "%-5s %-8s %-14s %10s %10s %24s\n", "stage", "device", "layers", "time ms",
-                "params", "memory / capacity");
+  std::snprintf(
+      line,
+      sizeof line,
+      "%-5s %-8s %-14s %10s %10s %24s\n",
+      "stage",
+      "device",
+      "layers",
+      "time ms",
+      "params",
+      "memory / capacity");
   out << line;
   for (size_t k = 0; k < plan.stages.size(); ++k) {
     const auto& s = plan.stages[k];
-    const std::string layers = std::to_string(s.firstLayer) + "-" + std::to_string(s.endLayer - 1) + " (" +
-                               std::to_string(s.endLayer - s.firstLayer) + ")";
+    const std::string layers = std::to_string(s.firstLayer) + "-" +
+        std::to_string(s.endLayer - 1) + " (" +
+        std::to_string(s.endLayer - s.firstLayer) + ")";
     const std::string memory = formatBytes(s.memoryBytes) + " / " +
-                               (s.capacityBytes > 0 ? formatBytes(s.capacityBytes) : std::string("-"));
+        (s.capacityBytes > 0 ? formatBytes(s.capacityBytes) : std::string("-"));
     const bool over = s.capacityBytes > 0 && s.memoryBytes > s.capacityBytes;
-    std::snprintf(line, sizeof line, "%-5zu %-8s %-14s %10.3f %10s %24s%s\n", k, s.device.c_str(), layers.c_str(),
-                  s.timeMs, formatBytes(s.paramBytes).c_str(), memory.c_str(), over ? "  OVER CAPACITY" : "");
+    std::snprintf(
+        line,
+        sizeof line,
+        "%-5zu %-8s %-14s %10.3f %10s %24s%s\n",
+        k,
+        s.device.c_str(),
+        layers.c_str(),
+        s.timeMs,
+        formatBytes(s.paramBytes).c_str(),
+        memory.c_str(),
+        over ? "  OVER CAPACITY" : "");
     out << line;
   }
-  out << "boundaries " << boundaryText(plan.boundaries) << "; costs: " << plan.costSource;
+  out << "boundaries " << boundaryText(plan.boundaries)
+      << "; costs: " << plan.costSource;
   if (plan.costNoise > 0) {
     std::snprintf(line, sizeof line, " (noise %.1f%%)", 100.0 * plan.costNoise);
     out << line;
   }
   out << "\n";
-  for (const auto& note : plan.notes) out << note << "\n";
-  std::snprintf(line, sizeof line, "bottleneck %.3f ms per micro-batch; %s with %d micro-batches, checkpoint %s:\n",
-                plan.bottleneckMs, plan.schedule.name.c_str(), plan.schedule.microBatches,
-                checkpointModeName(plan.checkpoint));
+  for (const auto& note : plan.notes)
+    out << note << "\n";
+  std::snprintf(
+      line,
+      sizeof line,
+      "bottleneck %.3f ms per micro-batch; %s with %d micro-batches, checkpoint %s:\n",
+      plan.bottleneckMs,
+      plan.schedule.name.c_str(),
+      plan.schedule.microBatches,
+      checkpointModeName(plan.checkpoint));
   out << line;
   printSimulation(out, plan.schedule, plan.simulation);
 }
 
-}  // namespace tpipe
+} // namespace tpipe

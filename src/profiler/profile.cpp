@@ -27,17 +27,22 @@ double median(std::vector<double> values) {
 }
 
 void synchronize(const at::Tensor& tensor) {
-  if (tensor.is_cuda()) torch::cuda::synchronize(tensor.device().index());
+  if (tensor.is_cuda())
+    torch::cuda::synchronize(tensor.device().index());
 }
 
 struct Measurement {
-  std::vector<double> forwardMs, backwardMs;  // one per measured run
+  std::vector<double> forwardMs, backwardMs; // one per measured run
   at::Tensor output;
 };
 
-Measurement measure(torch::nn::AnyModule& layer, const at::Tensor& x, const ProfileOptions& options) {
+Measurement measure(
+    torch::nn::AnyModule& layer,
+    const at::Tensor& x,
+    const ProfileOptions& options) {
   at::Tensor input = x.detach();
-  if (input.is_floating_point()) input.requires_grad_(true);
+  if (input.is_floating_point())
+    input.requires_grad_(true);
   std::vector<double> forward, backward;
   Measurement result;
   for (int run = 0; run < options.warmup + options.repeats; ++run) {
@@ -46,16 +51,20 @@ Measurement measure(torch::nn::AnyModule& layer, const at::Tensor& x, const Prof
     at::Tensor y = layer.forward(input);
     synchronize(y);
     const auto t1 = Clock::now();
-    if (y.requires_grad()) torch::autograd::backward({y}, {at::ones_like(y)});
+    if (y.requires_grad())
+      torch::autograd::backward({y}, {at::ones_like(y)});
     synchronize(y);
     const auto t2 = Clock::now();
     if (run >= options.warmup) {
-      forward.push_back(std::chrono::duration<double, std::milli>(t1 - t0).count());
-      backward.push_back(std::chrono::duration<double, std::milli>(t2 - t1).count());
+      forward.push_back(
+          std::chrono::duration<double, std::milli>(t1 - t0).count());
+      backward.push_back(
+          std::chrono::duration<double, std::milli>(t2 - t1).count());
     }
     result.output = y.detach();
   }
-  for (auto& parameter : layer.ptr()->parameters()) parameter.mutable_grad() = at::Tensor();
+  for (auto& parameter : layer.ptr()->parameters())
+    parameter.mutable_grad() = at::Tensor();
   result.forwardMs = std::move(forward);
   result.backwardMs = std::move(backward);
   return result;
@@ -66,7 +75,8 @@ double quantile(std::vector<double> values, double q) {
   const double position = q * static_cast<double>(values.size() - 1);
   const size_t below = static_cast<size_t>(position);
   const size_t above = std::min(below + 1, values.size() - 1);
-  return values[below] + (position - static_cast<double>(below)) * (values[above] - values[below]);
+  return values[below] +
+      (position - static_cast<double>(below)) * (values[above] - values[below]);
 }
 
 // About two standard errors of the summed per-layer medians, relative to
@@ -74,10 +84,12 @@ double quantile(std::vector<double> values, double q) {
 double relativeNoise(const std::vector<std::vector<double>>& runTimes) {
   double total = 0.0, uncertainty = 0.0;
   for (const auto& times : runTimes) {
-    if (times.empty()) continue;
+    if (times.empty())
+      continue;
     total += median(times);
     const double iqr = quantile(times, 0.75) - quantile(times, 0.25);
-    uncertainty += 2.0 * 0.93 * iqr / std::sqrt(static_cast<double>(times.size()));
+    uncertainty +=
+        2.0 * 0.93 * iqr / std::sqrt(static_cast<double>(times.size()));
   }
   return total > 0.0 ? uncertainty / total : 0.0;
 }
@@ -85,14 +97,20 @@ double relativeNoise(const std::vector<std::vector<double>>& runTimes) {
 // What the caller's modules hold, put back after profiling.
 class ModuleSnapshot {
  public:
-  explicit ModuleSnapshot(const LayerList& layers) : cpuGenerator_(at::detail::getDefaultCPUGenerator().clone()) {
+  explicit ModuleSnapshot(const LayerList& layers)
+      : cpuGenerator_(at::detail::getDefaultCPUGenerator().clone()) {
     for (const auto& layer : layers) {
       for (const auto& parameter : layer.module.ptr()->parameters()) {
-        parameters_.push_back({parameter, parameter.device(), parameter.detach().clone(), parameter.grad()});
+        parameters_.push_back(
+            {parameter,
+             parameter.device(),
+             parameter.detach().clone(),
+             parameter.grad()});
         parameter.mutable_grad() = at::Tensor();
       }
       for (const auto& buffer : layer.module.ptr()->buffers()) {
-        buffers_.push_back({buffer, buffer.device(), buffer.detach().clone(), at::Tensor()});
+        buffers_.push_back(
+            {buffer, buffer.device(), buffer.detach().clone(), at::Tensor()});
       }
       devices_.push_back(firstDevice(layer));
     }
@@ -102,14 +120,16 @@ class ModuleSnapshot {
 
   void restore(const LayerList& layers) {
     for (size_t l = 0; l < layers.size(); ++l) {
-      if (devices_[l]) layers[l].module.ptr()->to(*devices_[l]);
+      if (devices_[l])
+        layers[l].module.ptr()->to(*devices_[l]);
     }
     at::NoGradGuard noGrad;
     for (auto& kept : parameters_) {
       kept.tensor.copy_(kept.values);
       kept.tensor.mutable_grad() = kept.grad;
     }
-    for (auto& kept : buffers_) kept.tensor.copy_(kept.values);
+    for (auto& kept : buffers_)
+      kept.tensor.copy_(kept.values);
     auto generator = at::detail::getDefaultCPUGenerator();
     std::lock_guard<std::mutex> lock(generator.mutex());
     generator.set_state(cpuGenerator_.get_state());
@@ -122,8 +142,10 @@ class ModuleSnapshot {
     at::Tensor values, grad;
   };
   static c10::optional<c10::Device> firstDevice(const NamedLayer& layer) {
-    for (const auto& parameter : layer.module.ptr()->parameters()) return parameter.device();
-    for (const auto& buffer : layer.module.ptr()->buffers()) return buffer.device();
+    for (const auto& parameter : layer.module.ptr()->parameters())
+      return parameter.device();
+    for (const auto& buffer : layer.module.ptr()->buffers())
+      return buffer.device();
     return c10::nullopt;
   }
   at::Generator cpuGenerator_;
@@ -135,7 +157,8 @@ class ModuleSnapshot {
 // saved for the backward), from the device's own allocator.
 int64_t stashBytes(torch::nn::AnyModule& layer, const at::Tensor& x, int slot) {
   at::Tensor input = x.detach();
-  if (input.is_floating_point()) input.requires_grad_(true);
+  if (input.is_floating_point())
+    input.requires_grad_(true);
   int64_t live = 0, peak = 0;
   const bool accelerator = memory::acceleratorStats(x.device(), &live, &peak);
   memory::DeviceScope scope(slot);
@@ -149,9 +172,11 @@ int64_t stashBytes(torch::nn::AnyModule& layer, const at::Tensor& x, int slot) {
   return memory::liveBytes(slot) - before;
 }
 
-}  // namespace
+} // namespace
 
-LinearFit fitLine(const std::vector<int64_t>& sizes, const std::vector<double>& times) {
+LinearFit fitLine(
+    const std::vector<int64_t>& sizes,
+    const std::vector<double>& times) {
   Eigen::MatrixXd a(static_cast<Eigen::Index>(sizes.size()), 2);
   Eigen::VectorXd b(static_cast<Eigen::Index>(sizes.size()));
   for (size_t i = 0; i < sizes.size(); ++i) {
@@ -165,13 +190,17 @@ LinearFit fitLine(const std::vector<int64_t>& sizes, const std::vector<double>& 
 
 std::vector<LayerCost> Profile::costsAt(int64_t size) const {
   std::vector<LayerCost> costs;
-  const double scale = static_cast<double>(size) / static_cast<double>(microBatchSize);
+  const double scale =
+      static_cast<double>(size) / static_cast<double>(microBatchSize);
   for (const auto& layer : layers) {
     LayerCost cost = layer.cost;
     cost.forwardMs = std::max(0.0, layer.forward.at(static_cast<double>(size)));
-    cost.backwardMs = std::max(0.0, layer.backward.at(static_cast<double>(size)));
-    cost.activationBytes = static_cast<int64_t>(std::llround(cost.activationBytes * scale));
-    cost.stashBytes = static_cast<int64_t>(std::llround(cost.stashBytes * scale));
+    cost.backwardMs =
+        std::max(0.0, layer.backward.at(static_cast<double>(size)));
+    cost.activationBytes =
+        static_cast<int64_t>(std::llround(cost.activationBytes * scale));
+    cost.stashBytes =
+        static_cast<int64_t>(std::llround(cost.stashBytes * scale));
     costs.push_back(cost);
   }
   return costs;
@@ -180,21 +209,28 @@ std::vector<LayerCost> Profile::costsAt(int64_t size) const {
 namespace {
 
 // One round: every layer at every fit size, samples appended per layer.
-void measureRound(const LayerList& layers, const std::function<at::Tensor(int64_t)>& sample,
-                  const ProfileOptions& options, int slot, Profile& profile,
-                  std::vector<std::vector<std::vector<double>>>& forward,
-                  std::vector<std::vector<std::vector<double>>>& backward) {
+void measureRound(
+    const LayerList& layers,
+    const std::function<at::Tensor(int64_t)>& sample,
+    const ProfileOptions& options,
+    int slot,
+    Profile& profile,
+    std::vector<std::vector<std::vector<double>>>& forward,
+    std::vector<std::vector<std::vector<double>>>& backward) {
   const c10::Device device(options.device);
   const bool first = forward.empty();
   if (first) {
-    forward.assign(layers.size(), std::vector<std::vector<double>>(profile.fitSizes.size()));
+    forward.assign(
+        layers.size(),
+        std::vector<std::vector<double>>(profile.fitSizes.size()));
     backward = forward;
   }
   for (size_t size = 0; size < profile.fitSizes.size(); ++size) {
     const int64_t n = profile.fitSizes[size];
     at::Tensor x = sample(n).to(device);
     const bool atProfiledSize = n == profile.microBatchSize;
-    if (atProfiledSize) profile.inputBytes = static_cast<int64_t>(x.nbytes());
+    if (atProfiledSize)
+      profile.inputBytes = static_cast<int64_t>(x.nbytes());
     for (size_t l = 0; l < layers.size(); ++l) {
       auto layer = layers[l].module;
       layer.ptr()->to(device);
@@ -218,10 +254,16 @@ void measureRound(const LayerList& layers, const std::function<at::Tensor(int64_
 }
 
 // Medians at the profiled size, fits over all sizes, and the noise.
-void summarize(const std::vector<std::vector<std::vector<double>>>& forward,
-               const std::vector<std::vector<std::vector<double>>>& backward, Profile& profile) {
+void summarize(
+    const std::vector<std::vector<std::vector<double>>>& forward,
+    const std::vector<std::vector<std::vector<double>>>& backward,
+    Profile& profile) {
   const size_t at = static_cast<size_t>(
-      std::find(profile.fitSizes.begin(), profile.fitSizes.end(), profile.microBatchSize) - profile.fitSizes.begin());
+      std::find(
+          profile.fitSizes.begin(),
+          profile.fitSizes.end(),
+          profile.microBatchSize) -
+      profile.fitSizes.begin());
   std::vector<std::vector<double>> total(profile.layers.size());
   for (size_t l = 0; l < profile.layers.size(); ++l) {
     std::vector<double> forwardMedians, backwardMedians;
@@ -241,11 +283,14 @@ void summarize(const std::vector<std::vector<std::vector<double>>>& forward,
   profile.noise = relativeNoise(total);
 }
 
-}  // namespace
+} // namespace
 
-Profile profileLayers(const LayerList& layers, const std::function<at::Tensor(int64_t)>& sample,
-                      const ProfileOptions& options) {
-  TORCH_CHECK(options.microBatchSize >= 1, "profile: micro-batch size must be >= 1");
+Profile profileLayers(
+    const LayerList& layers,
+    const std::function<at::Tensor(int64_t)>& sample,
+    const ProfileOptions& options) {
+  TORCH_CHECK(
+      options.microBatchSize >= 1, "profile: micro-batch size must be >= 1");
   TORCH_CHECK(options.repeats >= 1, "profile: repeats must be >= 1");
   TORCH_CHECK(options.maxRounds >= 1, "profile: rounds must be >= 1");
   memory::install();
@@ -256,7 +301,9 @@ Profile profileLayers(const LayerList& layers, const std::function<at::Tensor(in
   profile.microBatchSize = options.microBatchSize;
   const int64_t n = options.microBatchSize;
   profile.fitSizes = {std::max<int64_t>(1, n / 2), n, 2 * n};
-  profile.fitSizes.erase(std::unique(profile.fitSizes.begin(), profile.fitSizes.end()), profile.fitSizes.end());
+  profile.fitSizes.erase(
+      std::unique(profile.fitSizes.begin(), profile.fitSizes.end()),
+      profile.fitSizes.end());
   profile.layers.resize(layers.size());
   std::vector<std::vector<std::vector<double>>> forward, backward;
   try {
@@ -265,7 +312,8 @@ Profile profileLayers(const LayerList& layers, const std::function<at::Tensor(in
       measureRound(layers, sample, options, slot, profile, forward, backward);
       summarize(forward, backward, profile);
       profile.settled = profile.noise <= options.noiseBound;
-      if (profile.settled || profile.rounds >= options.maxRounds) break;
+      if (profile.settled || profile.rounds >= options.maxRounds)
+        break;
     }
   } catch (...) {
     snapshot.restore(layers);
@@ -281,29 +329,34 @@ Profile profileLayers(const LayerList& layers, const std::function<at::Tensor(in
 nlohmann::json profileToJson(const Profile& profile) {
   nlohmann::json layers = nlohmann::json::array();
   for (const auto& layer : profile.layers) {
-    layers.push_back({{"name", layer.cost.name},
-                      {"forward_ms", layer.cost.forwardMs},
-                      {"backward_ms", layer.cost.backwardMs},
-                      {"param_bytes", layer.cost.paramBytes},
-                      {"activation_bytes", layer.cost.activationBytes},
-                      {"stash_bytes", layer.cost.stashBytes},
-                      {"forward_fit_ms", {layer.forward.intercept, layer.forward.slope}},
-                      {"backward_fit_ms", {layer.backward.intercept, layer.backward.slope}}});
+    layers.push_back(
+        {{"name", layer.cost.name},
+         {"forward_ms", layer.cost.forwardMs},
+         {"backward_ms", layer.cost.backwardMs},
+         {"param_bytes", layer.cost.paramBytes},
+         {"activation_bytes", layer.cost.activationBytes},
+         {"stash_bytes", layer.cost.stashBytes},
+         {"forward_fit_ms", {layer.forward.intercept, layer.forward.slope}},
+         {"backward_fit_ms",
+          {layer.backward.intercept, layer.backward.slope}}});
   }
-  return {{"device", profile.device},
-          {"micro_batch_size", profile.microBatchSize},
-          {"noise", profile.noise},
-          {"rounds", profile.rounds},
-          {"input_bytes", profile.inputBytes},
-          {"fit_sizes", profile.fitSizes},
-          {"fit", "ms = intercept + slope * micro_batch_size"},
-          {"layers", layers}};
+  return {
+      {"device", profile.device},
+      {"micro_batch_size", profile.microBatchSize},
+      {"noise", profile.noise},
+      {"rounds", profile.rounds},
+      {"input_bytes", profile.inputBytes},
+      {"fit_sizes", profile.fitSizes},
+      {"fit", "ms = intercept + slope * micro_batch_size"},
+      {"layers", layers}};
 }
 
 Profile profileFromJson(const nlohmann::json& json) {
-  if (!json.is_object() || !json.contains("layers") || !json["layers"].is_array() || json["layers"].empty()) {
-    throw ConfigError("profile: expected {\"layers\": [{\"name\": ..., \"forward_ms\": ..., "
-                      "\"backward_ms\": ...}, ...]}");
+  if (!json.is_object() || !json.contains("layers") ||
+      !json["layers"].is_array() || json["layers"].empty()) {
+    throw ConfigError(
+        "profile: expected {\"layers\": [{\"name\": ..., \"forward_ms\": ..., "
+        "\"backward_ms\": ...}, ...]}");
   }
   Profile profile;
   profile.device = json.value("device", std::string("cpu"));
@@ -311,7 +364,9 @@ Profile profileFromJson(const nlohmann::json& json) {
   profile.inputBytes = json.value("input_bytes", int64_t{0});
   if (json.contains("noise")) {
     if (!json["noise"].is_number() || !(json["noise"].get<double>() >= 0)) {
-      throw ConfigError("profile.noise: expected a non-negative number, got " + json["noise"].dump());
+      throw ConfigError(
+          "profile.noise: expected a non-negative number, got " +
+          json["noise"].dump());
     }
     profile.noise = json["noise"].get<double>();
   }
@@ -320,11 +375,14 @@ Profile profileFromJson(const nlohmann::json& json) {
     const std::string path = "profile.layers[" + std::to_string(i) + "]";
     auto number = [&](const char* key, bool required) -> double {
       if (!item.contains(key)) {
-        if (required) throw ConfigError(path + "." + key + ": missing");
+        if (required)
+          throw ConfigError(path + "." + key + ": missing");
         return 0.0;
       }
       if (!item[key].is_number() || item[key].get<double>() < 0) {
-        throw ConfigError(path + "." + key + ": expected a non-negative number, got " + item[key].dump());
+        throw ConfigError(
+            path + "." + key + ": expected a non-negative number, got " +
+            item[key].dump());
       }
       return item[key].get<double>();
     };
@@ -333,17 +391,22 @@ Profile profileFromJson(const nlohmann::json& json) {
     layer.cost.forwardMs = number("forward_ms", true);
     layer.cost.backwardMs = number("backward_ms", true);
     layer.cost.paramBytes = static_cast<int64_t>(number("param_bytes", false));
-    layer.cost.activationBytes = static_cast<int64_t>(number("activation_bytes", false));
+    layer.cost.activationBytes =
+        static_cast<int64_t>(number("activation_bytes", false));
     layer.cost.stashBytes = static_cast<int64_t>(number("stash_bytes", false));
     layer.forward = {layer.cost.forwardMs, 0.0};
     layer.backward = {layer.cost.backwardMs, 0.0};
     if (item.contains("forward_fit_ms") && item.contains("backward_fit_ms")) {
-      layer.forward = {item["forward_fit_ms"][0].get<double>(), item["forward_fit_ms"][1].get<double>()};
-      layer.backward = {item["backward_fit_ms"][0].get<double>(), item["backward_fit_ms"][1].get<double>()};
+      layer.forward = {
+          item["forward_fit_ms"][0].get<double>(),
+          item["forward_fit_ms"][1].get<double>()};
+      layer.backward = {
+          item["backward_fit_ms"][0].get<double>(),
+          item["backward_fit_ms"][1].get<double>()};
     }
     profile.layers.push_back(layer);
   }
   return profile;
 }
 
-}  // namespace tpipe
+} // namespace tpipe

@@ -21,7 +21,8 @@ const Instruction& instructionOf(const Trace& trace, const TraceEvent& event) {
 }
 
 bool isSend(const Instruction& instruction) {
-  return std::holds_alternative<SendActivation>(instruction) || std::holds_alternative<SendGrad>(instruction);
+  return std::holds_alternative<SendActivation>(instruction) ||
+      std::holds_alternative<SendGrad>(instruction);
 }
 
 // Mean duration per (stage, kind), in ms, over every step.
@@ -30,7 +31,9 @@ std::vector<StageCosts> meanCosts(const Trace& trace) {
   struct Sum {
     double total = 0.0;
     int count = 0;
-    double mean() const { return count ? total / count : 0.0; }
+    double mean() const {
+      return count ? total / count : 0.0;
+    }
   };
   std::vector<std::map<std::string, Sum>> sums(stages);
   for (const auto& step : trace.steps) {
@@ -55,26 +58,31 @@ std::vector<StageCosts> meanCosts(const Trace& trace) {
   return costs;
 }
 
-}  // namespace
+} // namespace
 
 BubbleReport bubbleReport(const Trace& trace) {
   BubbleReport report;
   const int ranks = trace.schedule.ranks;
   report.steps = static_cast<int>(trace.steps.size());
   report.ranks.resize(ranks);
-  for (int r = 0; r < ranks; ++r) report.ranks[r].device = r < static_cast<int>(trace.devices.size()) ? trace.devices[r] : "";
+  for (int r = 0; r < ranks; ++r)
+    report.ranks[r].device =
+        r < static_cast<int>(trace.devices.size()) ? trace.devices[r] : "";
   report.theoreticalBubble = theoreticalBubble(trace.schedule);
-  if (trace.steps.empty()) return report;
+  if (trace.steps.empty())
+    return report;
   for (const auto& step : trace.steps) {
     report.stepMs += step.wallUs / 1000.0;
-    for (int r = 0; r < ranks; ++r) report.ranks[r].wallMs += step.wallUs / 1000.0;
+    for (int r = 0; r < ranks; ++r)
+      report.ranks[r].wallMs += step.wallUs / 1000.0;
     for (const auto& event : step.events) {
       const Instruction& instruction = instructionOf(trace, event);
       const double ms = (event.endUs - event.startUs) / 1000.0;
       RankBubble& rank = report.ranks[event.rank];
       if (isCompute(instruction)) {
         rank.computeMs += ms;
-        if (std::holds_alternative<Recompute>(instruction)) rank.recomputeMs += ms;
+        if (std::holds_alternative<Recompute>(instruction))
+          rank.recomputeMs += ms;
       } else if (isSend(instruction)) {
         rank.communicationMs += ms;
       }
@@ -104,20 +112,26 @@ BubbleReport bubbleReport(const Trace& trace) {
 void printBubbleReport(std::ostream& out, const BubbleReport& report) {
   const auto flags = out.flags();
   out << std::fixed << std::setprecision(3);
-  out << "bubble report (mean of " << report.steps << " recorded step(s), step " << report.stepMs << " ms)\n";
+  out << "bubble report (mean of " << report.steps << " recorded step(s), step "
+      << report.stepMs << " ms)\n";
   out << "rank device      wall ms  compute ms  recompute ms  comm ms   idle ms\n";
   for (size_t r = 0; r < report.ranks.size(); ++r) {
     const auto& rank = report.ranks[r];
-    out << std::setw(4) << r << ' ' << std::left << std::setw(9) << rank.device << std::right << std::setw(10)
-        << rank.wallMs << std::setw(12) << rank.computeMs << std::setw(14) << rank.recomputeMs << std::setw(9)
+    out << std::setw(4) << r << ' ' << std::left << std::setw(9) << rank.device
+        << std::right << std::setw(10) << rank.wallMs << std::setw(12)
+        << rank.computeMs << std::setw(14) << rank.recomputeMs << std::setw(9)
         << rank.communicationMs << std::setw(10) << rank.idleMs << '\n';
   }
   out << std::setprecision(1);
-  out << "bubble: measured " << 100 * report.measuredBubble << "%  (sum idle / (ranks x wall); idle includes "
+  out << "bubble: measured " << 100 * report.measuredBubble
+      << "%  (sum idle / (ranks x wall); idle includes "
       << "waiting in receives)\n";
-  out << "        simulated " << 100 * report.simulatedBubble << "%  (the schedule replayed with the measured mean "
-      << "instruction times: step " << std::setprecision(3) << report.simulatedStepMs << " ms)\n";
-  out << std::setprecision(1) << "        theory " << 100 * report.theoreticalBubble
+  out << "        simulated " << 100 * report.simulatedBubble
+      << "%  (the schedule replayed with the measured mean "
+      << "instruction times: step " << std::setprecision(3)
+      << report.simulatedStepMs << " ms)\n";
+  out << std::setprecision(1) << "        theory "
+      << 100 * report.theoreticalBubble
       << "%  ((p - 1) / (v m + p - 1): fill-drain, 1F1B and interleaved with equal stages)\n";
   out.flags(flags);
 }
@@ -125,71 +139,99 @@ void printBubbleReport(std::ostream& out, const BubbleReport& report) {
 nlohmann::json bubbleReportToJson(const BubbleReport& report) {
   nlohmann::json ranks = nlohmann::json::array();
   for (const auto& rank : report.ranks) {
-    ranks.push_back({{"device", rank.device},
-                     {"wall_ms", rank.wallMs},
-                     {"compute_ms", rank.computeMs},
-                     {"recompute_ms", rank.recomputeMs},
-                     {"communication_ms", rank.communicationMs},
-                     {"busy_ms", rank.busyMs},
-                     {"idle_ms", rank.idleMs}});
+    ranks.push_back(
+        {{"device", rank.device},
+         {"wall_ms", rank.wallMs},
+         {"compute_ms", rank.computeMs},
+         {"recompute_ms", rank.recomputeMs},
+         {"communication_ms", rank.communicationMs},
+         {"busy_ms", rank.busyMs},
+         {"idle_ms", rank.idleMs}});
   }
   nlohmann::json costs = nlohmann::json::array();
   for (const auto& c : report.measuredCosts) {
-    costs.push_back({{"forward_ms", c.forward},
-                     {"backward_ms", c.backward},
-                     {"backward_input_ms", c.backwardInput},
-                     {"backward_weight_ms", c.backwardWeight},
-                     {"recompute_ms", c.recompute},
-                     {"transfer_ms", c.transfer}});
+    costs.push_back(
+        {{"forward_ms", c.forward},
+         {"backward_ms", c.backward},
+         {"backward_input_ms", c.backwardInput},
+         {"backward_weight_ms", c.backwardWeight},
+         {"recompute_ms", c.recompute},
+         {"transfer_ms", c.transfer}});
   }
-  return {{"steps", report.steps},
-          {"step_ms", report.stepMs},
-          {"ranks", ranks},
-          {"measured_bubble", report.measuredBubble},
-          {"simulated_bubble", report.simulatedBubble},
-          {"simulated_step_ms", report.simulatedStepMs},
-          {"theoretical_bubble", report.theoreticalBubble},
-          {"definitions",
-           {{"measured_bubble", "sum over ranks of idle / (ranks x wall); idle = wall - compute - sends"},
-            {"simulated_bubble", "the same, from the schedule simulated with the measured mean times"},
-            {"theoretical_bubble", "(p - 1) / (m + p - 1)"}}},
-          {"stage_costs", costs}};
+  return {
+      {"steps", report.steps},
+      {"step_ms", report.stepMs},
+      {"ranks", ranks},
+      {"measured_bubble", report.measuredBubble},
+      {"simulated_bubble", report.simulatedBubble},
+      {"simulated_step_ms", report.simulatedStepMs},
+      {"theoretical_bubble", report.theoreticalBubble},
+      {"definitions",
+       {{"measured_bubble",
+         "sum over ranks of idle / (ranks x wall); idle = wall - compute - sends"},
+        {"simulated_bubble",
+         "the same, from the schedule simulated with the measured mean times"},
+        {"theoretical_bubble", "(p - 1) / (m + p - 1)"}}},
+      {"stage_costs", costs}};
 }
 
 nlohmann::json chromeTrace(const Trace& trace) {
   nlohmann::json events = nlohmann::json::array();
-  events.push_back({{"name", "process_name"}, {"ph", "M"}, {"pid", 0}, {"args", {{"name", "tpipe pipeline"}}}});
+  events.push_back(
+      {{"name", "process_name"},
+       {"ph", "M"},
+       {"pid", 0},
+       {"args", {{"name", "tpipe pipeline"}}}});
   for (int r = 0; r < trace.schedule.ranks; ++r) {
     std::string stages;
     for (int s = r; s < trace.schedule.stages(); s += trace.schedule.ranks) {
       stages += (stages.empty() ? "" : ",") + std::to_string(s);
     }
-    const std::string device = r < static_cast<int>(trace.devices.size()) ? trace.devices[r] : "rank";
-    events.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", 0}, {"tid", r},
-                      {"args", {{"name", device + " (stage " + stages + ")"}}}});
+    const std::string device =
+        r < static_cast<int>(trace.devices.size()) ? trace.devices[r] : "rank";
+    events.push_back(
+        {{"name", "thread_name"},
+         {"ph", "M"},
+         {"pid", 0},
+         {"tid", r},
+         {"args", {{"name", device + " (stage " + stages + ")"}}}});
   }
   double offset = 0.0;
   for (const auto& step : trace.steps) {
-    events.push_back({{"name", "step " + std::to_string(step.step)}, {"ph", "i"}, {"s", "g"}, {"ts", offset},
-                      {"pid", 0}, {"tid", 0}});
+    events.push_back(
+        {{"name", "step " + std::to_string(step.step)},
+         {"ph", "i"},
+         {"s", "g"},
+         {"ts", offset},
+         {"pid", 0},
+         {"tid", 0}});
     for (const auto& event : step.events) {
       const Instruction& instruction = instructionOf(trace, event);
-      nlohmann::json args = {{"micro_batch", microBatchOf(instruction)},
-                             {"stage", stageOf(instruction)},
-                             {"step", step.step}};
-      if (event.bytes > 0) args["bytes"] = event.bytes;
-      events.push_back({{"name", shortLabel(instruction)},
-                        {"cat", opName(instruction)},
-                        {"ph", "X"},
-                        {"ts", offset + event.startUs},
-                        {"dur", event.endUs - event.startUs},
-                        {"pid", 0},
-                        {"tid", event.rank},
-                        {"args", args}});
+      nlohmann::json args = {
+          {"micro_batch", microBatchOf(instruction)},
+          {"stage", stageOf(instruction)},
+          {"step", step.step}};
+      if (event.bytes > 0)
+        args["bytes"] = event.bytes;
+      events.push_back(
+          {{"name", shortLabel(instruction)},
+           {"cat", opName(instruction)},
+           {"ph", "X"},
+           {"ts", offset + event.startUs},
+           {"dur", event.endUs - event.startUs},
+           {"pid", 0},
+           {"tid", event.rank},
+           {"args", args}});
     }
-    offset += step.wallUs * 1.02;  // a small gap between steps
+    offset += step.wallUs * 1.02; // a small gap between steps
   }
-  events.push_back({{"name", "end"}, {"ph", "i"}, {"s", "g"}, {"ts", offset}, {"pid", 0}, {"tid", 0}});
+  events.push_back(
+      {{"name", "end"},
+       {"ph", "i"},
+       {"s", "g"},
+       {"ts", offset},
+       {"pid", 0},
+       {"tid", 0}});
   return {{"traceEvents", events}, {"displayTimeUnit", "ms"}};
 }
 
@@ -201,17 +243,19 @@ struct SvgStyle {
   const char* label;
 };
 
-const SvgStyle kSvgStyles[] = {{"forward", "#4e79a7", "forward"},
-                               {"backward", "#e15759", "backward"},
-                               {"backward_input", "#f28e2b", "backward input (B)"},
-                               {"backward_weight", "#b07aa1", "backward weight (W)"},
-                               {"recompute", "#59a14f", "recompute"},
-                               {"send_activation", "#9c9c9c", "send"},
-                               {"send_grad", "#9c9c9c", "send"}};
+const SvgStyle kSvgStyles[] = {
+    {"forward", "#4e79a7", "forward"},
+    {"backward", "#e15759", "backward"},
+    {"backward_input", "#f28e2b", "backward input (B)"},
+    {"backward_weight", "#b07aa1", "backward weight (W)"},
+    {"recompute", "#59a14f", "recompute"},
+    {"send_activation", "#9c9c9c", "send"},
+    {"send_grad", "#9c9c9c", "send"}};
 
 const char* colourOf(const std::string& op) {
   for (const auto& style : kSvgStyles) {
-    if (op == style.op) return style.colour;
+    if (op == style.op)
+      return style.colour;
   }
   return nullptr;
 }
@@ -219,68 +263,88 @@ const char* colourOf(const std::string& op) {
 // The geometry of one timeline picture.
 struct SvgLayout {
   double left = 120, top = 56, rowHeight = 34, width = 1100, right = 20;
-  double scale = 1.0;  // pixels per microsecond
+  double scale = 1.0; // pixels per microsecond
 };
 
 void svgRows(std::ostream& svg, const Trace& trace, const SvgLayout& g) {
   for (int r = 0; r < trace.schedule.ranks; ++r) {
     const double y = g.top + r * g.rowHeight;
-    svg << "<rect x=\"" << g.left << "\" y=\"" << y << "\" width=\"" << g.width << "\" height=\""
-        << g.rowHeight - 6 << "\" fill=\"#f4f4f4\" stroke=\"#ddd\"/>\n";
-    const std::string device = r < static_cast<int>(trace.devices.size()) ? trace.devices[r] : "rank";
-    svg << "<text x=\"8\" y=\"" << y + g.rowHeight / 2 << "\">" << device << "</text>\n";
+    svg << "<rect x=\"" << g.left << "\" y=\"" << y << "\" width=\"" << g.width
+        << "\" height=\"" << g.rowHeight - 6
+        << "\" fill=\"#f4f4f4\" stroke=\"#ddd\"/>\n";
+    const std::string device =
+        r < static_cast<int>(trace.devices.size()) ? trace.devices[r] : "rank";
+    svg << "<text x=\"8\" y=\"" << y + g.rowHeight / 2 << "\">" << device
+        << "</text>\n";
   }
 }
 
-void svgEvents(std::ostream& svg, const Trace& trace, const StepTrace& step, const SvgLayout& g) {
+void svgEvents(
+    std::ostream& svg,
+    const Trace& trace,
+    const StepTrace& step,
+    const SvgLayout& g) {
   for (const auto& event : step.events) {
     const Instruction& instruction = instructionOf(trace, event);
     const char* colour = colourOf(opName(instruction));
-    if (colour == nullptr) continue;  // receives: waiting shows as blank
+    if (colour == nullptr)
+      continue; // receives: waiting shows as blank
     const double x = g.left + event.startUs * g.scale;
     const double w = std::max(0.5, (event.endUs - event.startUs) * g.scale);
     const double y = g.top + event.rank * g.rowHeight;
     const bool send = isSend(instruction);
-    svg << "<rect x=\"" << x << "\" y=\"" << y + (send ? g.rowHeight - 12 : 0) << "\" width=\"" << w
-        << "\" height=\"" << (send ? 6 : g.rowHeight - 6) << "\" fill=\"" << colour
-        << "\" stroke=\"white\" stroke-width=\"0.5\"><title>" << shortLabel(instruction) << " (stage "
-        << stageOf(instruction) << "): " << (event.endUs - event.startUs) / 1000.0 << " ms</title></rect>\n";
+    svg << "<rect x=\"" << x << "\" y=\"" << y + (send ? g.rowHeight - 12 : 0)
+        << "\" width=\"" << w << "\" height=\"" << (send ? 6 : g.rowHeight - 6)
+        << "\" fill=\"" << colour
+        << "\" stroke=\"white\" stroke-width=\"0.5\"><title>"
+        << shortLabel(instruction) << " (stage " << stageOf(instruction)
+        << "): " << (event.endUs - event.startUs) / 1000.0
+        << " ms</title></rect>\n";
     const std::string label = shortLabel(instruction);
     if (!send && w > 8.0 * label.size()) {
       svg << "<text x=\"" << x + w / 2 << "\" y=\"" << y + g.rowHeight / 2 + 1
-          << "\" text-anchor=\"middle\" fill=\"white\" font-size=\"11\">" << label << "</text>\n";
+          << "\" text-anchor=\"middle\" fill=\"white\" font-size=\"11\">"
+          << label << "</text>\n";
     }
   }
 }
 
-void svgAxisAndLegend(std::ostream& svg, const StepTrace& step, int ranks, const SvgLayout& g) {
+void svgAxisAndLegend(
+    std::ostream& svg,
+    const StepTrace& step,
+    int ranks,
+    const SvgLayout& g) {
   const double axis = g.top + ranks * g.rowHeight + 4;
   for (int tick = 0; tick <= 10; ++tick) {
     const double x = g.left + g.width * tick / 10.0;
-    svg << "<line x1=\"" << x << "\" y1=\"" << axis - 4 << "\" x2=\"" << x << "\" y2=\"" << axis + 2
-        << "\" stroke=\"#333\"/><text x=\"" << x << "\" y=\"" << axis + 15 << "\" text-anchor=\"middle\">"
+    svg << "<line x1=\"" << x << "\" y1=\"" << axis - 4 << "\" x2=\"" << x
+        << "\" y2=\"" << axis + 2 << "\" stroke=\"#333\"/><text x=\"" << x
+        << "\" y=\"" << axis + 15 << "\" text-anchor=\"middle\">"
         << step.wallUs / 1000.0 * tick / 10.0 << "</text>\n";
   }
-  svg << "<text x=\"" << g.left + g.width << "\" y=\"" << axis + 29 << "\" text-anchor=\"end\">ms</text>\n";
+  svg << "<text x=\"" << g.left + g.width << "\" y=\"" << axis + 29
+      << "\" text-anchor=\"end\">ms</text>\n";
   double x = g.left;
   const double legend = axis + 45;
   for (size_t i = 0; i + 1 < sizeof(kSvgStyles) / sizeof(kSvgStyles[0]); ++i) {
     const auto& style = kSvgStyles[i];
-    svg << "<rect x=\"" << x << "\" y=\"" << legend - 10 << "\" width=\"12\" height=\"12\" fill=\""
-        << style.colour << "\"/><text x=\"" << x + 16 << "\" y=\"" << legend << "\">" << style.label
-        << "</text>\n";
+    svg << "<rect x=\"" << x << "\" y=\"" << legend - 10
+        << "\" width=\"12\" height=\"12\" fill=\"" << style.colour
+        << "\"/><text x=\"" << x + 16 << "\" y=\"" << legend << "\">"
+        << style.label << "</text>\n";
     x += 30 + 7.0 * std::string(style.label).size();
   }
 }
 
-}  // namespace
+} // namespace
 
 std::string timelineSvg(const Trace& trace, int stepIndex) {
   if (trace.steps.empty()) {
     return "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"400\" height=\"40\"><text x=\"10\" y=\"25\">"
            "no recorded steps</text></svg>\n";
   }
-  const int index = stepIndex < 0 ? static_cast<int>(trace.steps.size()) - 1 : stepIndex;
+  const int index =
+      stepIndex < 0 ? static_cast<int>(trace.steps.size()) - 1 : stepIndex;
   const StepTrace& step = trace.steps.at(index);
   Trace one = trace;
   one.steps = {step};
@@ -291,15 +355,20 @@ std::string timelineSvg(const Trace& trace, int stepIndex) {
   const double height = g.top + ranks * g.rowHeight + 70;
   std::ostringstream svg;
   svg << std::fixed << std::setprecision(2);
-  svg << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << g.left + g.width + g.right << "\" height=\""
-      << height << "\" font-family=\"sans-serif\" font-size=\"12\">\n";
+  svg << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\""
+      << g.left + g.width + g.right << "\" height=\"" << height
+      << "\" font-family=\"sans-serif\" font-size=\"12\">\n";
   svg << "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n";
-  svg << "<text x=\"" << g.left << "\" y=\"22\" font-size=\"15\" font-weight=\"bold\">" << trace.schedule.name
-      << ", " << trace.schedule.stages() << " stages, " << trace.schedule.microBatches << " micro-batches: step "
-      << step.step << " took " << step.wallUs / 1000.0 << " ms, bubble " << std::setprecision(1)
-      << 100 * report.measuredBubble << "% (theory " << 100 * report.theoreticalBubble << "%)</text>\n";
+  svg << "<text x=\"" << g.left
+      << "\" y=\"22\" font-size=\"15\" font-weight=\"bold\">"
+      << trace.schedule.name << ", " << trace.schedule.stages() << " stages, "
+      << trace.schedule.microBatches << " micro-batches: step " << step.step
+      << " took " << step.wallUs / 1000.0 << " ms, bubble "
+      << std::setprecision(1) << 100 * report.measuredBubble << "% (theory "
+      << 100 * report.theoreticalBubble << "%)</text>\n";
   svg << std::setprecision(2);
-  svg << "<text x=\"" << g.left << "\" y=\"40\" fill=\"#555\">idle time is blank; bubble = idle / (devices x step)"
+  svg << "<text x=\"" << g.left
+      << "\" y=\"40\" fill=\"#555\">idle time is blank; bubble = idle / (devices x step)"
       << "</text>\n";
   svgRows(svg, trace, g);
   svgEvents(svg, trace, step, g);
@@ -308,4 +377,4 @@ std::string timelineSvg(const Trace& trace, int stepIndex) {
   return svg.str();
 }
 
-}  // namespace tpipe
+} // namespace tpipe

@@ -14,32 +14,60 @@
 namespace tpipe {
 WorldInfo worldFromEnvironment() {
   const char* size = std::getenv("WORLD_SIZE");
-  TORCH_CHECK(size == nullptr || std::string(size) == "1",
-              "WORLD_SIZE=", size, " but this tpipe was built without c10d (Gloo headers missing)");
+  TORCH_CHECK(
+      size == nullptr || std::string(size) == "1",
+      "WORLD_SIZE=",
+      size,
+      " but this tpipe was built without c10d (Gloo headers missing)");
   return WorldInfo{};
 }
 struct Communicator::Impl {};
-Communicator::Communicator(const WorldInfo&, int, std::chrono::milliseconds, const std::string&) {
-  TORCH_CHECK(false, "this tpipe was built without c10d (Gloo headers missing)");
+Communicator::Communicator(
+    const WorldInfo&,
+    int,
+    std::chrono::milliseconds,
+    const std::string&) {
+  TORCH_CHECK(
+      false, "this tpipe was built without c10d (Gloo headers missing)");
 }
 Communicator::~Communicator() = default;
-int Communicator::rank() const { return 0; }
-int Communicator::worldSize() const { return 1; }
-int Communicator::pipelineRanks() const { return 1; }
-int Communicator::replicas() const { return 1; }
-int Communicator::replica() const { return 0; }
-int Communicator::stageRank() const { return 0; }
-std::chrono::milliseconds Communicator::timeout() const { return {}; }
-std::vector<double> Communicator::sum(const std::vector<double>& values) { return values; }
-std::vector<int64_t> Communicator::broadcast(const std::vector<int64_t>& values) { return values; }
+int Communicator::rank() const {
+  return 0;
+}
+int Communicator::worldSize() const {
+  return 1;
+}
+int Communicator::pipelineRanks() const {
+  return 1;
+}
+int Communicator::replicas() const {
+  return 1;
+}
+int Communicator::replica() const {
+  return 0;
+}
+int Communicator::stageRank() const {
+  return 0;
+}
+std::chrono::milliseconds Communicator::timeout() const {
+  return {};
+}
+std::vector<double> Communicator::sum(const std::vector<double>& values) {
+  return values;
+}
+std::vector<int64_t> Communicator::broadcast(
+    const std::vector<int64_t>& values) {
+  return values;
+}
 void Communicator::averageAcrossReplicas(const std::vector<at::Tensor>&) {}
 void Communicator::barrier() {}
 namespace runtime {
 std::unique_ptr<Transport> makeProcessGroupTransport(Communicator&, int, int) {
-  TORCH_CHECK(false, "this tpipe was built without c10d (Gloo headers missing)");
+  TORCH_CHECK(
+      false, "this tpipe was built without c10d (Gloo headers missing)");
 }
-}  // namespace runtime
-}  // namespace tpipe
+} // namespace runtime
+} // namespace tpipe
 #else
 
 #include <unistd.h>
@@ -62,17 +90,21 @@ namespace {
 
 int environmentInt(const char* name, int fallback, bool* found = nullptr) {
   const char* value = std::getenv(name);
-  if (value == nullptr || *value == '\0') return fallback;
-  if (found) *found = true;
+  if (value == nullptr || *value == '\0')
+    return fallback;
+  if (found)
+    *found = true;
   char* end = nullptr;
   const long parsed = std::strtol(value, &end, 10);
   if (end == value || *end != '\0' || parsed < 0 || parsed >= (1L << 30)) {
-    throw UserError(std::string("environment variable ") + name + "='" + value + "' is not a non-negative integer");
+    throw UserError(
+        std::string("environment variable ") + name + "='" + value +
+        "' is not a non-negative integer");
   }
   return static_cast<int>(parsed);
 }
 
-}  // namespace
+} // namespace
 
 WorldInfo worldFromEnvironment() {
   WorldInfo world;
@@ -80,26 +112,41 @@ WorldInfo worldFromEnvironment() {
   // torchrun first, then Open MPI, then SLURM.
   world.rank = environmentInt("RANK", -1, &rankFound);
   world.worldSize = environmentInt("WORLD_SIZE", -1, &sizeFound);
-  if (!rankFound) world.rank = environmentInt("OMPI_COMM_WORLD_RANK", -1, &rankFound);
-  if (!sizeFound) world.worldSize = environmentInt("OMPI_COMM_WORLD_SIZE", -1, &sizeFound);
-  if (!rankFound) world.rank = environmentInt("SLURM_PROCID", -1, &rankFound);
-  if (!sizeFound) world.worldSize = environmentInt("SLURM_NTASKS", -1, &sizeFound);
+  if (!rankFound)
+    world.rank = environmentInt("OMPI_COMM_WORLD_RANK", -1, &rankFound);
+  if (!sizeFound)
+    world.worldSize = environmentInt("OMPI_COMM_WORLD_SIZE", -1, &sizeFound);
+  if (!rankFound)
+    world.rank = environmentInt("SLURM_PROCID", -1, &rankFound);
+  if (!sizeFound)
+    world.worldSize = environmentInt("SLURM_NTASKS", -1, &sizeFound);
   world.localRank = environmentInt("LOCAL_RANK", -1);
-  if (world.localRank < 0) world.localRank = environmentInt("OMPI_COMM_WORLD_LOCAL_RANK", -1);
-  if (world.localRank < 0) world.localRank = environmentInt("SLURM_LOCALID", 0);
-  if (!rankFound && !sizeFound) return WorldInfo{};
-  if (!rankFound || !sizeFound) throw UserError("a rank and a world size must both be set (RANK and WORLD_SIZE)");
-  if (world.worldSize < 1) throw UserError("WORLD_SIZE must be >= 1, got " + std::to_string(world.worldSize));
+  if (world.localRank < 0)
+    world.localRank = environmentInt("OMPI_COMM_WORLD_LOCAL_RANK", -1);
+  if (world.localRank < 0)
+    world.localRank = environmentInt("SLURM_LOCALID", 0);
+  if (!rankFound && !sizeFound)
+    return WorldInfo{};
+  if (!rankFound || !sizeFound)
+    throw UserError(
+        "a rank and a world size must both be set (RANK and WORLD_SIZE)");
+  if (world.worldSize < 1)
+    throw UserError(
+        "WORLD_SIZE must be >= 1, got " + std::to_string(world.worldSize));
   if (world.rank >= world.worldSize) {
-    throw UserError("RANK " + std::to_string(world.rank) + " is not below WORLD_SIZE " +
-                    std::to_string(world.worldSize));
+    throw UserError(
+        "RANK " + std::to_string(world.rank) + " is not below WORLD_SIZE " +
+        std::to_string(world.worldSize));
   }
   if (const char* addr = std::getenv("MASTER_ADDR")) {
-    if (*addr) world.masterAddr = addr;
+    if (*addr)
+      world.masterAddr = addr;
   }
   world.masterPort = environmentInt("MASTER_PORT", 29500);
   if (world.masterPort <= 0 || world.masterPort >= 65536) {
-    throw UserError("MASTER_PORT must be a TCP port, got " + std::to_string(world.masterPort));
+    throw UserError(
+        "MASTER_PORT must be a TCP port, got " +
+        std::to_string(world.masterPort));
   }
   world.fromEnvironment = true;
   return world;
@@ -109,26 +156,29 @@ struct Communicator::Impl {
   WorldInfo world;
   int pipelineRanks = 1;
   std::chrono::milliseconds timeout{60000};
-  std::shared_ptr<runtime::StoreServer> storeServer;  // rank 0
+  std::shared_ptr<runtime::StoreServer> storeServer; // rank 0
   c10::intrusive_ptr<c10d::Store> store;
   c10::intrusive_ptr<c10d::ProcessGroupGloo> worldGroup;
-  c10::intrusive_ptr<c10d::ProcessGroupGloo> replicaGroup;  // D > 1 only
+  c10::intrusive_ptr<c10d::ProcessGroupGloo> replicaGroup; // D > 1 only
 
   // Runs `body` (posting or waiting for an operation with `peer`), turning
   // any failure into an error naming the peer: Gloo reports a closed
   // connection from the call itself or from the wait, and a silent peer
   // as a timeout.
   template <class Body>
-  auto withPeer(int peer, const std::string& what, Body body) -> decltype(body()) {
+  auto withPeer(int peer, const std::string& what, Body body)
+      -> decltype(body()) {
     try {
       return body();
     } catch (const std::exception& error) {
       std::string reason = error.what();
       const auto newline = reason.find('\n');
-      if (newline != std::string::npos) reason.resize(newline);
+      if (newline != std::string::npos)
+        reason.resize(newline);
       std::ostringstream message;
-      message << "lost rank " << peer << " (pipeline rank " << peer % pipelineRanks << ", replica "
-              << peer / pipelineRanks << ") while " << what << ": ";
+      message << "lost rank " << peer << " (pipeline rank "
+              << peer % pipelineRanks << ", replica " << peer / pipelineRanks
+              << ") while " << what << ": ";
       if (reason.find("imed out") != std::string::npos) {
         message << "no answer within " << timeout.count() / 1000.0 << " s";
       } else {
@@ -138,7 +188,10 @@ struct Communicator::Impl {
     }
   }
 
-  void wait(const c10::intrusive_ptr<c10d::Work>& work, int peer, const std::string& what) {
+  void wait(
+      const c10::intrusive_ptr<c10d::Work>& work,
+      int peer,
+      const std::string& what) {
     withPeer(peer, what, [&] { return work->wait(timeout); });
   }
 
@@ -153,42 +206,39 @@ namespace {
 
 std::string jobToken(const WorldInfo& world) {
   const char* token = std::getenv("TPIPE_JOB_TOKEN");
-  if (token && *token) return token;
-  if (world.rank == 0 && !runtime::isLoopbackAddress(runtime::numericAddress(world.masterAddr))) {
-    std::cerr << "tpipe: warning: TPIPE_JOB_TOKEN is not set: any process that reaches " << world.masterAddr << ":"
-              << world.masterPort << " can join this job (set the same secret on every host)\n";
+  if (token && *token)
+    return token;
+  if (world.rank == 0 &&
+      !runtime::isLoopbackAddress(runtime::numericAddress(world.masterAddr))) {
+    std::cerr
+        << "tpipe: warning: TPIPE_JOB_TOKEN is not set: any process that reaches "
+        << world.masterAddr << ":" << world.masterPort
+        << " can join this job (set the same secret on every host)\n";
   }
   return "";
 }
 
 std::string rankList(const std::vector<int>& ranks) {
   std::string text;
-  for (int rank : ranks) text += (text.empty() ? "" : ", ") + std::to_string(rank);
+  for (int rank : ranks)
+    text += (text.empty() ? "" : ", ") + std::to_string(rank);
   return text;
 }
 
-// Every rank publishes what it advertises and what it runs, then waits for
-// all the others (naming those that never come) and compares.
-std::vector<nlohmann::json> agreeOnRun(c10d::Store& store, const WorldInfo& world, const runtime::LocalAddress& local,
-                                       const std::string& runDescription, std::chrono::milliseconds timeout) {
-  char host[256] = "?";
-  gethostname(host, sizeof host - 1);
-  nlohmann::json mine = {{"address", local.address}, {"interface", local.interface}, {"host", host}};
-  try {
-    mine["run"] = nlohmann::json::parse(runDescription);
-  } catch (const nlohmann::json::exception&) {
-    TORCH_INTERNAL_ASSERT(false, "the run description is not JSON");
-  }
-  const std::string text = mine.dump();
-  store.set("tpipe/rank/" + std::to_string(world.rank), std::vector<uint8_t>(text.begin(), text.end()));
+// Polls for every rank's key until the deadline; names those that never came.
+std::vector<nlohmann::json> gatherRanks(
+    c10d::Store& store,
+    const WorldInfo& world,
+    std::chrono::milliseconds timeout) {
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   std::vector<nlohmann::json> ranks(world.worldSize);
   std::vector<int> missing;
   for (;;) {
     missing.clear();
     for (int r = 0; r < world.worldSize; ++r) {
-      if (!ranks[r].is_null()) continue;
       const std::string key = "tpipe/rank/" + std::to_string(r);
+      if (!ranks[r].is_null())
+        continue;
       if (!store.check({key})) {
         missing.push_back(r);
         continue;
@@ -196,25 +246,61 @@ std::vector<nlohmann::json> agreeOnRun(c10d::Store& store, const WorldInfo& worl
       const std::vector<uint8_t> value = store.get(key);
       ranks[r] = nlohmann::json::parse(std::string(value.begin(), value.end()));
     }
-    if (missing.empty() || std::chrono::steady_clock::now() > deadline) break;
+    if (missing.empty() || std::chrono::steady_clock::now() > deadline)
+      break;
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
   if (!missing.empty()) {
-    throw UserError("rank(s) " + rankList(missing) + " of WORLD_SIZE " + std::to_string(world.worldSize) +
-                    " did not join within " + std::to_string(timeout.count() / 1000) + " s (started? same MASTER_ADDR, "
-                    "MASTER_PORT and WORLD_SIZE?)");
+    throw UserError(
+        "rank(s) " + rankList(missing) + " of WORLD_SIZE " +
+        std::to_string(world.worldSize) + " did not join within " +
+        std::to_string(timeout.count() / 1000) +
+        " s (started? same MASTER_ADDR, "
+        "MASTER_PORT and WORLD_SIZE?)");
   }
+  return ranks;
+}
+
+// Every rank publishes what it advertises and what it runs, then waits for
+// all the others (naming those that never come) and compares.
+std::vector<nlohmann::json> agreeOnRun(
+    c10d::Store& store,
+    const WorldInfo& world,
+    const runtime::LocalAddress& local,
+    const std::string& runDescription,
+    std::chrono::milliseconds timeout) {
+  char host[256] = "?";
+  gethostname(host, sizeof host - 1);
+  nlohmann::json mine = {
+      {"address", local.address},
+      {"interface", local.interface},
+      {"host", host}};
+  try {
+    mine["run"] = nlohmann::json::parse(runDescription);
+  } catch (const nlohmann::json::exception&) {
+    TORCH_INTERNAL_ASSERT(false, "the run description is not JSON");
+  }
+  const std::string text = mine.dump();
+  store.set(
+      "tpipe/rank/" + std::to_string(world.rank),
+      std::vector<uint8_t>(text.begin(), text.end()));
+  const std::vector<nlohmann::json> ranks = gatherRanks(store, world, timeout);
   std::vector<int> differing;
   std::string key;
   for (int r = 0; r < world.worldSize; ++r) {
-    const std::string difference = firstDifference(ranks[0]["run"], ranks[r]["run"]);
-    if (difference.empty()) continue;
+    const std::string difference =
+        firstDifference(ranks[0]["run"], ranks[r]["run"]);
+    if (difference.empty())
+      continue;
     differing.push_back(r);
-    if (key.empty()) key = difference;
+    if (key.empty())
+      key = difference;
   }
   if (!differing.empty()) {
-    throw UserError("the ranks disagree about the run: rank(s) " + rankList(differing) +
-                    " differ from rank 0, first at '" + key + "' (give every rank the same config and overrides)");
+    throw UserError(
+        "the ranks disagree about the run: rank(s) " + rankList(differing) +
+        " differ from rank 0, first at '" + key +
+        "' (give every rank the same config and overrides)");
   }
   return ranks;
 }
@@ -222,119 +308,209 @@ std::vector<nlohmann::json> agreeOnRun(c10d::Store& store, const WorldInfo& worl
 // Runs `make` on a thread of its own and gives up after `limit`: a peer
 // whose Gloo connection never completes cannot hold this rank longer.
 template <class Make>
-auto bounded(std::chrono::milliseconds limit, const std::function<std::string()>& explain, Make make)
-    -> decltype(make()) {
+auto bounded(
+    std::chrono::milliseconds limit,
+    const std::function<std::string()>& explain,
+    Make make) -> decltype(make()) {
   using Result = decltype(make());
   auto task = std::make_shared<std::packaged_task<Result()>>(std::move(make));
   std::future<Result> result = task->get_future();
   std::thread([task] { (*task)(); }).detach();
-  if (result.wait_for(limit) != std::future_status::ready) throw UserError(explain());
+  if (result.wait_for(limit) != std::future_status::ready)
+    throw UserError(explain());
   try {
     return result.get();
   } catch (const std::exception& error) {
     const std::string reason = error.what();
-    throw UserError(explain() + " (" + reason.substr(0, reason.find('\n')) + ")");
+    throw UserError(
+        explain() + " (" + reason.substr(0, reason.find('\n')) + ")");
   }
 }
 
-}  // namespace
+} // namespace
 
-Communicator::Communicator(const WorldInfo& world, int pipelineRanks, std::chrono::milliseconds timeout,
-                           const std::string& runDescription)
-    : impl_(std::make_unique<Impl>()) {
-  TORCH_CHECK(pipelineRanks >= 1, "pipeline ranks must be >= 1");
-  if (world.worldSize % pipelineRanks != 0) {
-    throw UserError("a world of " + std::to_string(world.worldSize) + " processes cannot hold replicas of a " +
-                    std::to_string(pipelineRanks) + "-rank pipeline: WORLD_SIZE must be data_parallel x pipeline ranks");
-  }
-  impl_->world = world;
-  impl_->pipelineRanks = pipelineRanks;
-  impl_->timeout = timeout;
-  const runtime::LocalAddress local = runtime::advertisedAddress(world.masterAddr, world.masterPort);
-  std::cout << "rank " << world.rank << ": interface " << local.interface << ", address " << local.address << " ("
-            << local.why << ")" << std::endl;
+namespace {
+
+// Rank 0 starts the store on MASTER_ADDR's address; every rank connects and
+// proves the token.
+c10::intrusive_ptr<c10d::Store> joinStore(
+    const WorldInfo& world,
+    std::chrono::milliseconds timeout,
+    std::shared_ptr<runtime::StoreServer>& server) {
   const std::string token = jobToken(world);
   const std::string master = runtime::numericAddress(world.masterAddr);
   try {
     if (world.rank == 0) {
-      impl_->storeServer = runtime::startStoreServer(runtime::isLoopbackAddress(master) ? "127.0.0.1" : master,
-                                                     world.masterPort, token, std::min(timeout, std::chrono::milliseconds(10000)));
+      const std::string bind =
+          runtime::isLoopbackAddress(master) ? "127.0.0.1" : master;
+      server = runtime::startStoreServer(
+          bind,
+          world.masterPort,
+          token,
+          std::min(timeout, std::chrono::milliseconds(10000)));
     }
-    impl_->store = c10::make_intrusive<runtime::RendezvousStore>(master, world.masterPort, world.rank, token, timeout);
+    return c10::make_intrusive<runtime::RendezvousStore>(
+        master, world.masterPort, world.rank, token, timeout);
   } catch (const c10::Error& error) {
-    throw UserError("rendezvous failed for rank " + std::to_string(world.rank) + ": " +
-                    error.what_without_backtrace());
+    throw UserError(
+        "rendezvous failed for rank " + std::to_string(world.rank) + ": " +
+        error.what_without_backtrace());
   }
-  const std::vector<nlohmann::json> ranks = agreeOnRun(*impl_->store, world, local, runDescription, timeout);
-  auto explain = [ranks, timeout] {
+}
+
+// What to say when the Gloo pairs do not connect in time.
+std::function<std::string()> explainGloo(
+    const std::vector<nlohmann::json>& ranks,
+    std::chrono::milliseconds timeout) {
+  return [ranks, timeout] {
     std::string where;
     for (size_t r = 0; r < ranks.size(); ++r) {
-      where += (r ? ", " : "") + std::to_string(r) + " at " + ranks[r].value("address", "?") + " (" +
-               ranks[r].value("host", "?") + ")";
+      where += (r ? ", " : "") + std::to_string(r) + " at " +
+          ranks[r].value("address", "?") + " (" + ranks[r].value("host", "?") +
+          ")";
     }
-    return "could not connect to every rank over Gloo within " + std::to_string(timeout.count() / 1000) +
-           " s; the ranks advertise: " + where + ". Each host must reach the others' addresses on any TCP port "
-           "(Gloo listens on ephemeral ports)";
+    return "could not connect to every rank over Gloo within " +
+        std::to_string(timeout.count() / 1000) +
+        " s; the ranks advertise: " + where +
+        ". Each host must reach the others' addresses on any TCP port "
+        "(Gloo listens on ephemeral ports)";
   };
-  auto groupOptions = c10d::ProcessGroupGloo::Options::create(timeout);
-  groupOptions->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(local.address));
-  groupOptions->threads = 2;
-  const auto store = impl_->store;
-  const int rank = world.rank, size = world.worldSize;
-  const auto limit = timeout + std::chrono::milliseconds(2000);
-  impl_->worldGroup = bounded(limit, explain, [store, rank, size, groupOptions] {
-    return c10::make_intrusive<c10d::ProcessGroupGloo>(c10::make_intrusive<c10d::PrefixStore>("tpipe/world", store),
-                                                        rank, size, groupOptions);
+}
+
+// A Gloo group over `prefix` of the store, bounded by the timeout.
+c10::intrusive_ptr<c10d::ProcessGroupGloo> glooGroup(
+    const c10::intrusive_ptr<c10d::Store>& store,
+    const std::string& prefix,
+    int rank,
+    int size,
+    const c10::intrusive_ptr<c10d::ProcessGroupGloo::Options>& options,
+    const std::function<std::string()>& explain) {
+  const auto limit = options->timeout + std::chrono::milliseconds(2000);
+  return bounded(limit, explain, [store, prefix, rank, size, options] {
+    return c10::make_intrusive<c10d::ProcessGroupGloo>(
+        c10::make_intrusive<c10d::PrefixStore>(prefix, store),
+        rank,
+        size,
+        options);
   });
+}
+
+} // namespace
+
+Communicator::Communicator(
+    const WorldInfo& world,
+    int pipelineRanks,
+    std::chrono::milliseconds timeout,
+    const std::string& runDescription)
+    : impl_(std::make_unique<Impl>()) {
+  TORCH_CHECK(pipelineRanks >= 1, "pipeline ranks must be >= 1");
+  if (world.worldSize % pipelineRanks != 0) {
+    throw UserError(
+        "a world of " + std::to_string(world.worldSize) +
+        " processes cannot hold replicas of a " +
+        std::to_string(pipelineRanks) +
+        "-rank pipeline: WORLD_SIZE must be data_parallel x pipeline ranks");
+  }
+  impl_->world = world;
+  impl_->pipelineRanks = pipelineRanks;
+  impl_->timeout = timeout;
+  const runtime::LocalAddress local =
+      runtime::advertisedAddress(world.masterAddr, world.masterPort);
+  std::cout << "rank " << world.rank << ": interface "
+            << local.interface << ", address " << local.address << " ("
+            << local.why << ")" << std::endl;
+  impl_->store = joinStore(world, timeout, impl_->storeServer);
+  const auto explain = explainGloo(
+      agreeOnRun(*impl_->store, world, local, runDescription, timeout),
+      timeout);
+  auto options = c10d::ProcessGroupGloo::Options::create(timeout);
+  options->devices.push_back(
+      c10d::ProcessGroupGloo::createDeviceForHostname(local.address));
+  options->threads = 2;
+  impl_->worldGroup = glooGroup(
+      impl_->store,
+      "tpipe/world",
+      world.rank,
+      world.worldSize,
+      options,
+      explain);
   if (replicas() > 1) {
-    const std::string prefix = "tpipe/stage" + std::to_string(stageRank());
-    const int replica = this->replica(), count = replicas();
-    impl_->replicaGroup = bounded(limit, explain, [store, prefix, replica, count, groupOptions] {
-      return c10::make_intrusive<c10d::ProcessGroupGloo>(c10::make_intrusive<c10d::PrefixStore>(prefix, store),
-                                                          replica, count, groupOptions);
-    });
+    impl_->replicaGroup = glooGroup(
+        impl_->store,
+        "tpipe/stage" + std::to_string(stageRank()),
+        replica(),
+        replicas(),
+        options,
+        explain);
   }
 }
 
 Communicator::~Communicator() = default;
 
-int Communicator::rank() const { return impl_->world.rank; }
-int Communicator::worldSize() const { return impl_->world.worldSize; }
-int Communicator::pipelineRanks() const { return impl_->pipelineRanks; }
-int Communicator::replicas() const { return worldSize() / pipelineRanks(); }
-int Communicator::replica() const { return rank() / pipelineRanks(); }
-int Communicator::stageRank() const { return rank() % pipelineRanks(); }
-std::chrono::milliseconds Communicator::timeout() const { return impl_->timeout; }
+int Communicator::rank() const {
+  return impl_->world.rank;
+}
+int Communicator::worldSize() const {
+  return impl_->world.worldSize;
+}
+int Communicator::pipelineRanks() const {
+  return impl_->pipelineRanks;
+}
+int Communicator::replicas() const {
+  return worldSize() / pipelineRanks();
+}
+int Communicator::replica() const {
+  return rank() / pipelineRanks();
+}
+int Communicator::stageRank() const {
+  return rank() % pipelineRanks();
+}
+std::chrono::milliseconds Communicator::timeout() const {
+  return impl_->timeout;
+}
 
 std::vector<double> Communicator::sum(const std::vector<double>& values) {
-  std::vector<at::Tensor> tensors{at::empty({static_cast<int64_t>(values.size())}, at::kDouble)};
+  std::vector<at::Tensor> tensors{
+      at::empty({static_cast<int64_t>(values.size())}, at::kDouble)};
   std::copy(values.begin(), values.end(), tensors[0].data_ptr<double>());
-  impl_->complete(rank() == 0 ? 1 % worldSize() : 0, "summing across the world",
-                  [&] { return impl_->worldGroup->allreduce(tensors); });
+  impl_->complete(
+      rank() == 0 ? 1 % worldSize() : 0, "summing across the world", [&] {
+        return impl_->worldGroup->allreduce(tensors);
+      });
   const double* data = tensors[0].data_ptr<double>();
   return std::vector<double>(data, data + values.size());
 }
 
-std::vector<int64_t> Communicator::broadcast(const std::vector<int64_t>& values) {
-  std::vector<at::Tensor> tensors{at::empty({static_cast<int64_t>(values.size())}, at::kLong)};
+std::vector<int64_t> Communicator::broadcast(
+    const std::vector<int64_t>& values) {
+  std::vector<at::Tensor> tensors{
+      at::empty({static_cast<int64_t>(values.size())}, at::kLong)};
   std::copy(values.begin(), values.end(), tensors[0].data_ptr<int64_t>());
-  impl_->complete(0, "receiving rank 0's broadcast", [&] { return impl_->worldGroup->broadcast(tensors); });
+  impl_->complete(0, "receiving rank 0's broadcast", [&] {
+    return impl_->worldGroup->broadcast(tensors);
+  });
   const int64_t* data = tensors[0].data_ptr<int64_t>();
   return std::vector<int64_t>(data, data + values.size());
 }
 
-void Communicator::averageAcrossReplicas(const std::vector<at::Tensor>& gradients) {
-  if (replicas() == 1) return;
+void Communicator::averageAcrossReplicas(
+    const std::vector<at::Tensor>& gradients) {
+  if (replicas() == 1)
+    return;
   constexpr int64_t kBucketBytes = 25 << 20;
   std::vector<at::Tensor> bucket;
   int64_t bytes = 0;
   auto flush = [&] {
-    if (bucket.empty()) return;
+    if (bucket.empty())
+      return;
     std::vector<at::Tensor> flat;
-    for (const auto& g : bucket) flat.push_back(g.reshape({-1}));
+    for (const auto& g : bucket)
+      flat.push_back(g.reshape({-1}));
     std::vector<at::Tensor> joined{at::cat(flat)};
-    impl_->complete((replica() + 1) % replicas() * pipelineRanks() + stageRank(),
-                    "averaging gradients across replicas", [&] { return impl_->replicaGroup->allreduce(joined); });
+    impl_->complete(
+        (replica() + 1) % replicas() * pipelineRanks() + stageRank(),
+        "averaging gradients across replicas",
+        [&] { return impl_->replicaGroup->allreduce(joined); });
     joined[0].div_(replicas());
     int64_t offset = 0;
     for (auto& g : bucket) {
@@ -345,43 +521,62 @@ void Communicator::averageAcrossReplicas(const std::vector<at::Tensor>& gradient
     bytes = 0;
   };
   for (const auto& g : gradients) {
-    if (!g.defined()) continue;
+    if (!g.defined())
+      continue;
     bucket.push_back(g);
     bytes += static_cast<int64_t>(g.nbytes());
-    if (bytes >= kBucketBytes) flush();
+    if (bytes >= kBucketBytes)
+      flush();
   }
   flush();
 }
 
 void Communicator::barrier() {
-  impl_->complete(0, "waiting at a barrier", [&] { return impl_->worldGroup->barrier(); });
+  impl_->complete(
+      0, "waiting at a barrier", [&] { return impl_->worldGroup->barrier(); });
 }
 
 namespace runtime {
 namespace {
 
-constexpr int64_t kMagic = 0x7470697065;  // "tpipe"
+constexpr int64_t kMagic = 0x7470697065; // "tpipe"
 constexpr int kHeaderSize = 12;
 constexpr int kMaxDims = kHeaderSize - 6;
 
-}  // namespace
+} // namespace
 
 class ProcessGroupTransport final : public Transport {
  public:
-  ProcessGroupTransport(Communicator& communicator, int stages, int microBatches)
-      : communicator_(communicator), impl_(communicator.impl()), stages_(stages), microBatches_(microBatches) {}
+  ProcessGroupTransport(
+      Communicator& communicator,
+      int stages,
+      int microBatches)
+      : communicator_(communicator),
+        impl_(communicator.impl()),
+        stages_(stages),
+        microBatches_(microBatches) {}
 
   void begin(int boundaries) override {
     local_.begin(boundaries);
     pending_.clear();
   }
 
-  void send(Direction direction, int boundary, int microBatch, Payload payload) override {
-    const int peer = direction == Direction::kActivation ? processOf(boundary + 1) : processOf(boundary);
-    if (peer == communicator_.rank()) return local_.send(direction, boundary, microBatch, std::move(payload));
-    const at::Tensor& tensor = payload.tensor;  // on the CPU: remote stages receive CPU tensors
-    TORCH_CHECK(tensor.dim() <= kMaxDims, "cannot send a tensor of ", tensor.dim(), " dimensions (at most ",
-                kMaxDims, ")");
+  void send(Direction direction, int boundary, int microBatch, Payload payload)
+      override {
+    const int peer = direction == Direction::kActivation
+        ? processOf(boundary + 1)
+        : processOf(boundary);
+    if (peer == communicator_.rank())
+      return local_.send(direction, boundary, microBatch, std::move(payload));
+    const at::Tensor& tensor =
+        payload.tensor; // on the CPU: remote stages receive CPU tensors
+    TORCH_CHECK(
+        tensor.dim() <= kMaxDims,
+        "cannot send a tensor of ",
+        tensor.dim(),
+        " dimensions (at most ",
+        kMaxDims,
+        ")");
     at::Tensor header = at::empty({kHeaderSize}, at::kLong);
     int64_t* h = header.data_ptr<int64_t>();
     std::fill(h, h + kHeaderSize, 0);
@@ -391,54 +586,95 @@ class ProcessGroupTransport final : public Transport {
     h[3] = static_cast<int64_t>(direction);
     h[4] = static_cast<int64_t>(tensor.scalar_type());
     h[5] = tensor.dim();
-    for (int64_t d = 0; d < tensor.dim(); ++d) h[6 + d] = tensor.size(d);
+    for (int64_t d = 0; d < tensor.dim(); ++d)
+      h[6 + d] = tensor.size(d);
     std::vector<at::Tensor> headerList{header};
     std::vector<at::Tensor> dataList{tensor.contiguous()};
     const std::string what = std::string("sending the ") +
-                             (direction == Direction::kActivation ? "activation" : "gradient") +
-                             " of micro-batch " + std::to_string(microBatch);
+        (direction == Direction::kActivation ? "activation" : "gradient") +
+        " of micro-batch " + std::to_string(microBatch);
     for (int part = 0; part < 2; ++part) {
       auto& tensors = part == 0 ? headerList : dataList;
-      pending_.push_back({impl_.withPeer(peer, what, [&] {
-                            return impl_.worldGroup->send(tensors, peer, tag(direction, boundary, microBatch, part));
-                          }),
-                          peer});
+      pending_.push_back(
+          {impl_.withPeer(
+               peer,
+               what,
+               [&] {
+                 return impl_.worldGroup->send(
+                     tensors, peer, tag(direction, boundary, microBatch, part));
+               }),
+           peer});
     }
   }
 
   Payload receive(Direction direction, int boundary, int microBatch) override {
-    const int peer = direction == Direction::kActivation ? processOf(boundary) : processOf(boundary + 1);
-    if (peer == communicator_.rank()) return local_.receive(direction, boundary, microBatch);
-    const char* what = direction == Direction::kActivation ? "activation" : "gradient";
-    const std::string receiving = std::string("receiving the ") + what + " of micro-batch " + std::to_string(microBatch);
+    const int peer = direction == Direction::kActivation
+        ? processOf(boundary)
+        : processOf(boundary + 1);
+    if (peer == communicator_.rank())
+      return local_.receive(direction, boundary, microBatch);
+    const char* what =
+        direction == Direction::kActivation ? "activation" : "gradient";
+    const std::string receiving = std::string("receiving the ") + what +
+        " of micro-batch " + std::to_string(microBatch);
     std::vector<at::Tensor> header{at::empty({kHeaderSize}, at::kLong)};
-    waitReceive(impl_.withPeer(peer, receiving,
-                               [&] { return impl_.worldGroup->recv(header, peer, tag(direction, boundary, microBatch, 0)); }),
-                peer, receiving);
+    waitReceive(
+        impl_.withPeer(
+            peer,
+            receiving,
+            [&] {
+              return impl_.worldGroup->recv(
+                  header, peer, tag(direction, boundary, microBatch, 0));
+            }),
+        peer,
+        receiving);
     const int64_t* h = header[0].data_ptr<int64_t>();
-    TORCH_CHECK(h[0] == kMagic && h[1] == microBatch && h[2] == boundary &&
-                    h[3] == static_cast<int64_t>(direction) && h[5] >= 0 && h[5] <= kMaxDims,
-                "rank ", peer, " sent a message tpipe did not expect for the ", what, " of micro-batch ", microBatch,
-                " over boundary ", boundary, " (a different config or version on that rank?)");
+    TORCH_CHECK(
+        h[0] == kMagic && h[1] == microBatch && h[2] == boundary &&
+            h[3] == static_cast<int64_t>(direction) && h[5] >= 0 &&
+            h[5] <= kMaxDims,
+        "rank ",
+        peer,
+        " sent a message tpipe did not expect for the ",
+        what,
+        " of micro-batch ",
+        microBatch,
+        " over boundary ",
+        boundary,
+        " (a different config or version on that rank?)");
     const auto dtype = static_cast<c10::ScalarType>(h[4]);
-    TORCH_CHECK(h[4] >= 0 && h[4] < static_cast<int64_t>(c10::ScalarType::NumOptions), "rank ", peer,
-                " sent an unknown dtype code ", h[4]);
+    TORCH_CHECK(
+        h[4] >= 0 && h[4] < static_cast<int64_t>(c10::ScalarType::NumOptions),
+        "rank ",
+        peer,
+        " sent an unknown dtype code ",
+        h[4]);
     std::vector<int64_t> shape(h + 6, h + 6 + h[5]);
-    std::vector<at::Tensor> data{at::empty(shape, at::TensorOptions().dtype(dtype))};
-    waitReceive(impl_.withPeer(peer, receiving,
-                               [&] { return impl_.worldGroup->recv(data, peer, tag(direction, boundary, microBatch, 1)); }),
-                peer, receiving);
+    std::vector<at::Tensor> data{
+        at::empty(shape, at::TensorOptions().dtype(dtype))};
+    waitReceive(
+        impl_.withPeer(
+            peer,
+            receiving,
+            [&] {
+              return impl_.worldGroup->recv(
+                  data, peer, tag(direction, boundary, microBatch, 1));
+            }),
+        peer,
+        receiving);
     return {data[0], nullptr};
   }
 
   void abort() override {
     local_.abort();
     std::lock_guard<std::mutex> lock(receiving_);
-    if (current_) current_->abort();
+    if (current_)
+      current_->abort();
   }
 
   void end() override {
-    for (auto& send : pending_) impl_.wait(send.work, send.peer, "sending to it");
+    for (auto& send : pending_)
+      impl_.wait(send.work, send.peer, "sending to it");
     pending_.clear();
   }
 
@@ -449,20 +685,27 @@ class ProcessGroupTransport final : public Transport {
   };
 
   int processOf(int stage) const {
-    return communicator_.replica() * communicator_.pipelineRanks() + stage % communicator_.pipelineRanks();
+    return communicator_.replica() * communicator_.pipelineRanks() +
+        stage % communicator_.pipelineRanks();
   }
 
   int tag(Direction direction, int boundary, int microBatch, int part) const {
-    return ((boundary * 2 + static_cast<int>(direction)) * microBatches_ + microBatch) * 2 + part;
+    return ((boundary * 2 + static_cast<int>(direction)) * microBatches_ +
+            microBatch) *
+        2 +
+        part;
   }
 
-  void waitReceive(c10::intrusive_ptr<c10d::Work> work, int peer, const std::string& what) {
+  void waitReceive(
+      c10::intrusive_ptr<c10d::Work> work,
+      int peer,
+      const std::string& what) {
     {
       std::lock_guard<std::mutex> lock(receiving_);
       current_ = work;
     }
     try {
-      impl_.wait(work, peer, what);  // NOLINT: rethrows naming the peer
+      impl_.wait(work, peer, what); // NOLINT: rethrows naming the peer
     } catch (...) {
       std::lock_guard<std::mutex> lock(receiving_);
       current_.reset();
@@ -482,11 +725,14 @@ class ProcessGroupTransport final : public Transport {
   c10::intrusive_ptr<c10d::Work> current_;
 };
 
-
-std::unique_ptr<Transport> makeProcessGroupTransport(Communicator& communicator, int stages, int microBatches) {
-  return std::make_unique<ProcessGroupTransport>(communicator, stages, microBatches);
+std::unique_ptr<Transport> makeProcessGroupTransport(
+    Communicator& communicator,
+    int stages,
+    int microBatches) {
+  return std::make_unique<ProcessGroupTransport>(
+      communicator, stages, microBatches);
 }
 
-}  // namespace runtime
-}  // namespace tpipe
-#endif  // TPIPE_NO_C10D
+} // namespace runtime
+} // namespace tpipe
+#endif // TPIPE_NO_C10D

@@ -14,7 +14,10 @@ namespace runtime {
 // share this process go through a LocalTransport. Every message is a small
 // header (micro-batch, boundary, dtype, shape) then the data, so receivers
 // allocate before the data arrives and reject what they did not expect.
-std::unique_ptr<Transport> makeProcessGroupTransport(Communicator& communicator, int stages, int microBatches);
+std::unique_ptr<Transport> makeProcessGroupTransport(
+    Communicator& communicator,
+    int stages,
+    int microBatches);
 
-}  // namespace runtime
-}  // namespace tpipe
+} // namespace runtime
+} // namespace tpipe

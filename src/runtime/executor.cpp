@@ -19,8 +19,12 @@ thread_local bool recomputing = false;
 
 class RecomputeScope {
  public:
-  RecomputeScope() { recomputing = true; }
-  ~RecomputeScope() { recomputing = false; }
+  RecomputeScope() {
+    recomputing = true;
+  }
+  ~RecomputeScope() {
+    recomputing = false;
+  }
   RecomputeScope(const RecomputeScope&) = delete;
   RecomputeScope& operator=(const RecomputeScope&) = delete;
 };
@@ -37,7 +41,8 @@ class StageGeneratorScope {
  public:
   StageGeneratorScope(bool active, const at::Tensor& state, c10::Device device)
       : active_(active) {
-    if (!active_) return;
+    if (!active_)
+      return;
     lock_ = std::unique_lock<std::mutex>(globalGeneratorMutex());
     generator_ = at::globalContext().defaultGenerator(device);
     std::lock_guard<std::mutex> guard(generator_.mutex());
@@ -50,7 +55,8 @@ class StageGeneratorScope {
     return generator_.get_state();
   }
   ~StageGeneratorScope() {
-    if (!active_) return;
+    if (!active_)
+      return;
     std::lock_guard<std::mutex> guard(generator_.mutex());
     generator_.set_state(saved_);
   }
@@ -71,19 +77,23 @@ class RankExecutor {
   void operator()(const Forward& op) {
     StageRuntime& stage = stageAt(op.stage);
     Stash& stash = state_.at(op.stage, op.microBatch);
-    if (op.stage == 0) stash.input = state_.inputs[op.microBatch];
+    if (op.stage == 0)
+      stash.input = state_.inputs[op.microBatch];
     TORCH_CHECK(stash.input.defined(), "no input received");
     stash.checkpointed = op.checkpointed;
     const bool training = state_.schedule->training;
-    if (training && stage.stochastic) stash.rngState = stage.rngState;
+    if (training && stage.stochastic)
+      stash.rngState = stage.rngState;
     at::Tensor output;
     {
       at::AutoGradMode gradMode(training && !op.checkpointed);
-      StageGeneratorScope generator(training && stage.stochastic,
-                                    stage.rngState, stage.device);
+      StageGeneratorScope generator(
+          training && stage.stochastic, stage.rngState, stage.device);
       output = runLayers(stage, stash.input);
-      if (training && stage.stochastic) stage.rngState = generator.current();
-      if (isLast(op.stage) && training) output = weightedLoss(output, op);
+      if (training && stage.stochastic)
+        stage.rngState = generator.current();
+      if (isLast(op.stage) && training)
+        output = weightedLoss(output, op);
     }
     if (isLast(op.stage)) {
       if (training) {
@@ -93,7 +103,8 @@ class RankExecutor {
       }
     }
     stash.output = std::move(output);
-    if (!training) stash.input = at::Tensor();
+    if (!training)
+      stash.input = at::Tensor();
   }
 
   void operator()(const Recompute& op) {
@@ -101,7 +112,8 @@ class RankExecutor {
     Stash& stash = state_.at(op.stage, op.microBatch);
     at::AutoGradMode gradMode(true);
     RecomputeScope recomputeScope;
-    StageGeneratorScope generator(stage.stochastic, stash.rngState, stage.device);
+    StageGeneratorScope generator(
+        stage.stochastic, stash.rngState, stage.device);
     at::Tensor output = runLayers(stage, stash.input);
     if (isLast(op.stage)) {
       output = weightedLoss(output, Forward{op.stage, op.microBatch, true});
@@ -115,20 +127,24 @@ class RankExecutor {
     if (stash.output.requires_grad()) {
       torch::autograd::backward({stash.output}, gradientsFor(stash));
     }
-    if (op.stage > 0) stash.inputGrad = inputGradient(stash);
+    if (op.stage > 0)
+      stash.inputGrad = inputGradient(stash);
     release(stash);
   }
 
   void operator()(const BackwardInput& op) {
     Stash& stash = state_.at(op.stage, op.microBatch);
-    if (op.stage == 0) return;  // no previous stage wants an input gradient
+    if (op.stage == 0)
+      return; // no previous stage wants an input gradient
     at::AutoGradMode gradMode(true);
     if (stash.output.requires_grad() && stash.input.requires_grad()) {
-      auto grads = torch::autograd::grad({stash.output}, {stash.input},
-                                         gradientsFor(stash),
-                                         /*retain_graph=*/true,
-                                         /*create_graph=*/false,
-                                         /*allow_unused=*/true);
+      auto grads = torch::autograd::grad(
+          {stash.output},
+          {stash.input},
+          gradientsFor(stash),
+          /*retain_graph=*/true,
+          /*create_graph=*/false,
+          /*allow_unused=*/true);
       stash.inputGrad = grads[0];
     }
     stash.inputGrad = inputGradient(stash);
@@ -139,9 +155,12 @@ class RankExecutor {
     Stash& stash = state_.at(op.stage, op.microBatch);
     at::AutoGradMode gradMode(true);
     if (stash.output.requires_grad() && !stage.parameters.empty()) {
-      torch::autograd::backward({stash.output}, gradientsFor(stash),
-                                /*retain_graph=*/false,
-                                /*create_graph=*/false, stage.parameters);
+      torch::autograd::backward(
+          {stash.output},
+          gradientsFor(stash),
+          /*retain_graph=*/false,
+          /*create_graph=*/false,
+          stage.parameters);
     }
     release(stash);
   }
@@ -150,20 +169,23 @@ class RankExecutor {
     Stash& stash = state_.at(op.stage, op.microBatch);
     // Built in a statement of its own: every temporary sharing the tensor
     // dies before another thread can own it.
-    Payload sent = ship(stash.output.detach(), stageAt(op.stage), stageAt(op.stage + 1));
+    Payload sent =
+        ship(stash.output.detach(), stageAt(op.stage), stageAt(op.stage + 1));
     transferred = static_cast<int64_t>(sent.tensor.nbytes());
-    state_.transport->send(Direction::kActivation, op.stage, op.microBatch,
-                         std::move(sent));
+    state_.transport->send(
+        Direction::kActivation, op.stage, op.microBatch, std::move(sent));
     if (stash.checkpointed || !state_.schedule->training) {
-      stash.output = at::Tensor();  // recompute rebuilds it
+      stash.output = at::Tensor(); // recompute rebuilds it
     }
   }
 
   void operator()(const RecvActivation& op) {
-    at::Tensor input = land(state_.transport->receive(Direction::kActivation,
-                                                      op.stage - 1, op.microBatch),
-                            stageAt(op.stage));
-    if (state_.copyOnReceive) input = input.clone();
+    at::Tensor input = land(
+        state_.transport->receive(
+            Direction::kActivation, op.stage - 1, op.microBatch),
+        stageAt(op.stage));
+    if (state_.copyOnReceive)
+      input = input.clone();
     checkActivation(input, op);
     transferred = static_cast<int64_t>(input.nbytes());
     if (state_.schedule->training && input.is_floating_point()) {
@@ -174,41 +196,60 @@ class RankExecutor {
 
   void operator()(const SendGrad& op) {
     Stash& stash = state_.at(op.stage, op.microBatch);
-    Payload sent = ship(stash.inputGrad, stageAt(op.stage), stageAt(op.stage - 1));
+    Payload sent =
+        ship(stash.inputGrad, stageAt(op.stage), stageAt(op.stage - 1));
     stash.inputGrad = at::Tensor();
-    stash.input = at::Tensor();  // its .grad() may be `sent`: drop it first
+    stash.input = at::Tensor(); // its .grad() may be `sent`: drop it first
     transferred = static_cast<int64_t>(sent.tensor.nbytes());
-    state_.transport->send(Direction::kGradient, op.stage - 1, op.microBatch,
-                         std::move(sent));
+    state_.transport->send(
+        Direction::kGradient, op.stage - 1, op.microBatch, std::move(sent));
   }
 
   void operator()(const RecvGrad& op) {
     Stash& stash = state_.at(op.stage, op.microBatch);
     stash.gradOutput = land(
-        state_.transport->receive(Direction::kGradient, op.stage, op.microBatch),
+        state_.transport->receive(
+            Direction::kGradient, op.stage, op.microBatch),
         stageAt(op.stage));
-    if (state_.copyOnReceive) stash.gradOutput = stash.gradOutput.clone();
+    if (state_.copyOnReceive)
+      stash.gradOutput = stash.gradOutput.clone();
     // The gradient must match the output this stage sent.
     const at::Tensor& output = stash.output;
-    TORCH_CHECK(!output.defined() || (stash.gradOutput.sizes() == output.sizes() &&
-                                      stash.gradOutput.scalar_type() == output.scalar_type()),
-                "received a gradient of shape ", stash.gradOutput.sizes(), " (",
-                stash.gradOutput.scalar_type(), ") from stage ", op.stage + 1,
-                " for an output of shape ", output.sizes(), " (", output.scalar_type(), ")");
+    TORCH_CHECK(
+        !output.defined() ||
+            (stash.gradOutput.sizes() == output.sizes() &&
+             stash.gradOutput.scalar_type() == output.scalar_type()),
+        "received a gradient of shape ",
+        stash.gradOutput.sizes(),
+        " (",
+        stash.gradOutput.scalar_type(),
+        ") from stage ",
+        op.stage + 1,
+        " for an output of shape ",
+        output.sizes(),
+        " (",
+        output.scalar_type(),
+        ")");
     transferred = static_cast<int64_t>(stash.gradOutput.nbytes());
   }
 
-  int64_t transferred = 0;  // bytes moved by the last transfer instruction
+  int64_t transferred = 0; // bytes moved by the last transfer instruction
 
  private:
-  StageRuntime& stageAt(int stage) { return (*state_.stages)[stage]; }
-  bool isLast(int stage) const { return stage == state_.schedule->stages() - 1; }
+  StageRuntime& stageAt(int stage) {
+    return (*state_.stages)[stage];
+  }
+  bool isLast(int stage) const {
+    return stage == state_.schedule->stages() - 1;
+  }
 
   // Moves a tensor toward another stage's device. From an accelerator the
   // copy runs on the sender's copy stream after the kernels that produced
   // the tensor, and the caching allocator learns that stream uses it.
-  static Payload ship(const at::Tensor& tensor, const StageRuntime& from,
-                      const StageRuntime& to) {
+  static Payload ship(
+      const at::Tensor& tensor,
+      const StageRuntime& from,
+      const StageRuntime& to) {
     if (!from.computeStream || tensor.device().is_cpu()) {
       return {tensor.to(to.device), nullptr};
     }
@@ -233,54 +274,68 @@ class RankExecutor {
     if (payload.ready && here.computeStream) {
       payload.ready->block(*here.computeStream);
       c10::impl::VirtualGuardImpl(here.device.type())
-          .recordDataPtrOnStream(payload.tensor.storage().data_ptr(),
-                                 *here.computeStream);
+          .recordDataPtrOnStream(
+              payload.tensor.storage().data_ptr(), *here.computeStream);
     }
     return std::move(payload.tensor);
   }
 
   // Against shape inference, when the pipeline was given it: the batch
   // dimension is the micro-batch's size, the rest the boundary's shape.
-  void checkActivation(const at::Tensor& input, const RecvActivation& op) const {
+  void checkActivation(const at::Tensor& input, const RecvActivation& op)
+      const {
     const auto* shapes = state_.layerOutputShapes;
-    if (shapes == nullptr || shapes->empty() || state_.boundaries == nullptr) return;
+    if (shapes == nullptr || shapes->empty() || state_.boundaries == nullptr)
+      return;
     const int boundary = op.stage - 1;
-    const int lastLayer = (*state_.boundaries)[op.stage] - 1;  // the sender's
-    if (lastLayer < 0 || lastLayer >= static_cast<int>(shapes->size())) return;
-    std::vector<int64_t> expected{state_.microBatchSizes.empty() ? input.size(0)
-                                                                 : state_.microBatchSizes[op.microBatch]};
+    const int lastLayer = (*state_.boundaries)[op.stage] - 1; // the sender's
+    if (lastLayer < 0 || lastLayer >= static_cast<int>(shapes->size()))
+      return;
+    std::vector<int64_t> expected{
+        state_.microBatchSizes.empty() ? input.size(0)
+                                       : state_.microBatchSizes[op.microBatch]};
     const auto& sample = (*shapes)[lastLayer];
     expected.insert(expected.end(), sample.begin(), sample.end());
-    TORCH_CHECK(input.sizes().vec() == expected, "received an activation of shape ", input.sizes(),
-                " from stage ", boundary, ", expected ", c10::IntArrayRef(expected));
+    TORCH_CHECK(
+        input.sizes().vec() == expected,
+        "received an activation of shape ",
+        input.sizes(),
+        " from stage ",
+        boundary,
+        ", expected ",
+        c10::IntArrayRef(expected));
   }
 
   static at::Tensor runLayers(StageRuntime& stage, at::Tensor x) {
-    for (auto& layer : stage.layers) x = layer.forward(x);
+    for (auto& layer : stage.layers)
+      x = layer.forward(x);
     return x;
   }
 
   at::Tensor weightedLoss(const at::Tensor& output, const Forward& op) {
     at::Tensor loss = (*state_.lossFn)(output, state_.targets[op.microBatch]);
-    TORCH_CHECK(loss.defined() && loss.numel() == 1,
-                "the loss function must return a scalar, got shape ",
-                loss.sizes());
+    TORCH_CHECK(
+        loss.defined() && loss.numel() == 1,
+        "the loss function must return a scalar, got shape ",
+        loss.sizes());
     return loss.reshape({}) * state_.weights[op.microBatch];
   }
 
   // The last stage's output is the loss itself: its gradient is implicit.
   static std::vector<at::Tensor> gradientsFor(const Stash& stash) {
-    if (!stash.gradOutput.defined()) return {};
+    if (!stash.gradOutput.defined())
+      return {};
     return {stash.gradOutput};
   }
 
   // A stage input no gradient reached (an integer tensor, or an output the
   // stage ignored) has gradient zero, which the previous stage still awaits.
   static at::Tensor inputGradient(const Stash& stash) {
-    at::Tensor grad = stash.inputGrad.defined()   ? stash.inputGrad
-                      : stash.input.grad().defined() ? stash.input.grad()
-                                                     : at::Tensor();
-    if (grad.defined()) return grad;
+    at::Tensor grad = stash.inputGrad.defined() ? stash.inputGrad
+        : stash.input.grad().defined()          ? stash.input.grad()
+                                                : at::Tensor();
+    if (grad.defined())
+      return grad;
     return at::zeros_like(stash.input);
   }
 
@@ -293,29 +348,33 @@ class RankExecutor {
   StepState& state_;
 };
 
-}  // namespace
+} // namespace
 
 void runRank(StepState& state, int rank) {
   const auto& list = state.schedule->perRank[rank];
   RankExecutor executor(state);
-  const StageRuntime& home = (*state.stages)[rank];  // stage `rank` lives here
+  const StageRuntime& home = (*state.stages)[rank]; // stage `rank` lives here
   c10::optional<c10::StreamGuard> onCompute;
-  if (home.computeStream) onCompute.emplace(*home.computeStream);
+  if (home.computeStream)
+    onCompute.emplace(*home.computeStream);
   // Kernels run asynchronously: while recording, wait for each instruction
   // so its end time is real (recording costs overlap on accelerators).
   auto settle = [&] {
     if (home.computeStream) {
-      c10::impl::VirtualGuardImpl(home.device.type()).synchronizeStream(*home.computeStream);
+      c10::impl::VirtualGuardImpl(home.device.type())
+          .synchronizeStream(*home.computeStream);
     }
   };
   size_t i = 0;
   try {
     if (!state.record) {
-      for (; i < list.size(); ++i) std::visit(executor, list[i]);
+      for (; i < list.size(); ++i)
+        std::visit(executor, list[i]);
     } else {
       auto& events = state.events[rank];
       auto since = [&](std::chrono::steady_clock::time_point t) {
-        return std::chrono::duration<double, std::micro>(t - state.start).count();
+        return std::chrono::duration<double, std::micro>(t - state.start)
+            .count();
       };
       for (; i < list.size(); ++i) {
         const auto begin = std::chrono::steady_clock::now();
@@ -323,8 +382,12 @@ void runRank(StepState& state, int rank) {
         std::visit(executor, list[i]);
         settle();
         const auto end = std::chrono::steady_clock::now();
-        events.push_back({rank, static_cast<int>(i), since(begin), since(end),
-                          executor.transferred});
+        events.push_back(
+            {rank,
+             static_cast<int>(i),
+             since(begin),
+             since(end),
+             executor.transferred});
       }
     }
   } catch (const StepAborted&) {
@@ -333,22 +396,24 @@ void runRank(StepState& state, int rank) {
     const Instruction& instruction = list[i];
     const int stage = stageOf(instruction);
     const c10::Error* torchError = dynamic_cast<const c10::Error*>(&error);
-    std::string message =
-        "stage " + std::to_string(stage) + " on " +
+    std::string message = "stage " + std::to_string(stage) + " on " +
         (*state.stages)[stage].deviceName + ", micro-batch " +
-        std::to_string(microBatchOf(instruction)) + ", " +
-        opName(instruction) + ": " +
+        std::to_string(microBatchOf(instruction)) + ", " + opName(instruction) +
+        ": " +
         (torchError ? torchError->what_without_backtrace() : error.what());
     {
       std::lock_guard<std::mutex> lock(state.errorMutex);
-      if (state.error.empty()) state.error = std::move(message);
+      if (state.error.empty())
+        state.error = std::move(message);
     }
     state.transport->abort();
   }
 }
 
-}  // namespace runtime
+} // namespace runtime
 
-bool isRecomputing() { return runtime::recomputing; }
+bool isRecomputing() {
+  return runtime::recomputing;
+}
 
-}  // namespace tpipe
+} // namespace tpipe

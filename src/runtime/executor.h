@@ -24,12 +24,12 @@ namespace runtime {
 
 struct StageRuntime {
   int index = 0;
-  std::string deviceName;  // as in the options, e.g. "cpu:1"
+  std::string deviceName; // as in the options, e.g. "cpu:1"
   c10::Device device{c10::kCPU};
   std::vector<torch::nn::AnyModule> layers;
-  std::vector<at::Tensor> parameters;  // those requiring grad
-  bool stochastic = false;             // holds a layer that draws randomness
-  at::Tensor rngState;                 // the stage's own generator state
+  std::vector<at::Tensor> parameters; // those requiring grad
+  bool stochastic = false;            // holds a layer that draws randomness
+  at::Tensor rngState;                // the stage's own generator state
   // On an accelerator: the stage computes on its own stream and ships its
   // outputs on a second one, so transfers overlap compute. Unset on CPU.
   c10::optional<c10::Stream> computeStream, copyStream;
@@ -37,11 +37,11 @@ struct StageRuntime {
 
 // What one (stage, micro-batch) keeps between its instructions.
 struct Stash {
-  at::Tensor input;       // the stage input (a grad-requiring leaf if float)
-  at::Tensor output;      // stage output, or the weighted loss on the last
-  at::Tensor gradOutput;  // gradient received for `output`
-  at::Tensor inputGrad;   // gradient to send to the previous stage
-  at::Tensor rngState;    // generator state at the forward, for recompute
+  at::Tensor input;      // the stage input (a grad-requiring leaf if float)
+  at::Tensor output;     // stage output, or the weighted loss on the last
+  at::Tensor gradOutput; // gradient received for `output`
+  at::Tensor inputGrad;  // gradient to send to the previous stage
+  at::Tensor rngState;   // generator state at the forward, for recompute
   bool checkpointed = false;
 };
 
@@ -50,30 +50,30 @@ struct StepState {
   const Schedule* schedule = nullptr;
   std::vector<StageRuntime>* stages = nullptr;
   Transport* transport = nullptr;
-  std::vector<at::Tensor> inputs;   // per micro-batch, on stage 0's device
-  std::vector<at::Tensor> targets;  // per micro-batch, on the last device
-  std::vector<double> weights;      // micro-batch size / batch size
+  std::vector<at::Tensor> inputs;  // per micro-batch, on stage 0's device
+  std::vector<at::Tensor> targets; // per micro-batch, on the last device
+  std::vector<double> weights;     // micro-batch size / batch size
   std::vector<int64_t> microBatchSizes;
   const LossFunction* lossFn = nullptr;
-  std::vector<Stash> stash;             // [stage * m + micro-batch]
-  std::vector<at::Tensor> losses;       // weighted, detached, per micro-batch
-  std::vector<at::Tensor> outputs;      // inference outputs per micro-batch
+  std::vector<Stash> stash;        // [stage * m + micro-batch]
+  std::vector<at::Tensor> losses;  // weighted, detached, per micro-batch
+  std::vector<at::Tensor> outputs; // inference outputs per micro-batch
 
   bool record = false;
   // Copy received tensors, so each virtual CPU device holds (and is charged
   // for) its own copy as separate devices would; on when tracking memory.
   bool copyOnReceive = false;
   const std::vector<std::vector<int64_t>>* layerOutputShapes = nullptr;
-  const std::vector<int>* boundaries = nullptr;  // stage -> first layer
+  const std::vector<int>* boundaries = nullptr; // stage -> first layer
   std::chrono::steady_clock::time_point start;
-  std::vector<std::vector<TraceEvent>> events;  // per rank, when recording
+  std::vector<std::vector<TraceEvent>> events; // per rank, when recording
 
   std::mutex errorMutex;
-  std::string error;  // first failure, with its context; empty when none
+  std::string error; // first failure, with its context; empty when none
 
   Stash& at(int stage, int microBatch) {
-    return stash[static_cast<size_t>(stage) * schedule->microBatches +
-                 microBatch];
+    return stash
+        [static_cast<size_t>(stage) * schedule->microBatches + microBatch];
   }
 };
 
@@ -82,5 +82,5 @@ struct StepState {
 // the transport so every other rank stops too.
 void runRank(StepState& state, int rank);
 
-}  // namespace runtime
-}  // namespace tpipe
+} // namespace runtime
+} // namespace tpipe

@@ -28,7 +28,9 @@ namespace {
 
 std::atomic<int> forwardedSignal{0};
 
-void onSignal(int signal) { forwardedSignal = signal; }
+void onSignal(int signal) {
+  forwardedSignal = signal;
+}
 
 // A port the kernel just handed out on loopback; free again when returned.
 int freePort() {
@@ -39,8 +41,9 @@ int freePort() {
   address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   address.sin_port = 0;
   socklen_t length = sizeof address;
-  const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof address) == 0 &&
-                  ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) == 0;
+  const bool ok =
+      ::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof address) == 0 &&
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) == 0;
   ::close(fd);
   TORCH_CHECK(ok, "launch: cannot find a free port: ", std::strerror(errno));
   return ntohs(address.sin_port);
@@ -48,8 +51,8 @@ int freePort() {
 
 struct Child {
   pid_t pid = -1;
-  int output = -1;  // read end of its stdout + stderr
-  std::string pending;  // a partial line
+  int output = -1;     // read end of its stdout + stderr
+  std::string pending; // a partial line
   bool running = true;
   int status = 0;
 };
@@ -63,13 +66,16 @@ void drain(Child& child, int rank, bool all) {
   char buffer[4096];
   for (;;) {
     const ssize_t n = ::read(child.output, buffer, sizeof buffer);
-    if (n <= 0) break;
+    if (n <= 0)
+      break;
     child.pending.append(buffer, static_cast<size_t>(n));
-    if (!all) break;
+    if (!all)
+      break;
   }
   size_t newline;
   while ((newline = child.pending.find_first_of("\n\r")) != std::string::npos) {
-    if (newline > 0) emit(rank, child.pending.substr(0, newline));
+    if (newline > 0)
+      emit(rank, child.pending.substr(0, newline));
     child.pending.erase(0, newline + 1);
   }
 }
@@ -77,7 +83,8 @@ void drain(Child& child, int rank, bool all) {
 // A job token for the ranks of one launch, unless the user gave one.
 std::string jobToken() {
   const char* given = std::getenv("TPIPE_JOB_TOKEN");
-  if (given && *given) return given;
+  if (given && *given)
+    return given;
   std::random_device random;
   std::string token;
   char hex[17];
@@ -90,11 +97,17 @@ std::string jobToken() {
 
 class Launcher {
  public:
-  Launcher(std::string executable, int processes, std::vector<std::string> arguments)
-      : executable_(std::move(executable)), arguments_(std::move(arguments)), children_(processes) {
+  Launcher(
+      std::string executable,
+      int processes,
+      std::vector<std::string> arguments)
+      : executable_(std::move(executable)),
+        arguments_(std::move(arguments)),
+        children_(processes) {
     const char* addr = std::getenv("MASTER_ADDR");
     masterAddr_ = addr && *addr ? addr : "127.0.0.1";
-    masterPort_ = std::getenv("MASTER_PORT") ? std::getenv("MASTER_PORT") : std::to_string(freePort());
+    masterPort_ = std::getenv("MASTER_PORT") ? std::getenv("MASTER_PORT")
+                                             : std::to_string(freePort());
     token_ = jobToken();
   }
 
@@ -103,14 +116,17 @@ class Launcher {
     action.sa_handler = onSignal;
     ::sigaction(SIGINT, &action, nullptr);
     ::sigaction(SIGTERM, &action, nullptr);
-    for (int rank = 0; rank < static_cast<int>(children_.size()); ++rank) spawn(rank);
+    for (int rank = 0; rank < static_cast<int>(children_.size()); ++rank)
+      spawn(rank);
     while (pump()) {
     }
     for (int rank = 0; rank < static_cast<int>(children_.size()); ++rank) {
       Child& child = children_[rank];
-      if (child.output < 0) continue;
+      if (child.output < 0)
+        continue;
       drain(child, rank, true);
-      if (!child.pending.empty()) emit(rank, child.pending);
+      if (!child.pending.empty())
+        emit(rank, child.pending);
       ::close(child.output);
     }
     return result_;
@@ -120,7 +136,8 @@ class Launcher {
   [[noreturn]] void execRank(int rank, int output) {
     // A rank never outlives the launcher.
     ::prctl(PR_SET_PDEATHSIG, SIGKILL);
-    if (::getppid() != launcher_) ::_exit(1);
+    if (::getppid() != launcher_)
+      ::_exit(1);
     ::dup2(output, STDOUT_FILENO);
     ::dup2(output, STDERR_FILENO);
     ::setenv("RANK", std::to_string(rank).c_str(), 1);
@@ -132,16 +149,22 @@ class Launcher {
     std::vector<std::string> words{executable_, "train"};
     words.insert(words.end(), arguments_.begin(), arguments_.end());
     std::vector<char*> argv;
-    for (auto& word : words) argv.push_back(word.data());
+    for (auto& word : words)
+      argv.push_back(word.data());
     argv.push_back(nullptr);
     ::execv(executable_.c_str(), argv.data());
-    std::fprintf(stderr, "launch: cannot run %s: %s\n", executable_.c_str(), std::strerror(errno));
+    std::fprintf(
+        stderr,
+        "launch: cannot run %s: %s\n",
+        executable_.c_str(),
+        std::strerror(errno));
     ::_exit(127);
   }
 
   void spawn(int rank) {
     int pipe[2];
-    TORCH_CHECK(::pipe(pipe) == 0, "launch: pipe failed: ", std::strerror(errno));
+    TORCH_CHECK(
+        ::pipe(pipe) == 0, "launch: pipe failed: ", std::strerror(errno));
     const pid_t pid = ::fork();
     TORCH_CHECK(pid >= 0, "launch: fork failed: ", std::strerror(errno));
     if (pid == 0) {
@@ -156,7 +179,8 @@ class Launcher {
 
   void endOthers(int signal) {
     for (auto& child : children_) {
-      if (child.running) ::kill(child.pid, signal);
+      if (child.running)
+        ::kill(child.pid, signal);
     }
   }
 
@@ -165,10 +189,15 @@ class Launcher {
     Child& child = children_[rank];
     child.running = false;
     child.status = status;
-    const int code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-    if (code == 0 || result_ != 0) return;
+    const int code =
+        WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    if (code == 0 || result_ != 0)
+      return;
     result_ = code;
-    emit(rank, "exited with status " + std::to_string(code) + "; ending the other ranks");
+    emit(
+        rank,
+        "exited with status " + std::to_string(code) +
+            "; ending the other ranks");
     endOthers(SIGTERM);
     deadline_ = std::chrono::steady_clock::now() + std::chrono::seconds(10);
   }
@@ -177,22 +206,30 @@ class Launcher {
   bool pump() {
     std::vector<pollfd> fds;
     for (auto& child : children_) {
-      if (child.output >= 0) fds.push_back({child.output, POLLIN, 0});
+      if (child.output >= 0)
+        fds.push_back({child.output, POLLIN, 0});
     }
-    if (!fds.empty()) ::poll(fds.data(), fds.size(), 100);
+    if (!fds.empty())
+      ::poll(fds.data(), fds.size(), 100);
     for (int rank = 0; rank < static_cast<int>(children_.size()); ++rank) {
-      if (children_[rank].output >= 0) drain(children_[rank], rank, false);
+      if (children_[rank].output >= 0)
+        drain(children_[rank], rank, false);
     }
     if (const int signal = forwardedSignal.exchange(0)) {
-      // The ranks finish their step and checkpoint; a second signal is forwarded too.
+      // The ranks finish their step and checkpoint; a second signal is
+      // forwarded too.
       endOthers(signal);
-      if (result_ == 0) result_ = 128 + signal;
-      deadline_ = std::min(deadline_, std::chrono::steady_clock::now() + std::chrono::seconds(30));
+      if (result_ == 0)
+        result_ = 128 + signal;
+      deadline_ = std::min(
+          deadline_,
+          std::chrono::steady_clock::now() + std::chrono::seconds(30));
     }
     bool anyRunning = false;
     for (int rank = 0; rank < static_cast<int>(children_.size()); ++rank) {
       Child& child = children_[rank];
-      if (!child.running) continue;
+      if (!child.running)
+        continue;
       int status = 0;
       if (::waitpid(child.pid, &status, WNOHANG) == child.pid) {
         reap(rank, status);
@@ -200,7 +237,8 @@ class Launcher {
         anyRunning = true;
       }
     }
-    if (std::chrono::steady_clock::now() > deadline_) endOthers(SIGKILL);
+    if (std::chrono::steady_clock::now() > deadline_)
+      endOthers(SIGKILL);
     return anyRunning;
   }
 
@@ -210,14 +248,18 @@ class Launcher {
   std::string masterAddr_, masterPort_, token_;
   const pid_t launcher_ = ::getpid();
   int result_ = 0;
-  std::chrono::steady_clock::time_point deadline_ = std::chrono::steady_clock::time_point::max();
+  std::chrono::steady_clock::time_point deadline_ =
+      std::chrono::steady_clock::time_point::max();
 };
 
-}  // namespace
+} // namespace
 
-int launchLocal(const std::string& executable, int processes, const std::vector<std::string>& arguments) {
+int launchLocal(
+    const std::string& executable,
+    int processes,
+    const std::vector<std::string>& arguments) {
   TORCH_CHECK(processes >= 1, "launch: --nproc must be >= 1, got ", processes);
   return Launcher(executable, processes, arguments).run();
 }
 
-}  // namespace tpipe
+} // namespace tpipe

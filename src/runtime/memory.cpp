@@ -13,7 +13,8 @@
 #include "tpipe/partition.h"
 
 // LibTorch 2.3 made Allocator::allocate non-const.
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 3)
+#if TORCH_VERSION_MAJOR > 2 || \
+    (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 3)
 #define TPIPE_ALLOCATE_CONST
 #else
 #define TPIPE_ALLOCATE_CONST const
@@ -51,10 +52,12 @@ struct Header {
 c10::DeleterFnPtr baseDeleter = nullptr;
 
 void release(void* data) {
-  if (data == nullptr) return;
+  if (data == nullptr)
+    return;
   char* block = static_cast<char*>(data) - kHeader;
   const auto* header = reinterpret_cast<const Header*>(block);
-  if (header->device >= 0) counters()[header->device].live -= header->bytes;
+  if (header->device >= 0)
+    counters()[header->device].live -= header->bytes;
   baseDeleter(block);
 }
 
@@ -65,19 +68,25 @@ class CountingAllocator final : public c10::Allocator {
   c10::DataPtr allocate(size_t n) TPIPE_ALLOCATE_CONST override {
     const int device = currentDevice;
     const auto bytes = static_cast<int64_t>(n);
-    if (device >= 0) charge(device, bytes);
+    if (device >= 0)
+      charge(device, bytes);
     c10::DataPtr inner = base_->allocate(n + kHeader);
-    TORCH_INTERNAL_ASSERT(inner.get() == inner.get_context(), "the wrapped CPU allocator uses contexts");
+    TORCH_INTERNAL_ASSERT(
+        inner.get() == inner.get_context(),
+        "the wrapped CPU allocator uses contexts");
     char* block = static_cast<char*>(inner.release_context());
     new (block) Header{bytes, device};
     void* data = block + kHeader;
     return c10::DataPtr(data, data, &release, c10::Device(c10::kCPU));
   }
 
-  c10::DeleterFnPtr raw_deleter() const override { return &release; }
+  c10::DeleterFnPtr raw_deleter() const override {
+    return &release;
+  }
 
   // Pure virtual from LibTorch 2.3 on; a plain member before.
-  void copy_data(void* destination, const void* source, std::size_t count) const {
+  void copy_data(void* destination, const void* source, std::size_t count)
+      const {
     std::memcpy(destination, source, count);
   }
 
@@ -93,8 +102,16 @@ class CountingAllocator final : public c10::Allocator {
         std::lock_guard<std::mutex> lock(c.labelMutex);
         label = c.label;
       }
-      TORCH_CHECK(false, "out of memory on ", label, ": allocating ", formatBytes(bytes), " with ",
-                  formatBytes(live - bytes), " in use exceeds the capacity of ", formatBytes(capacity));
+      TORCH_CHECK(
+          false,
+          "out of memory on ",
+          label,
+          ": allocating ",
+          formatBytes(bytes),
+          " with ",
+          formatBytes(live - bytes),
+          " in use exceeds the capacity of ",
+          formatBytes(capacity));
     }
     int64_t peak = c.peak.load();
     while (live > peak && !c.peak.compare_exchange_weak(peak, live)) {
@@ -109,19 +126,24 @@ std::atomic<bool> isInstalled{false};
 std::mutex slotMutex;
 std::array<bool, kMaxDevices> slotTaken{};
 
-}  // namespace
+} // namespace
 
 int acquireSlot() {
   std::lock_guard<std::mutex> lock(slotMutex);
   for (int slot = 0; slot < kMaxDevices; ++slot) {
-    if (slotTaken[slot]) continue;
+    if (slotTaken[slot])
+      continue;
     slotTaken[slot] = true;
     DeviceCounters& c = counters()[slot];
     c.capacity = 0;
     c.peak = c.live.load();
     return slot;
   }
-  TORCH_CHECK(false, "memory accounting: more than ", kMaxDevices, " devices in live pipelines and profilers");
+  TORCH_CHECK(
+      false,
+      "memory accounting: more than ",
+      kMaxDevices,
+      " devices in live pipelines and profilers");
 }
 
 void releaseSlot(int slot) {
@@ -137,21 +159,31 @@ void install() {
   std::call_once(once, [] {
     c10::Allocator* base = c10::GetCPUAllocator();
     baseDeleter = base->raw_deleter();
-    TORCH_CHECK(baseDeleter != nullptr, "memory accounting needs a CPU allocator with a raw deleter");
+    TORCH_CHECK(
+        baseDeleter != nullptr,
+        "memory accounting needs a CPU allocator with a raw deleter");
     static CountingAllocator allocator(base);
     c10::SetCPUAllocator(&allocator, /*priority=*/100);
     isInstalled = true;
   });
 }
 
-bool installed() { return isInstalled; }
+bool installed() {
+  return isInstalled;
+}
 
 void setThreadDevice(int device) {
-  TORCH_CHECK(device >= kUnattributed && device < kMaxDevices, "device index ", device, " out of range");
+  TORCH_CHECK(
+      device >= kUnattributed && device < kMaxDevices,
+      "device index ",
+      device,
+      " out of range");
   currentDevice = device;
 }
 
-int threadDevice() { return currentDevice; }
+int threadDevice() {
+  return currentDevice;
+}
 
 void setCapacity(int device, int64_t bytes, const std::string& label) {
   DeviceCounters& c = counters().at(device);
@@ -162,14 +194,22 @@ void setCapacity(int device, int64_t bytes, const std::string& label) {
   c.capacity = bytes;
 }
 
-int64_t liveBytes(int device) { return counters().at(device).live; }
-int64_t peakBytes(int device) { return counters().at(device).peak; }
-void resetPeak(int device) { counters().at(device).peak = counters().at(device).live.load(); }
+int64_t liveBytes(int device) {
+  return counters().at(device).live;
+}
+int64_t peakBytes(int device) {
+  return counters().at(device).peak;
+}
+void resetPeak(int device) {
+  counters().at(device).peak = counters().at(device).live.load();
+}
 
 #ifndef TPIPE_USE_CUDA
-bool acceleratorStats(c10::Device, int64_t*, int64_t*) { return false; }
+bool acceleratorStats(c10::Device, int64_t*, int64_t*) {
+  return false;
+}
 void resetAcceleratorPeak(c10::Device) {}
 #endif
 
-}  // namespace memory
-}  // namespace tpipe
+} // namespace memory
+} // namespace tpipe

@@ -34,7 +34,7 @@ void setCapacity(int device, int64_t bytes, const std::string& label);
 
 int64_t liveBytes(int device);
 int64_t peakBytes(int device);
-void resetPeak(int device);  // peak := live
+void resetPeak(int device); // peak := live
 
 // An accelerator's own allocator statistics (CUDA's caching allocator in
 // TPIPE_USE_CUDA builds); false for devices it cannot report on. Several
@@ -45,8 +45,12 @@ void resetAcceleratorPeak(c10::Device device);
 // Charges the current thread's allocations to `device` for a scope.
 class DeviceScope {
  public:
-  explicit DeviceScope(int device) : previous_(threadDevice()) { setThreadDevice(device); }
-  ~DeviceScope() { setThreadDevice(previous_); }
+  explicit DeviceScope(int device) : previous_(threadDevice()) {
+    setThreadDevice(device);
+  }
+  ~DeviceScope() {
+    setThreadDevice(previous_);
+  }
   DeviceScope(const DeviceScope&) = delete;
   DeviceScope& operator=(const DeviceScope&) = delete;
 
@@ -54,5 +58,5 @@ class DeviceScope {
   int previous_;
 };
 
-}  // namespace memory
-}  // namespace tpipe
+} // namespace memory
+} // namespace tpipe

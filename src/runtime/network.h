@@ -8,9 +8,10 @@ namespace tpipe {
 namespace runtime {
 
 struct LocalAddress {
-  std::string interface;  // "eth0", "lo"
-  std::string address;    // numeric, "10.0.0.2"
-  std::string why;        // "routes to MASTER_ADDR 10.0.0.1", "GLOO_SOCKET_IFNAME=eth1"
+  std::string interface; // "eth0", "lo"
+  std::string address;   // numeric, "10.0.0.2"
+  std::string
+      why; // "routes to MASTER_ADDR 10.0.0.1", "GLOO_SOCKET_IFNAME=eth1"
 };
 
 // MASTER_ADDR as a numeric address (resolving a host name); UserError when
@@ -26,5 +27,5 @@ bool isLoopbackAddress(const std::string& numeric);
 // loopback: peers on other hosts could never reach it.
 LocalAddress advertisedAddress(const std::string& masterAddr, int masterPort);
 
-}  // namespace runtime
-}  // namespace tpipe
+} // namespace runtime
+} // namespace tpipe

@@ -51,7 +51,8 @@ std::vector<int64_t> parameterCounts(const LayerList& layers) {
   std::vector<int64_t> counts;
   for (const auto& layer : layers) {
     int64_t count = 0;
-    for (const auto& parameter : layer.module.ptr()->parameters()) count += parameter.numel();
+    for (const auto& parameter : layer.module.ptr()->parameters())
+      count += parameter.numel();
     counts.push_back(count);
   }
   return counts;
@@ -65,51 +66,112 @@ c10::Device parseDevice(const std::string& name) {
   int index = 0;
   if (colon != std::string::npos) {
     const std::string digits = name.substr(colon + 1);
-    TORCH_CHECK(!digits.empty() && digits.size() < 6 &&
-                    std::all_of(digits.begin(), digits.end(),
-                                [](char c) { return c >= '0' && c <= '9'; }),
-                "unknown device '", name,
-                "' (expected cpu:N for a virtual CPU device or cuda:N)");
+    TORCH_CHECK(
+        !digits.empty() && digits.size() < 6 &&
+            std::all_of(
+                digits.begin(),
+                digits.end(),
+                [](char c) { return c >= '0' && c <= '9'; }),
+        "unknown device '",
+        name,
+        "' (expected cpu:N for a virtual CPU device or cuda:N)");
     index = std::stoi(digits);
   }
-  if (type == "cpu") return c10::Device(c10::kCPU);
+  if (type == "cpu")
+    return c10::Device(c10::kCPU);
   if (type == "cuda") {
-    TORCH_CHECK(torch::cuda::is_available(), "device '", name,
-                "': this LibTorch has no usable CUDA device");
-    TORCH_CHECK(index < static_cast<int>(torch::cuda::device_count()),
-                "device '", name, "': only ", torch::cuda::device_count(),
-                " CUDA device(s) present");
+    TORCH_CHECK(
+        torch::cuda::is_available(),
+        "device '",
+        name,
+        "': this LibTorch has no usable CUDA device");
+    TORCH_CHECK(
+        index < static_cast<int>(torch::cuda::device_count()),
+        "device '",
+        name,
+        "': only ",
+        torch::cuda::device_count(),
+        " CUDA device(s) present");
     return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(index));
   }
-  TORCH_CHECK(false, "unknown device '", name,
-              "' (expected cpu:N for a virtual CPU device or cuda:N)");
+  TORCH_CHECK(
+      false,
+      "unknown device '",
+      name,
+      "' (expected cpu:N for a virtual CPU device or cuda:N)");
 }
 
-// "torch::nn::LinearImpl" -> "Linear"; "(anonymous namespace)::NoiseImpl" -> "Noise".
+// "torch::nn::LinearImpl" -> "Linear"; "(anonymous namespace)::NoiseImpl" ->
+// "Noise".
 std::string moduleKind(const std::string& name) {
-  std::string kind = name.substr(name.rfind(':') == std::string::npos ? 0 : name.rfind(':') + 1);
-  if (kind.size() > 4 && kind.compare(kind.size() - 4, 4, "Impl") == 0) kind.resize(kind.size() - 4);
+  std::string kind = name.substr(
+      name.rfind(':') == std::string::npos ? 0 : name.rfind(':') + 1);
+  if (kind.size() > 4 && kind.compare(kind.size() - 4, 4, "Impl") == 0)
+    kind.resize(kind.size() - 4);
   return kind;
 }
 
 // LibTorch's and tpipe's modules known to draw no random numbers.
 bool knownDeterministic(const std::string& kind) {
   static const std::set<std::string> kinds = {
-      "Linear", "Bilinear", "Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d",
-      "ConvTranspose3d", "ReLU", "ReLU6", "LeakyReLU", "PReLU", "ELU", "SELU", "CELU", "GELU", "SiLU",
-      "Mish", "Tanh", "Sigmoid", "Softplus", "Softmax", "LogSoftmax", "Hardtanh", "Identity",
-      "LayerNorm", "GroupNorm", "BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "InstanceNorm1d",
-      "InstanceNorm2d", "Embedding", "Flatten", "Unflatten", "MaxPool1d", "MaxPool2d", "MaxPool3d",
-      "AvgPool1d", "AvgPool2d", "AvgPool3d", "AdaptiveAvgPool1d", "AdaptiveAvgPool2d",
-      "AdaptiveMaxPool2d", "Sequential", "ModuleList", "ModuleDict", "TransformerBlock",
+      "Linear",
+      "Bilinear",
+      "Conv1d",
+      "Conv2d",
+      "Conv3d",
+      "ConvTranspose1d",
+      "ConvTranspose2d",
+      "ConvTranspose3d",
+      "ReLU",
+      "ReLU6",
+      "LeakyReLU",
+      "PReLU",
+      "ELU",
+      "SELU",
+      "CELU",
+      "GELU",
+      "SiLU",
+      "Mish",
+      "Tanh",
+      "Sigmoid",
+      "Softplus",
+      "Softmax",
+      "LogSoftmax",
+      "Hardtanh",
+      "Identity",
+      "LayerNorm",
+      "GroupNorm",
+      "BatchNorm1d",
+      "BatchNorm2d",
+      "BatchNorm3d",
+      "InstanceNorm1d",
+      "InstanceNorm2d",
+      "Embedding",
+      "Flatten",
+      "Unflatten",
+      "MaxPool1d",
+      "MaxPool2d",
+      "MaxPool3d",
+      "AvgPool1d",
+      "AvgPool2d",
+      "AvgPool3d",
+      "AdaptiveAvgPool1d",
+      "AdaptiveAvgPool2d",
+      "AdaptiveMaxPool2d",
+      "Sequential",
+      "ModuleList",
+      "ModuleDict",
+      "TransformerBlock",
       "DeferredBatchNorm2d"};
   return kinds.count(kind) > 0;
 }
 
 bool drawsRandomness(const NamedLayer& layer) {
-  if (layer.randomness != Randomness::kAuto) return layer.randomness == Randomness::kDraws;
+  if (layer.randomness != Randomness::kAuto)
+    return layer.randomness == Randomness::kDraws;
   for (const auto& module : layer.module.ptr()->modules()) {
-    if (!knownDeterministic(moduleKind(module->name()))) return true;  // dropout, or unknown
+    if (!knownDeterministic(moduleKind(module->name())))
+      return true; // dropout, or unknown
   }
   return false;
 }
@@ -123,7 +185,7 @@ auto checked(Body body) -> decltype(body()) {
   }
 }
 
-}  // namespace
+} // namespace
 
 struct Pipeline::Impl {
   LayerList layers;
@@ -135,7 +197,7 @@ struct Pipeline::Impl {
   runtime::LocalTransport localTransport;
   std::unique_ptr<runtime::Transport> remoteTransport;
   runtime::Transport* transport = &localTransport;
-  std::vector<int> localRanks;  // the ranks this process runs
+  std::vector<int> localRanks; // the ranks this process runs
 
   // "stage 1 (cpu:1)", or "stage 1, 5 (cpu:1)" with virtual stages.
   std::string memoryLabel(int rank) const {
@@ -148,43 +210,58 @@ struct Pipeline::Impl {
 
   bool isLocalStage(int stage) const {
     const int rank = schedule.rankOfStage(stage);
-    return std::find(localRanks.begin(), localRanks.end(), rank) != localRanks.end();
+    return std::find(localRanks.begin(), localRanks.end(), rank) !=
+        localRanks.end();
   }
   std::vector<std::unique_ptr<runtime::DeviceWorker>> workers;
   Trace trace;
   int steps = 0;
-  std::vector<int> memorySlots;  // per rank, when tracking memory
+  std::vector<int> memorySlots; // per rank, when tracking memory
 
   ~Impl() {
-    workers.clear();  // join before the slots go back
-    for (int slot : memorySlots) memory::releaseSlot(slot);
+    workers.clear(); // join before the slots go back
+    for (int slot : memorySlots)
+      memory::releaseSlot(slot);
   }
 
   Plan plan;
 
   void resolve();
+  std::vector<c10::Device> checkLayersAndDevices() const;
   PlanRequest planRequest(size_t deviceCount) const;
   void checkAgreesWithPlan() const;
   void place();
   void placeStage(int s);
   void startWorkers();
   void run(runtime::StepState& state, const Schedule& plan);
-  std::vector<at::Tensor> split(const at::Tensor& tensor, int chunks,
-                                c10::Device device) const;
+  std::vector<at::Tensor> split(
+      const at::Tensor& tensor,
+      int chunks,
+      c10::Device device) const;
 };
 
-void Pipeline::Impl::resolve() {
+// Layer names unique, modules present, devices known and distinct.
+std::vector<c10::Device> Pipeline::Impl::checkLayersAndDevices() const {
   TORCH_CHECK(!layers.empty(), "the layer list is empty");
   std::set<std::string> names;
   for (size_t i = 0; i < layers.size(); ++i) {
-    TORCH_CHECK(!layers[i].module.is_empty(), "layer ", i, " ('",
-                layers[i].name, "') holds no module");
-    TORCH_CHECK(names.insert(layers[i].name).second,
-                "two layers are named '", layers[i].name, "'");
+    TORCH_CHECK(
+        !layers[i].module.is_empty(),
+        "layer ",
+        i,
+        " ('",
+        layers[i].name,
+        "') holds no module");
+    TORCH_CHECK(
+        names.insert(layers[i].name).second,
+        "two layers are named '",
+        layers[i].name,
+        "'");
   }
-  TORCH_CHECK(options.threadsPerDevice >= 0,
-              "threads per device must be >= 0, got ",
-              options.threadsPerDevice);
+  TORCH_CHECK(
+      options.threadsPerDevice >= 0,
+      "threads per device must be >= 0, got ",
+      options.threadsPerDevice);
   TORCH_CHECK(!options.devices.empty(), "no devices given");
   std::set<std::string> seen;
   std::vector<c10::Device> devices;
@@ -192,45 +269,74 @@ void Pipeline::Impl::resolve() {
     devices.push_back(parseDevice(name));
     // Virtual CPU devices are distinct by name; one GPU may host several
     // ranks, each with its own worker and streams.
-    TORCH_CHECK(seen.insert(name).second || !devices.back().is_cpu(), "device '", name,
-                "' is listed twice; each virtual CPU device runs one worker");
+    TORCH_CHECK(
+        seen.insert(name).second || !devices.back().is_cpu(),
+        "device '",
+        name,
+        "' is listed twice; each virtual CPU device runs one worker");
   }
+  return devices;
+}
+
+void Pipeline::Impl::resolve() {
+  const std::vector<c10::Device> devices = checkLayersAndDevices();
   const std::shared_ptr<const Plan> given = options.plan;
-  plan = given ? *given : checked([&] { return resolvePlan(planRequest(devices.size())); });
-  TORCH_CHECK(plan.boundaries.size() >= 2 && plan.boundaries.front() == 0 &&
-                  plan.boundaries.back() == static_cast<int>(layers.size()),
-              "the plan's boundaries do not cover the ", layers.size(), " layers");
+  plan = given
+      ? *given
+      : checked([&] { return resolvePlan(planRequest(devices.size())); });
+  TORCH_CHECK(
+      plan.boundaries.size() >= 2 && plan.boundaries.front() == 0 &&
+          plan.boundaries.back() == static_cast<int>(layers.size()),
+      "the plan's boundaries do not cover the ",
+      layers.size(),
+      " layers");
   const int ranks = plan.schedule.ranks;
-  TORCH_CHECK(plan.schedule.stages() == plan.stageCount(), "the plan's schedule has ",
-              plan.schedule.stages(), " stages, its boundaries ", plan.stageCount());
-  TORCH_CHECK(ranks <= static_cast<int>(devices.size()), "the plan needs ", ranks, " devices, got ",
-              devices.size());
-  if (given) checkAgreesWithPlan();
+  TORCH_CHECK(
+      plan.schedule.stages() == plan.stageCount(),
+      "the plan's schedule has ",
+      plan.schedule.stages(),
+      " stages, its boundaries ",
+      plan.stageCount());
+  TORCH_CHECK(
+      ranks <= static_cast<int>(devices.size()),
+      "the plan needs ",
+      ranks,
+      " devices, got ",
+      devices.size());
+  if (given)
+    checkAgreesWithPlan();
   rankDevices.assign(devices.begin(), devices.begin() + ranks);
   if (options.communicator) {
-    TORCH_CHECK(options.communicator->pipelineRanks() == ranks, "the communicator spans ",
-                options.communicator->pipelineRanks(), " pipeline ranks but the pipeline has ", ranks);
+    TORCH_CHECK(
+        options.communicator->pipelineRanks() == ranks,
+        "the communicator spans ",
+        options.communicator->pipelineRanks(),
+        " pipeline ranks but the pipeline has ",
+        ranks);
     localRanks = {options.communicator->stageRank()};
   } else {
-    for (int rank = 0; rank < ranks; ++rank) localRanks.push_back(rank);
+    for (int rank = 0; rank < ranks; ++rank)
+      localRanks.push_back(rank);
   }
-
   boundaries = plan.boundaries;
   schedule = plan.schedule;
 }
 
 PlanRequest Pipeline::Impl::planRequest(size_t deviceCount) const {
-  TORCH_CHECK(options.partition != PartitionMethod::kTime,
-              "partition kTime needs measured costs: pass PipelineOptions::plan from resolvePlan over "
-              "profileLayers' costs (as the trainer does)");
+  TORCH_CHECK(
+      options.partition != PartitionMethod::kTime,
+      "partition kTime needs measured costs: pass PipelineOptions::plan from resolvePlan over "
+      "profileLayers' costs (as the trainer does)");
   PlanRequest request;
   request.layers = parameterCosts(layers);
-  for (size_t d = 0; d < deviceCount; ++d) request.devices.push_back({options.devices[d]});
+  for (size_t d = 0; d < deviceCount; ++d)
+    request.devices.push_back({options.devices[d]});
   request.stages = options.stages;
   // A balance alone implies kBalance; with another method it is an error.
-  request.partition = !options.balance.empty() && options.partition == PartitionMethod::kUniform
-                          ? PartitionMethod::kBalance
-                          : options.partition;
+  request.partition =
+      !options.balance.empty() && options.partition == PartitionMethod::kUniform
+      ? PartitionMethod::kBalance
+      : options.partition;
   request.balance = options.balance;
   request.schedule = options.schedule;
   request.microBatches = options.microBatches;
@@ -243,14 +349,29 @@ PlanRequest Pipeline::Impl::planRequest(size_t deviceCount) const {
 void Pipeline::Impl::checkAgreesWithPlan() const {
   const PipelineOptions defaults;
   auto agrees = [&](bool same, bool isDefault, const char* what) {
-    TORCH_CHECK(same || isDefault, "PipelineOptions::", what, " disagrees with PipelineOptions::plan");
+    TORCH_CHECK(
+        same || isDefault,
+        "PipelineOptions::",
+        what,
+        " disagrees with PipelineOptions::plan");
   };
   agrees(options.stages == plan.stageCount(), options.stages == 0, "stages");
-  agrees(options.balance == balanceOf(plan.boundaries), options.balance.empty(), "balance");
-  agrees(options.microBatches == plan.schedule.microBatches, options.microBatches == defaults.microBatches,
-         "microBatches");
-  agrees(options.virtualStages == plan.schedule.virtualStages, options.virtualStages == 1, "virtualStages");
-  agrees(options.checkpoint == plan.checkpoint, options.checkpoint == defaults.checkpoint, "checkpoint");
+  agrees(
+      options.balance == balanceOf(plan.boundaries),
+      options.balance.empty(),
+      "balance");
+  agrees(
+      options.microBatches == plan.schedule.microBatches,
+      options.microBatches == defaults.microBatches,
+      "microBatches");
+  agrees(
+      options.virtualStages == plan.schedule.virtualStages,
+      options.virtualStages == 1,
+      "virtualStages");
+  agrees(
+      options.checkpoint == plan.checkpoint,
+      options.checkpoint == defaults.checkpoint,
+      "checkpoint");
 }
 
 // Stage s: its device, layers (moved there when local), parameters, streams
@@ -262,14 +383,17 @@ void Pipeline::Impl::placeStage(int s) {
   const bool local = isLocalStage(s);
   // A stage in another process receives what this one sends as a CPU
   // tensor; the transport moves it.
-  stage.device = local ? rankDevices[schedule.rankOfStage(s)] : c10::Device(c10::kCPU);
+  stage.device =
+      local ? rankDevices[schedule.rankOfStage(s)] : c10::Device(c10::kCPU);
   for (int l = boundaries[s]; l < boundaries[s + 1]; ++l) {
     torch::nn::AnyModule& layer = layers[l].module;
-    if (local) layer.ptr()->to(stage.device);
+    if (local)
+      layer.ptr()->to(stage.device);
     stage.layers.push_back(layer);
     stage.stochastic = stage.stochastic || drawsRandomness(layers[l]);
     for (const auto& parameter : layer.ptr()->parameters()) {
-      if (parameter.requires_grad()) stage.parameters.push_back(parameter);
+      if (parameter.requires_grad())
+        stage.parameters.push_back(parameter);
     }
   }
   if (local && !stage.device.is_cpu()) {
@@ -285,27 +409,39 @@ void Pipeline::Impl::placeStage(int s) {
     }
   }
   // The stage's own stream of random numbers, in its device's format.
-  at::Generator generator = local ? at::globalContext().defaultGenerator(stage.device).clone()
-                                  : at::make_generator<at::CPUGeneratorImpl>();
-  generator.set_current_seed(options.seed * 1000003ULL + static_cast<uint64_t>(s));
+  at::Generator generator = local
+      ? at::globalContext().defaultGenerator(stage.device).clone()
+      : at::make_generator<at::CPUGeneratorImpl>();
+  generator.set_current_seed(
+      options.seed * 1000003ULL + static_cast<uint64_t>(s));
   stage.rngState = generator.get_state();
 }
 
 // One worker per local rank, with its intra-op threads and memory slot.
 void Pipeline::Impl::startWorkers() {
   const int ranks = schedule.ranks;
-  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  const int threads = options.threadsPerDevice > 0 ? options.threadsPerDevice : std::max(1, cores / ranks);
+  const int cores =
+      static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  const int threads = options.threadsPerDevice > 0 ? options.threadsPerDevice
+                                                   : std::max(1, cores / ranks);
   const bool tracking = options.trackMemory || !options.deviceMemory.empty();
-  TORCH_CHECK(options.deviceMemory.empty() || options.deviceMemory.size() >= static_cast<size_t>(ranks),
-              "deviceMemory has ", options.deviceMemory.size(), " entries for ", ranks, " devices");
-  if (tracking) memory::install();
+  TORCH_CHECK(
+      options.deviceMemory.empty() ||
+          options.deviceMemory.size() >= static_cast<size_t>(ranks),
+      "deviceMemory has ",
+      options.deviceMemory.size(),
+      " entries for ",
+      ranks,
+      " devices");
+  if (tracking)
+    memory::install();
   workers.resize(ranks);
   for (int rank : localRanks) {
     const int slot = tracking ? memory::acquireSlot() : memory::kUnattributed;
     if (tracking) {
       memorySlots.push_back(slot);
-      const int64_t capacity = options.deviceMemory.empty() ? 0 : options.deviceMemory[rank];
+      const int64_t capacity =
+          options.deviceMemory.empty() ? 0 : options.deviceMemory[rank];
       TORCH_CHECK(capacity >= 0, "deviceMemory[", rank, "] is negative");
       memory::setCapacity(slot, capacity, memoryLabel(rank));
     }
@@ -321,18 +457,20 @@ void Pipeline::Impl::startWorkers() {
 
 void Pipeline::Impl::place() {
   stages.resize(schedule.stages());
-  for (int s = 0; s < schedule.stages(); ++s) placeStage(s);
+  for (int s = 0; s < schedule.stages(); ++s)
+    placeStage(s);
   if (options.communicator) {
-    remoteTransport = runtime::makeProcessGroupTransport(*options.communicator, schedule.stages(),
-                                                         schedule.microBatches);
+    remoteTransport = runtime::makeProcessGroupTransport(
+        *options.communicator, schedule.stages(), schedule.microBatches);
     transport = remoteTransport.get();
   }
   startWorkers();
 }
 
-std::vector<at::Tensor> Pipeline::Impl::split(const at::Tensor& tensor,
-                                              int chunks,
-                                              c10::Device device) const {
+std::vector<at::Tensor> Pipeline::Impl::split(
+    const at::Tensor& tensor,
+    int chunks,
+    c10::Device device) const {
   std::vector<at::Tensor> parts;
   for (const auto& part : tensor.tensor_split(chunks, 0)) {
     parts.push_back(part.to(device));
@@ -351,7 +489,8 @@ void Pipeline::Impl::run(runtime::StepState& state, const Schedule& plan) {
   state.outputs.assign(m, {});
   state.record = options.record && plan.training;
   state.copyOnReceive = !memorySlots.empty();
-  if (state.record) state.events.assign(plan.ranks, {});
+  if (state.record)
+    state.events.assign(plan.ranks, {});
   state.start = std::chrono::steady_clock::now();
   state.layerOutputShapes = &options.layerOutputShapes;
   state.boundaries = &boundaries;
@@ -359,7 +498,7 @@ void Pipeline::Impl::run(runtime::StepState& state, const Schedule& plan) {
   for (int rank : localRanks) {
     const bool training = plan.training;
     workers[rank]->post([&state, &latch, rank, training] {
-      at::AutoGradMode gradMode(training);  // grad mode is per thread
+      at::AutoGradMode gradMode(training); // grad mode is per thread
       runtime::runRank(state, rank);
       latch.countDown();
     });
@@ -375,9 +514,10 @@ void Pipeline::Impl::run(runtime::StepState& state, const Schedule& plan) {
   const double wallUs = std::chrono::duration<double, std::micro>(
                             std::chrono::steady_clock::now() - state.start)
                             .count();
-  state.stash.clear();  // frees activations of a failed step too
+  state.stash.clear(); // frees activations of a failed step too
   TORCH_CHECK(state.error.empty(), state.error);
-  if (plan.training) ++steps;
+  if (plan.training)
+    ++steps;
   if (state.record) {
     StepTrace step;
     step.step = steps;
@@ -388,8 +528,9 @@ void Pipeline::Impl::run(runtime::StepState& state, const Schedule& plan) {
     trace.steps.push_back(std::move(step));
     const size_t keep = static_cast<size_t>(std::max(1, options.keepSteps));
     if (trace.steps.size() > keep) {
-      trace.steps.erase(trace.steps.begin(),
-                        trace.steps.end() - static_cast<std::ptrdiff_t>(keep));
+      trace.steps.erase(
+          trace.steps.begin(),
+          trace.steps.end() - static_cast<std::ptrdiff_t>(keep));
     }
   }
 }
@@ -401,33 +542,43 @@ Pipeline::Pipeline(LayerList layers, PipelineOptions options)
   impl_->resolve();
   impl_->place();
   impl_->trace.schedule = impl_->schedule;
-  impl_->trace.devices.assign(impl_->options.devices.begin(),
-                              impl_->options.devices.begin() + impl_->schedule.ranks);
+  impl_->trace.devices.assign(
+      impl_->options.devices.begin(),
+      impl_->options.devices.begin() + impl_->schedule.ranks);
 }
 
 Pipeline::~Pipeline() = default;
 
-torch::Tensor Pipeline::trainStep(const torch::Tensor& input,
-                                  const torch::Tensor& target,
-                                  const LossFunction& lossFn) {
-  TORCH_CHECK(input.defined() && input.dim() >= 1,
-              "trainStep: input must have a batch dimension");
-  TORCH_CHECK(target.defined() && target.dim() >= 1 &&
-                  target.size(0) == input.size(0),
-              "trainStep: target batch (",
-              target.defined() && target.dim() ? target.size(0) : 0,
-              ") differs from input batch (", input.size(0), ")");
+torch::Tensor Pipeline::trainStep(
+    const torch::Tensor& input,
+    const torch::Tensor& target,
+    const LossFunction& lossFn) {
+  TORCH_CHECK(
+      input.defined() && input.dim() >= 1,
+      "trainStep: input must have a batch dimension");
+  TORCH_CHECK(
+      target.defined() && target.dim() >= 1 && target.size(0) == input.size(0),
+      "trainStep: target batch (",
+      target.defined() && target.dim() ? target.size(0) : 0,
+      ") differs from input batch (",
+      input.size(0),
+      ")");
   TORCH_CHECK(lossFn, "trainStep: no loss function given");
   const int m = impl_->schedule.microBatches;
   const int64_t batch = input.size(0);
-  TORCH_CHECK(batch >= m, "more micro-batches (", m, ") than samples (",
-              batch, ") in the batch");
+  TORCH_CHECK(
+      batch >= m,
+      "more micro-batches (",
+      m,
+      ") than samples (",
+      batch,
+      ") in the batch");
   runtime::StepState state;
   state.inputs = impl_->split(input, m, impl_->stages.front().device);
   state.targets = impl_->split(target, m, impl_->stages.back().device);
   for (const auto& chunk : state.inputs) {
-    state.weights.push_back(static_cast<double>(chunk.size(0)) /
-                            static_cast<double>(batch));
+    state.weights.push_back(
+        static_cast<double>(chunk.size(0)) / static_cast<double>(batch));
     state.microBatchSizes.push_back(chunk.size(0));
   }
   state.lossFn = &lossFn;
@@ -436,40 +587,51 @@ torch::Tensor Pipeline::trainStep(const torch::Tensor& input,
   at::Tensor total;
   if (lastIsLocal) {
     total = state.losses[0];
-    for (int mb = 1; mb < m; ++mb) total = total + state.losses[mb];
+    for (int mb = 1; mb < m; ++mb)
+      total = total + state.losses[mb];
   }
-  if (!impl_->options.communicator) return total;
+  if (!impl_->options.communicator)
+    return total;
   // Every process returns the mean over replicas; gradients likewise.
   auto& communicator = *impl_->options.communicator;
   const double local = lastIsLocal ? total.item<double>() : 0.0;
   const double mean = communicator.sum({local})[0] / communicator.replicas();
   std::vector<at::Tensor> gradients;
   for (const auto& stage : impl_->stages) {
-    if (!impl_->isLocalStage(stage.index)) continue;
-    for (const auto& parameter : stage.parameters) gradients.push_back(parameter.grad());
+    if (!impl_->isLocalStage(stage.index))
+      continue;
+    for (const auto& parameter : stage.parameters)
+      gradients.push_back(parameter.grad());
   }
   communicator.averageAcrossReplicas(gradients);
-  return torch::tensor(mean, torch::TensorOptions().dtype(lastIsLocal ? total.scalar_type() : torch::kFloat));
+  return torch::tensor(
+      mean,
+      torch::TensorOptions().dtype(
+          lastIsLocal ? total.scalar_type() : torch::kFloat));
 }
 
 torch::Tensor Pipeline::forward(const torch::Tensor& input) {
-  TORCH_CHECK(input.defined() && input.dim() >= 1 && input.size(0) >= 1,
-              "forward: input must have a non-empty batch dimension");
+  TORCH_CHECK(
+      input.defined() && input.dim() >= 1 && input.size(0) >= 1,
+      "forward: input must have a non-empty batch dimension");
   const int m = static_cast<int>(
       std::min<int64_t>(impl_->options.microBatches, input.size(0)));
   const Schedule inference = forwardOnlySchedule(
       impl_->schedule.ranks, impl_->schedule.virtualStages, m);
   runtime::StepState state;
   state.inputs = impl_->split(input, m, impl_->stages.front().device);
-  for (const auto& chunk : state.inputs) state.microBatchSizes.push_back(chunk.size(0));
+  for (const auto& chunk : state.inputs)
+    state.microBatchSizes.push_back(chunk.size(0));
   impl_->run(state, inference);
-  if (!impl_->isLocalStage(impl_->schedule.stages() - 1)) return torch::Tensor();
+  if (!impl_->isLocalStage(impl_->schedule.stages() - 1))
+    return torch::Tensor();
   return at::cat(state.outputs, 0);
 }
 
 std::vector<torch::Tensor> Pipeline::parameters() const {
   std::vector<torch::Tensor> all;
-  for (const auto& named : namedParameters()) all.push_back(named.second);
+  for (const auto& named : namedParameters())
+    all.push_back(named.second);
   return all;
 }
 
@@ -484,16 +646,26 @@ std::vector<std::pair<std::string, torch::Tensor>> Pipeline::namedParameters()
   return all;
 }
 
-const LayerList& Pipeline::layers() const { return impl_->layers; }
-const Plan& Pipeline::plan() const { return impl_->plan; }
+const LayerList& Pipeline::layers() const {
+  return impl_->layers;
+}
+const Plan& Pipeline::plan() const {
+  return impl_->plan;
+}
 
 const std::vector<int>& Pipeline::boundaries() const {
   return impl_->boundaries;
 }
-const Schedule& Pipeline::schedule() const { return impl_->schedule; }
-const PipelineOptions& Pipeline::options() const { return impl_->options; }
+const Schedule& Pipeline::schedule() const {
+  return impl_->schedule;
+}
+const PipelineOptions& Pipeline::options() const {
+  return impl_->options;
+}
 
-const Trace& Pipeline::trace() const { return impl_->trace; }
+const Trace& Pipeline::trace() const {
+  return impl_->trace;
+}
 
 std::vector<DeviceMemory> Pipeline::memory() const {
   std::vector<DeviceMemory> all;
@@ -502,56 +674,81 @@ std::vector<DeviceMemory> Pipeline::memory() const {
     const int slot = impl_->memorySlots[i];
     DeviceMemory m;
     m.device = impl_->options.devices[rank];
-    if (!memory::acceleratorStats(impl_->rankDevices[rank], &m.liveBytes, &m.peakBytes)) {
+    if (!memory::acceleratorStats(
+            impl_->rankDevices[rank], &m.liveBytes, &m.peakBytes)) {
       m.liveBytes = memory::liveBytes(slot);
       m.peakBytes = memory::peakBytes(slot);
     }
-    m.capacityBytes = impl_->options.deviceMemory.empty() ? 0 : impl_->options.deviceMemory[rank];
+    m.capacityBytes = impl_->options.deviceMemory.empty()
+        ? 0
+        : impl_->options.deviceMemory[rank];
     all.push_back(m);
   }
   return all;
 }
 
 void Pipeline::setMemoryCapacity(int rank, int64_t bytes) {
-  TORCH_CHECK(!impl_->memorySlots.empty(), "setMemoryCapacity: memory tracking is off (PipelineOptions::trackMemory)");
-  const auto local = std::find(impl_->localRanks.begin(), impl_->localRanks.end(), rank);
-  TORCH_CHECK(local != impl_->localRanks.end(), "setMemoryCapacity: device ", rank, " is not run by this process");
+  TORCH_CHECK(
+      !impl_->memorySlots.empty(),
+      "setMemoryCapacity: memory tracking is off (PipelineOptions::trackMemory)");
+  const auto local =
+      std::find(impl_->localRanks.begin(), impl_->localRanks.end(), rank);
+  TORCH_CHECK(
+      local != impl_->localRanks.end(),
+      "setMemoryCapacity: device ",
+      rank,
+      " is not run by this process");
   TORCH_CHECK(bytes >= 0, "setMemoryCapacity: negative capacity");
-  if (impl_->options.deviceMemory.empty()) impl_->options.deviceMemory.assign(impl_->schedule.ranks, 0);
+  if (impl_->options.deviceMemory.empty())
+    impl_->options.deviceMemory.assign(impl_->schedule.ranks, 0);
   impl_->options.deviceMemory[rank] = bytes;
-  memory::setCapacity(impl_->memorySlots[local - impl_->localRanks.begin()], bytes, impl_->memoryLabel(rank));
+  memory::setCapacity(
+      impl_->memorySlots[local - impl_->localRanks.begin()],
+      bytes,
+      impl_->memoryLabel(rank));
 }
 
 void Pipeline::resetPeakMemory() {
-  for (int slot : impl_->memorySlots) memory::resetPeak(slot);
-  for (int rank : impl_->localRanks) memory::resetAcceleratorPeak(impl_->rankDevices[rank]);
+  for (int slot : impl_->memorySlots)
+    memory::resetPeak(slot);
+  for (int rank : impl_->localRanks)
+    memory::resetAcceleratorPeak(impl_->rankDevices[rank]);
 }
-void Pipeline::setRecording(bool on) { impl_->options.record = on; }
-void Pipeline::clearTrace() { impl_->trace.steps.clear(); }
+void Pipeline::setRecording(bool on) {
+  impl_->options.record = on;
+}
+void Pipeline::clearTrace() {
+  impl_->trace.steps.clear();
+}
 
 std::vector<torch::Tensor> Pipeline::generatorStates() const {
   std::vector<torch::Tensor> states;
-  for (const auto& stage : impl_->stages) states.push_back(stage.rngState.clone());
+  for (const auto& stage : impl_->stages)
+    states.push_back(stage.rngState.clone());
   return states;
 }
 
 void Pipeline::setGeneratorStates(const std::vector<torch::Tensor>& states) {
-  TORCH_CHECK(states.size() == impl_->stages.size(), "expected ",
-              impl_->stages.size(), " stage generator states, got ",
-              states.size());
+  TORCH_CHECK(
+      states.size() == impl_->stages.size(),
+      "expected ",
+      impl_->stages.size(),
+      " stage generator states, got ",
+      states.size());
   for (size_t s = 0; s < states.size(); ++s) {
     at::Generator probe = impl_->isLocalStage(static_cast<int>(s))
-                              ? at::globalContext().defaultGenerator(impl_->stages[s].device).clone()
-                              : at::make_generator<at::CPUGeneratorImpl>();
-    probe.set_state(states[s]);  // rejects a malformed state
+        ? at::globalContext().defaultGenerator(impl_->stages[s].device).clone()
+        : at::make_generator<at::CPUGeneratorImpl>();
+    probe.set_state(states[s]); // rejects a malformed state
     impl_->stages[s].rngState = states[s].clone();
   }
 }
 
 std::vector<std::string> Pipeline::stageDevices() const {
   std::vector<std::string> names;
-  for (const auto& stage : impl_->stages) names.push_back(stage.deviceName);
+  for (const auto& stage : impl_->stages)
+    names.push_back(stage.deviceName);
   return names;
 }
 
-}  // namespace tpipe
+} // namespace tpipe

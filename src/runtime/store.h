@@ -47,30 +47,41 @@ std::string keyedHash(const std::string& secret, const std::string& message);
 class StoreServer;
 
 // Runs the server on its own thread until destroyed.
-std::shared_ptr<StoreServer> startStoreServer(const std::string& bindAddress, int port, const std::string& token,
-                                              std::chrono::milliseconds frameTimeout);
+std::shared_ptr<StoreServer> startStoreServer(
+    const std::string& bindAddress,
+    int port,
+    const std::string& token,
+    std::chrono::milliseconds frameTimeout);
 
 class RendezvousStore : public c10d::Store {
  public:
   // Connects (retrying refused connections until the timeout: the server
   // may start later) and completes the handshake as `rank`.
-  RendezvousStore(const std::string& address, int port, int rank, const std::string& token,
-                  std::chrono::milliseconds timeout);
+  RendezvousStore(
+      const std::string& address,
+      int port,
+      int rank,
+      const std::string& token,
+      std::chrono::milliseconds timeout);
   ~RendezvousStore() override;
 
   // Shares this connection (calls are serialized); newer LibTorch asks.
   c10::intrusive_ptr<c10d::Store> clone();
 
   void set(const std::string& key, const std::vector<uint8_t>& value) override;
-  std::vector<uint8_t> compareSet(const std::string& key, const std::vector<uint8_t>& expected,
-                                  const std::vector<uint8_t>& desired) override;
+  std::vector<uint8_t> compareSet(
+      const std::string& key,
+      const std::vector<uint8_t>& expected,
+      const std::vector<uint8_t>& desired) override;
   std::vector<uint8_t> get(const std::string& key) override;
   int64_t add(const std::string& key, int64_t value) override;
   bool deleteKey(const std::string& key) override;
   bool check(const std::vector<std::string>& keys) override;
   int64_t getNumKeys() override;
   void wait(const std::vector<std::string>& keys) override;
-  void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) override;
+  void wait(
+      const std::vector<std::string>& keys,
+      const std::chrono::milliseconds& timeout) override;
 
  private:
   struct Connection;
@@ -78,5 +89,5 @@ class RendezvousStore : public c10d::Store {
   explicit RendezvousStore(std::shared_ptr<Connection> connection);
 };
 
-}  // namespace runtime
-}  // namespace tpipe
+} // namespace runtime
+} // namespace tpipe

@@ -42,9 +42,16 @@ class Transport {
   // A new step over `boundaries` boundaries; clears what an aborted step left.
   virtual void begin(int boundaries) = 0;
   // Hands the tensor over without waiting for the receiver.
-  virtual void send(Direction direction, int boundary, int microBatch, Payload payload) = 0;
+  virtual void send(
+      Direction direction,
+      int boundary,
+      int microBatch,
+      Payload payload) = 0;
   // Blocks until the tensor arrives; throws StepAborted after abort().
-  virtual Payload receive(Direction direction, int boundary, int microBatch) = 0;
+  virtual Payload receive(
+      Direction direction,
+      int boundary,
+      int microBatch) = 0;
   // Wakes every waiting receive with StepAborted.
   virtual void abort() = 0;
   // Waits until every send of the step has left; throws on a failed send.
@@ -57,18 +64,22 @@ class LocalTransport final : public Transport {
  public:
   void begin(int boundaries) override {
     std::lock_guard<std::mutex> lock(mutex_);
-    for (auto& slots : slots_) slots.assign(static_cast<size_t>(std::max(boundaries, 0)), {});
+    for (auto& slots : slots_)
+      slots.assign(static_cast<size_t>(std::max(boundaries, 0)), {});
     aborted_ = false;
   }
 
-  void send(Direction direction, int boundary, int microBatch, Payload payload) override {
+  void send(Direction direction, int boundary, int microBatch, Payload payload)
+      override {
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      if (aborted_) throw StepAborted();
+      if (aborted_)
+        throw StepAborted();
       auto& slot = slots_[static_cast<int>(direction)].at(boundary);
       if (!slot.emplace(microBatch, std::move(payload)).second) {
-        throw std::logic_error("micro-batch " + std::to_string(microBatch) + " sent twice over boundary " +
-                               std::to_string(boundary));
+        throw std::logic_error(
+            "micro-batch " + std::to_string(microBatch) +
+            " sent twice over boundary " + std::to_string(boundary));
       }
     }
     changed_.notify_all();
@@ -78,7 +89,8 @@ class LocalTransport final : public Transport {
     std::unique_lock<std::mutex> lock(mutex_);
     auto& slot = slots_[static_cast<int>(direction)].at(boundary);
     changed_.wait(lock, [&] { return aborted_ || slot.count(microBatch) > 0; });
-    if (aborted_) throw StepAborted();
+    if (aborted_)
+      throw StepAborted();
     auto found = slot.find(microBatch);
     Payload payload = std::move(found->second);
     slot.erase(found);
@@ -90,7 +102,8 @@ class LocalTransport final : public Transport {
       std::lock_guard<std::mutex> lock(mutex_);
       aborted_ = true;
       for (auto& slots : slots_) {
-        for (auto& slot : slots) slot.clear();
+        for (auto& slot : slots)
+          slot.clear();
       }
     }
     changed_.notify_all();
@@ -103,5 +116,5 @@ class LocalTransport final : public Transport {
   bool aborted_ = false;
 };
 
-}  // namespace runtime
-}  // namespace tpipe
+} // namespace runtime
+} // namespace tpipe

@@ -16,7 +16,8 @@ class Latch {
   explicit Latch(int count) : count_(count) {}
   void countDown() {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (--count_ == 0) done_.notify_all();
+    if (--count_ == 0)
+      done_.notify_all();
   }
   void wait() {
     std::unique_lock<std::mutex> lock(mutex_);
@@ -66,7 +67,8 @@ class DeviceWorker {
       {
         std::unique_lock<std::mutex> lock(mutex_);
         wake_.wait(lock, [&] { return stopping_ || !jobs_.empty(); });
-        if (jobs_.empty()) return;
+        if (jobs_.empty())
+          return;
         job = std::move(jobs_.front());
         jobs_.pop_front();
       }
@@ -78,8 +80,8 @@ class DeviceWorker {
   std::condition_variable wake_;
   std::deque<std::function<void()>> jobs_;
   bool stopping_ = false;
-  std::thread thread_;  // last: starts after the members it uses exist
+  std::thread thread_; // last: starts after the members it uses exist
 };
 
-}  // namespace runtime
-}  // namespace tpipe
+} // namespace runtime
+} // namespace tpipe

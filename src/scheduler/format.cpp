@@ -15,15 +15,16 @@ namespace tpipe {
 
 const char* opName(const Instruction& instruction) {
   return std::visit(
-      Overloaded{[](const Forward&) { return "forward"; },
-                 [](const Recompute&) { return "recompute"; },
-                 [](const Backward&) { return "backward"; },
-                 [](const BackwardInput&) { return "backward_input"; },
-                 [](const BackwardWeight&) { return "backward_weight"; },
-                 [](const SendActivation&) { return "send_activation"; },
-                 [](const RecvActivation&) { return "recv_activation"; },
-                 [](const SendGrad&) { return "send_grad"; },
-                 [](const RecvGrad&) { return "recv_grad"; }},
+      Overloaded{
+          [](const Forward&) { return "forward"; },
+          [](const Recompute&) { return "recompute"; },
+          [](const Backward&) { return "backward"; },
+          [](const BackwardInput&) { return "backward_input"; },
+          [](const BackwardWeight&) { return "backward_weight"; },
+          [](const SendActivation&) { return "send_activation"; },
+          [](const RecvActivation&) { return "recv_activation"; },
+          [](const SendGrad&) { return "send_grad"; },
+          [](const RecvGrad&) { return "recv_grad"; }},
       instruction);
 }
 
@@ -37,10 +38,10 @@ int microBatchOf(const Instruction& instruction) {
 
 bool isCompute(const Instruction& instruction) {
   return std::holds_alternative<Forward>(instruction) ||
-         std::holds_alternative<Recompute>(instruction) ||
-         std::holds_alternative<Backward>(instruction) ||
-         std::holds_alternative<BackwardInput>(instruction) ||
-         std::holds_alternative<BackwardWeight>(instruction);
+      std::holds_alternative<Recompute>(instruction) ||
+      std::holds_alternative<Backward>(instruction) ||
+      std::holds_alternative<BackwardInput>(instruction) ||
+      std::holds_alternative<BackwardWeight>(instruction);
 }
 
 std::string shortLabel(const Instruction& instruction) {
@@ -75,9 +76,11 @@ void printInstructions(std::ostream& out, const Schedule& schedule) {
   for (int rank = 0; rank < schedule.ranks; ++rank) {
     out << "rank " << rank << ":";
     for (const Instruction& instruction : schedule.perRank[rank]) {
-      if (!isCompute(instruction)) continue;
+      if (!isCompute(instruction))
+        continue;
       out << ' ' << shortLabel(instruction);
-      if (schedule.virtualStages > 1) out << '@' << stageOf(instruction);
+      if (schedule.virtualStages > 1)
+        out << '@' << stageOf(instruction);
     }
     out << '\n';
   }
@@ -85,8 +88,11 @@ void printInstructions(std::ostream& out, const Schedule& schedule) {
          "w backward-weight; transfers omitted, see --json)\n";
 }
 
-void printSimulation(std::ostream& out, const Schedule& schedule,
-                     const Simulation& simulation, int width) {
+void printSimulation(
+    std::ostream& out,
+    const Schedule& schedule,
+    const Simulation& simulation,
+    int width) {
   if (!simulation.finished) {
     out << "simulation stalled: " << simulation.stuck << '\n';
     return;
@@ -101,9 +107,8 @@ void printSimulation(std::ostream& out, const Schedule& schedule,
   out << std::setprecision(3);
   out << "rank   busy     idle   stages: peak stashed / live micro-batches\n";
   for (int rank = 0; rank < schedule.ranks; ++rank) {
-    out << std::setw(4) << rank << ' ' << std::setw(7)
-        << simulation.busy[rank] << ' ' << std::setw(8)
-        << simulation.idle[rank] << "  ";
+    out << std::setw(4) << rank << ' ' << std::setw(7) << simulation.busy[rank]
+        << ' ' << std::setw(8) << simulation.idle[rank] << "  ";
     for (int stage = rank; stage < schedule.stages(); stage += schedule.ranks) {
       out << " s" << stage << ": " << simulation.peakStashed[stage] << " / "
           << simulation.peakLive[stage];
@@ -114,7 +119,8 @@ void printSimulation(std::ostream& out, const Schedule& schedule,
   std::vector<std::string> rows(schedule.ranks, std::string(width, '.'));
   for (const TimedInstruction& timed : simulation.timeline) {
     const Instruction& instruction = schedule.perRank[timed.rank][timed.index];
-    if (!isCompute(instruction) || timed.end <= timed.start) continue;
+    if (!isCompute(instruction) || timed.end <= timed.start)
+      continue;
     const int from = static_cast<int>(std::floor(timed.start / span * width));
     const int to = std::max(
         from + 1, static_cast<int>(std::floor(timed.end / span * width)));
@@ -137,9 +143,10 @@ nlohmann::json scheduleToJson(const Schedule& schedule) {
   for (const auto& list : schedule.perRank) {
     nlohmann::json items = nlohmann::json::array();
     for (const Instruction& instruction : list) {
-      nlohmann::json item = {{"op", opName(instruction)},
-                             {"stage", stageOf(instruction)},
-                             {"micro_batch", microBatchOf(instruction)}};
+      nlohmann::json item = {
+          {"op", opName(instruction)},
+          {"stage", stageOf(instruction)},
+          {"micro_batch", microBatchOf(instruction)}};
       if (const auto* forward = std::get_if<Forward>(&instruction)) {
         item["checkpointed"] = forward->checkpointed;
       }
@@ -147,18 +154,23 @@ nlohmann::json scheduleToJson(const Schedule& schedule) {
     }
     lists.push_back(std::move(items));
   }
-  return {{"schedule", schedule.name},
-          {"training", schedule.training},
-          {"ranks", schedule.ranks},
-          {"virtual_stages", schedule.virtualStages},
-          {"micro_batches", schedule.microBatches},
-          {"stages", std::move(lists)}};
+  return {
+      {"schedule", schedule.name},
+      {"training", schedule.training},
+      {"ranks", schedule.ranks},
+      {"virtual_stages", schedule.virtualStages},
+      {"micro_batches", schedule.microBatches},
+      {"stages", std::move(lists)}};
 }
 
 namespace {
 
-int requireInt(const nlohmann::json& object, const char* key,
-               const std::string& path, int fallback, bool required) {
+int requireInt(
+    const nlohmann::json& object,
+    const char* key,
+    const std::string& path,
+    int fallback,
+    bool required) {
   if (!object.contains(key)) {
     if (required) {
       throw ScheduleError(path + "." + key + ": missing");
@@ -167,17 +179,21 @@ int requireInt(const nlohmann::json& object, const char* key,
   }
   const auto& value = object.at(key);
   if (!value.is_number_integer()) {
-    throw ScheduleError(path + "." + key + ": expected an integer, got " +
-                        value.dump());
+    throw ScheduleError(
+        path + "." + key + ": expected an integer, got " + value.dump());
   }
   return value.get<int>();
 }
 
-Instruction instructionFromJson(const nlohmann::json& item,
-                                const std::string& path) {
+Instruction instructionFromJson(
+    const nlohmann::json& item,
+    const std::string& path) {
   if (!item.is_object() || !item.contains("op") || !item["op"].is_string()) {
-    throw ScheduleError(path + ": expected {\"op\": ..., \"stage\": ..., "
-                        "\"micro_batch\": ...}, got " + item.dump());
+    throw ScheduleError(
+        path +
+        ": expected {\"op\": ..., \"stage\": ..., "
+        "\"micro_batch\": ...}, got " +
+        item.dump());
   }
   const std::string op = item["op"];
   const int stage = requireInt(item, "stage", path, 0, true);
@@ -186,32 +202,42 @@ Instruction instructionFromJson(const nlohmann::json& item,
     const bool checkpointed = item.value("checkpointed", false);
     return Forward{stage, mb, checkpointed};
   }
-  if (op == "recompute") return Recompute{stage, mb};
-  if (op == "backward") return Backward{stage, mb};
-  if (op == "backward_input") return BackwardInput{stage, mb};
-  if (op == "backward_weight") return BackwardWeight{stage, mb};
-  if (op == "send_activation") return SendActivation{stage, mb};
-  if (op == "recv_activation") return RecvActivation{stage, mb};
-  if (op == "send_grad") return SendGrad{stage, mb};
-  if (op == "recv_grad") return RecvGrad{stage, mb};
+  if (op == "recompute")
+    return Recompute{stage, mb};
+  if (op == "backward")
+    return Backward{stage, mb};
+  if (op == "backward_input")
+    return BackwardInput{stage, mb};
+  if (op == "backward_weight")
+    return BackwardWeight{stage, mb};
+  if (op == "send_activation")
+    return SendActivation{stage, mb};
+  if (op == "recv_activation")
+    return RecvActivation{stage, mb};
+  if (op == "send_grad")
+    return SendGrad{stage, mb};
+  if (op == "recv_grad")
+    return RecvGrad{stage, mb};
   throw ScheduleError(path + ".op: unknown instruction '" + op + "'");
 }
 
-}  // namespace
+} // namespace
 
 Schedule scheduleFromJson(const nlohmann::json& json) {
   if (!json.is_object() || !json.contains("stages") ||
       !json["stages"].is_array()) {
-    throw ScheduleError("schedule JSON: expected an object with a \"stages\" "
-                        "array of instruction lists");
+    throw ScheduleError(
+        "schedule JSON: expected an object with a \"stages\" "
+        "array of instruction lists");
   }
   Schedule schedule;
   schedule.name = json.value("schedule", std::string("custom"));
   schedule.training = json.value("training", true);
   const auto& lists = json["stages"];
-  schedule.ranks = requireInt(json, "ranks", "schedule",
-                              static_cast<int>(lists.size()), false);
-  schedule.virtualStages = requireInt(json, "virtual_stages", "schedule", 1, false);
+  schedule.ranks = requireInt(
+      json, "ranks", "schedule", static_cast<int>(lists.size()), false);
+  schedule.virtualStages =
+      requireInt(json, "virtual_stages", "schedule", 1, false);
   int maxMicroBatch = -1;
   for (size_t rank = 0; rank < lists.size(); ++rank) {
     const std::string path = "stages[" + std::to_string(rank) + "]";
@@ -247,21 +273,24 @@ Schedule loadScheduleFile(const std::string& path) {
   }
 }
 
-nlohmann::json simulationToJson(const Schedule& schedule,
-                                const Simulation& simulation) {
+nlohmann::json simulationToJson(
+    const Schedule& schedule,
+    const Simulation& simulation) {
   nlohmann::json ranks = nlohmann::json::array();
   for (int rank = 0; rank < schedule.ranks; ++rank) {
-    ranks.push_back({{"rank", rank},
-                     {"busy", simulation.busy[rank]},
-                     {"idle", simulation.idle[rank]}});
+    ranks.push_back(
+        {{"rank", rank},
+         {"busy", simulation.busy[rank]},
+         {"idle", simulation.idle[rank]}});
   }
-  return {{"finished", simulation.finished},
-          {"makespan", simulation.makespan},
-          {"bubble_fraction", simulation.bubbleFraction},
-          {"theoretical_bubble", theoreticalBubble(schedule)},
-          {"ranks", ranks},
-          {"peak_stashed_micro_batches", simulation.peakStashed},
-          {"peak_live_micro_batches", simulation.peakLive}};
+  return {
+      {"finished", simulation.finished},
+      {"makespan", simulation.makespan},
+      {"bubble_fraction", simulation.bubbleFraction},
+      {"theoretical_bubble", theoreticalBubble(schedule)},
+      {"ranks", ranks},
+      {"peak_stashed_micro_batches", simulation.peakStashed},
+      {"peak_live_micro_batches", simulation.peakLive}};
 }
 
-}  // namespace tpipe
+} // namespace tpipe

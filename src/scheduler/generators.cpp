@@ -16,29 +16,37 @@ struct ComputeStep {
   int microBatch;
 };
 
-using ComputeOrder = std::vector<std::vector<ComputeStep>>;  // per rank
+using ComputeOrder = std::vector<std::vector<ComputeStep>>; // per rank
 
 void requireCounts(int ranks, int microBatches, int virtualStages) {
   if (ranks < 1) {
-    throw ScheduleError("schedule: stages per virtual stage (ranks) must be "
-                        ">= 1, got " + std::to_string(ranks));
+    throw ScheduleError(
+        "schedule: stages per virtual stage (ranks) must be "
+        ">= 1, got " +
+        std::to_string(ranks));
   }
   if (microBatches < 1) {
-    throw ScheduleError("schedule: micro-batches must be >= 1, got " +
-                        std::to_string(microBatches));
+    throw ScheduleError(
+        "schedule: micro-batches must be >= 1, got " +
+        std::to_string(microBatches));
   }
   if (virtualStages < 1) {
-    throw ScheduleError("schedule: virtual stages must be >= 1, got " +
-                        std::to_string(virtualStages));
+    throw ScheduleError(
+        "schedule: virtual stages must be >= 1, got " +
+        std::to_string(virtualStages));
   }
 }
 
 // Receives go right before the compute that needs them and sends right
 // after the compute that produced them. A checkpointed micro-batch recomputes
 // before it waits for its gradient, so the recompute overlaps that wait.
-Schedule lower(std::string name, int ranks, int virtualStages,
-               int microBatches, CheckpointMode mode,
-               const ComputeOrder& order) {
+Schedule lower(
+    std::string name,
+    int ranks,
+    int virtualStages,
+    int microBatches,
+    CheckpointMode mode,
+    const ComputeOrder& order) {
   Schedule schedule;
   schedule.name = std::move(name);
   schedule.ranks = ranks;
@@ -54,20 +62,25 @@ Schedule lower(std::string name, int ranks, int virtualStages,
       const bool checkpointed = isCheckpointed(mode, mb, microBatches);
       switch (step.pass) {
         case Pass::kForward:
-          if (s > 0) list.emplace_back(RecvActivation{s, mb});
+          if (s > 0)
+            list.emplace_back(RecvActivation{s, mb});
           list.emplace_back(Forward{s, mb, checkpointed});
-          if (s < last) list.emplace_back(SendActivation{s, mb});
+          if (s < last)
+            list.emplace_back(SendActivation{s, mb});
           break;
         case Pass::kBackward:
         case Pass::kBackwardInput:
-          if (checkpointed) list.emplace_back(Recompute{s, mb});
-          if (s < last) list.emplace_back(RecvGrad{s, mb});
+          if (checkpointed)
+            list.emplace_back(Recompute{s, mb});
+          if (s < last)
+            list.emplace_back(RecvGrad{s, mb});
           if (step.pass == Pass::kBackward) {
             list.emplace_back(Backward{s, mb});
           } else {
             list.emplace_back(BackwardInput{s, mb});
           }
-          if (s > 0) list.emplace_back(SendGrad{s, mb});
+          if (s > 0)
+            list.emplace_back(SendGrad{s, mb});
           break;
         case Pass::kBackwardWeight:
           list.emplace_back(BackwardWeight{s, mb});
@@ -80,8 +93,11 @@ Schedule lower(std::string name, int ranks, int virtualStages,
 
 // 1F1B's compute order for one rank: `warmup` forwards, then alternate one
 // forward and one backward, then drain the remaining backwards.
-std::vector<ComputeStep> oneFOneBOrder(int stage, int warmup,
-                                       int microBatches, Pass backward) {
+std::vector<ComputeStep> oneFOneBOrder(
+    int stage,
+    int warmup,
+    int microBatches,
+    Pass backward) {
   std::vector<ComputeStep> steps;
   for (int mb = 0; mb < warmup; ++mb) {
     steps.push_back({Pass::kForward, stage, mb});
@@ -96,37 +112,47 @@ std::vector<ComputeStep> oneFOneBOrder(int stage, int warmup,
   return steps;
 }
 
-}  // namespace
+} // namespace
 
 CheckpointMode parseCheckpointMode(const std::string& name) {
-  if (name == "always") return CheckpointMode::kAlways;
-  if (name == "except_last") return CheckpointMode::kExceptLast;
-  if (name == "never") return CheckpointMode::kNever;
-  throw ScheduleError("unknown checkpoint mode '" + name +
-                      "' (expected always, except_last or never)");
+  if (name == "always")
+    return CheckpointMode::kAlways;
+  if (name == "except_last")
+    return CheckpointMode::kExceptLast;
+  if (name == "never")
+    return CheckpointMode::kNever;
+  throw ScheduleError(
+      "unknown checkpoint mode '" + name +
+      "' (expected always, except_last or never)");
 }
 
 const char* checkpointModeName(CheckpointMode mode) {
   switch (mode) {
-    case CheckpointMode::kAlways: return "always";
-    case CheckpointMode::kExceptLast: return "except_last";
-    case CheckpointMode::kNever: return "never";
+    case CheckpointMode::kAlways:
+      return "always";
+    case CheckpointMode::kExceptLast:
+      return "except_last";
+    case CheckpointMode::kNever:
+      return "never";
   }
   return "?";
 }
 
 bool isCheckpointed(CheckpointMode mode, int microBatch, int microBatches) {
   switch (mode) {
-    case CheckpointMode::kAlways: return true;
-    case CheckpointMode::kExceptLast: return microBatch < microBatches - 1;
-    case CheckpointMode::kNever: return false;
+    case CheckpointMode::kAlways:
+      return true;
+    case CheckpointMode::kExceptLast:
+      return microBatch < microBatches - 1;
+    case CheckpointMode::kNever:
+      return false;
   }
   return false;
 }
 
 const std::vector<std::string>& scheduleNames() {
-  static const std::vector<std::string> names = {"gpipe", "1f1b",
-                                                 "interleaved-1f1b", "zb-h1"};
+  static const std::vector<std::string> names = {
+      "gpipe", "1f1b", "interleaved-1f1b", "zb-h1"};
   return names;
 }
 
@@ -162,8 +188,11 @@ Schedule oneFOneBSchedule(int ranks, int microBatches, CheckpointMode mode) {
 // Megatron-LM's interleaved 1F1B: rank r holds model chunks (stages)
 // r, r + p, ..., and walks them in groups of p micro-batches, so the
 // pipeline fills v times faster. Needs m to be a multiple of p.
-Schedule interleavedSchedule(int ranks, int microBatches, int virtualStages,
-                             CheckpointMode mode) {
+Schedule interleavedSchedule(
+    int ranks,
+    int microBatches,
+    int virtualStages,
+    CheckpointMode mode) {
   requireCounts(ranks, microBatches, virtualStages);
   if (virtualStages == 1) {
     Schedule schedule = oneFOneBSchedule(ranks, microBatches, mode);
@@ -173,8 +202,8 @@ Schedule interleavedSchedule(int ranks, int microBatches, int virtualStages,
   if (microBatches % ranks != 0) {
     throw ScheduleError(
         "interleaved-1f1b needs micro-batches to be a multiple of the "
-        "pipeline ranks: " + std::to_string(microBatches) + " % " +
-        std::to_string(ranks) + " != 0");
+        "pipeline ranks: " +
+        std::to_string(microBatches) + " % " + std::to_string(ranks) + " != 0");
   }
   const int total = microBatches * virtualStages;
   auto microBatchOfStep = [&](int k) {
@@ -184,36 +213,39 @@ Schedule interleavedSchedule(int ranks, int microBatches, int virtualStages,
   for (int rank = 0; rank < ranks; ++rank) {
     auto forward = [&](int k) {
       const int chunk = (k / ranks) % virtualStages;
-      return ComputeStep{Pass::kForward, chunk * ranks + rank,
-                         microBatchOfStep(k)};
+      return ComputeStep{
+          Pass::kForward, chunk * ranks + rank, microBatchOfStep(k)};
     };
     auto backward = [&](int k) {
       const int chunk = virtualStages - 1 - (k / ranks) % virtualStages;
-      return ComputeStep{Pass::kBackward, chunk * ranks + rank,
-                         microBatchOfStep(k)};
+      return ComputeStep{
+          Pass::kBackward, chunk * ranks + rank, microBatchOfStep(k)};
     };
     const int warmup = microBatches == ranks
-                           ? total
-                           : std::min(total, (ranks - rank - 1) * 2 +
-                                                 (virtualStages - 1) * ranks);
+        ? total
+        : std::min(total, (ranks - rank - 1) * 2 + (virtualStages - 1) * ranks);
     auto& steps = order[rank];
-    for (int k = 0; k < warmup; ++k) steps.push_back(forward(k));
+    for (int k = 0; k < warmup; ++k)
+      steps.push_back(forward(k));
     for (int k = 0; k < total - warmup; ++k) {
       steps.push_back(forward(warmup + k));
       steps.push_back(backward(k));
     }
-    for (int k = total - warmup; k < total; ++k) steps.push_back(backward(k));
+    for (int k = total - warmup; k < total; ++k)
+      steps.push_back(backward(k));
   }
-  return lower("interleaved-1f1b", ranks, virtualStages, microBatches, mode,
-               order);
+  return lower(
+      "interleaved-1f1b", ranks, virtualStages, microBatches, mode, order);
 }
 
 // Zero-bubble ZB-H1 (Qi et al. 2023): 1F1B with the backward split into B
 // (input gradient, on the critical path) and W (weight gradient). Stage s
 // holds back its first s W passes and runs them in the drain, where 1F1B
 // idles; every stage then stashes at most p micro-batches, 1F1B's peak.
-Schedule zeroBubbleH1Schedule(int ranks, int microBatches,
-                              CheckpointMode mode) {
+Schedule zeroBubbleH1Schedule(
+    int ranks,
+    int microBatches,
+    CheckpointMode mode) {
   requireCounts(ranks, microBatches, 1);
   ComputeOrder order(ranks);
   for (int rank = 0; rank < ranks; ++rank) {
@@ -224,7 +256,8 @@ Schedule zeroBubbleH1Schedule(int ranks, int microBatches,
     for (const ComputeStep& step :
          oneFOneBOrder(rank, warmup, microBatches, Pass::kBackwardInput)) {
       steps.push_back(step);
-      if (step.pass != Pass::kBackwardInput) continue;
+      if (step.pass != Pass::kBackwardInput)
+        continue;
       ++inputsDone;
       const bool steady = step.microBatch < microBatches - warmup;
       if (!steady || inputsDone > rank) {
@@ -248,25 +281,37 @@ Schedule forwardOnlySchedule(int ranks, int virtualStages, int microBatches) {
       }
     }
   }
-  Schedule schedule = lower("forward-only", ranks, virtualStages, microBatches,
-                            CheckpointMode::kNever, order);
+  Schedule schedule = lower(
+      "forward-only",
+      ranks,
+      virtualStages,
+      microBatches,
+      CheckpointMode::kNever,
+      order);
   schedule.training = false;
   return schedule;
 }
 
 const char* scheduleKindName(ScheduleKind kind) {
   switch (kind) {
-    case ScheduleKind::kGpipe: return "gpipe";
-    case ScheduleKind::kOneFOneB: return "1f1b";
-    case ScheduleKind::kInterleaved: return "interleaved-1f1b";
-    case ScheduleKind::kZeroBubbleH1: return "zb-h1";
+    case ScheduleKind::kGpipe:
+      return "gpipe";
+    case ScheduleKind::kOneFOneB:
+      return "1f1b";
+    case ScheduleKind::kInterleaved:
+      return "interleaved-1f1b";
+    case ScheduleKind::kZeroBubbleH1:
+      return "zb-h1";
   }
   return "?";
 }
 
 ScheduleSource::ScheduleSource(const std::string& text) {
-  for (auto kind : {ScheduleKind::kGpipe, ScheduleKind::kOneFOneB, ScheduleKind::kInterleaved,
-                    ScheduleKind::kZeroBubbleH1}) {
+  for (auto kind :
+       {ScheduleKind::kGpipe,
+        ScheduleKind::kOneFOneB,
+        ScheduleKind::kInterleaved,
+        ScheduleKind::kZeroBubbleH1}) {
     if (text == scheduleKindName(kind)) {
       kind_ = kind;
       known_ = true;
@@ -288,7 +333,8 @@ ScheduleSource ScheduleSource::file(const std::string& path) {
 }
 
 std::string ScheduleSource::text() const {
-  if (isFile()) return path_;
+  if (isFile())
+    return path_;
   return known_ ? scheduleKindName(kind_) : unknown_;
 }
 
@@ -297,47 +343,62 @@ namespace {
 Schedule loadMatching(const ScheduleSpec& spec) {
   const std::string& file = spec.source.path();
   Schedule loaded = loadScheduleFile(file);
-  if (loaded.ranks != spec.ranks || loaded.virtualStages != spec.virtualStages) {
-    throw ScheduleError("schedule " + file + " is for " + std::to_string(loaded.ranks) + " rank(s) x " +
-                        std::to_string(loaded.virtualStages) + " virtual stage(s); the pipeline has " +
-                        std::to_string(spec.ranks) + " x " + std::to_string(spec.virtualStages));
+  if (loaded.ranks != spec.ranks ||
+      loaded.virtualStages != spec.virtualStages) {
+    throw ScheduleError(
+        "schedule " + file + " is for " + std::to_string(loaded.ranks) +
+        " rank(s) x " + std::to_string(loaded.virtualStages) +
+        " virtual stage(s); the pipeline has " + std::to_string(spec.ranks) +
+        " x " + std::to_string(spec.virtualStages));
   }
   if (loaded.microBatches != spec.microBatches) {
-    throw ScheduleError("schedule " + file + " has " + std::to_string(loaded.microBatches) +
-                        " micro-batches; the pipeline has " + std::to_string(spec.microBatches));
+    throw ScheduleError(
+        "schedule " + file + " has " + std::to_string(loaded.microBatches) +
+        " micro-batches; the pipeline has " +
+        std::to_string(spec.microBatches));
   }
-  if (!loaded.training) throw ScheduleError("schedule " + file + " is an inference schedule");
+  if (!loaded.training)
+    throw ScheduleError("schedule " + file + " is an inference schedule");
   return loaded;
 }
 
 // Every rank lists every micro-batch of each of its stages: bounded so a
 // typo cannot ask for gigabytes of instructions.
 void checkSize(const ScheduleSpec& spec) {
-  const int64_t size = int64_t{spec.ranks} * spec.virtualStages * spec.microBatches;
-  if (spec.ranks < 1 || spec.microBatches < 1 || spec.virtualStages < 1 || size > (int64_t{1} << 22)) {
-    throw ScheduleError("a schedule of " + std::to_string(spec.ranks) + " rank(s) x " +
-                        std::to_string(spec.virtualStages) + " virtual stage(s) x " +
-                        std::to_string(spec.microBatches) + " micro-batches is out of range (each at least 1, "
-                        "their product at most 4194304)");
+  const int64_t size =
+      int64_t{spec.ranks} * spec.virtualStages * spec.microBatches;
+  if (spec.ranks < 1 || spec.microBatches < 1 || spec.virtualStages < 1 ||
+      size > (int64_t{1} << 22)) {
+    throw ScheduleError(
+        "a schedule of " + std::to_string(spec.ranks) + " rank(s) x " +
+        std::to_string(spec.virtualStages) + " virtual stage(s) x " +
+        std::to_string(spec.microBatches) +
+        " micro-batches is out of range (each at least 1, "
+        "their product at most 4194304)");
   }
 }
 
-}  // namespace
+} // namespace
 
 Schedule makeSchedule(const ScheduleSpec& spec) {
-  if (spec.source.isFile()) return loadMatching(spec);
+  if (spec.source.isFile())
+    return loadMatching(spec);
   if (!spec.source.isBuiltIn()) {
     std::ostringstream message;
-    message << "unknown schedule '" << spec.source.text() << "' (expected one of:";
-    for (const auto& name : scheduleNames()) message << ' ' << name;
+    message << "unknown schedule '" << spec.source.text()
+            << "' (expected one of:";
+    for (const auto& name : scheduleNames())
+      message << ' ' << name;
     message << ", or a schedule file *.json)";
     throw ScheduleError(message.str());
   }
   checkSize(spec);
   const ScheduleKind kind = spec.source.kind();
   if (kind != ScheduleKind::kInterleaved && spec.virtualStages != 1) {
-    throw ScheduleError("schedule '" + spec.source.text() + "' has one stage per rank; virtual stages (" +
-                        std::to_string(spec.virtualStages) + ") need 'interleaved-1f1b'");
+    throw ScheduleError(
+        "schedule '" + spec.source.text() +
+        "' has one stage per rank; virtual stages (" +
+        std::to_string(spec.virtualStages) + ") need 'interleaved-1f1b'");
   }
   Schedule schedule;
   switch (kind) {
@@ -345,17 +406,20 @@ Schedule makeSchedule(const ScheduleSpec& spec) {
       schedule = gpipeSchedule(spec.ranks, spec.microBatches, spec.checkpoint);
       break;
     case ScheduleKind::kOneFOneB:
-      schedule = oneFOneBSchedule(spec.ranks, spec.microBatches, spec.checkpoint);
+      schedule =
+          oneFOneBSchedule(spec.ranks, spec.microBatches, spec.checkpoint);
       break;
     case ScheduleKind::kInterleaved:
-      schedule = interleavedSchedule(spec.ranks, spec.microBatches, spec.virtualStages, spec.checkpoint);
+      schedule = interleavedSchedule(
+          spec.ranks, spec.microBatches, spec.virtualStages, spec.checkpoint);
       break;
     case ScheduleKind::kZeroBubbleH1:
-      schedule = zeroBubbleH1Schedule(spec.ranks, spec.microBatches, spec.checkpoint);
+      schedule =
+          zeroBubbleH1Schedule(spec.ranks, spec.microBatches, spec.checkpoint);
       break;
   }
   validate(schedule);
   return schedule;
 }
 
-}  // namespace tpipe
+} // namespace tpipe

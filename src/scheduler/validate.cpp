@@ -26,83 +26,116 @@ struct Positions {
 
 std::string where(int stage, int microBatch) {
   return "stage " + std::to_string(stage) + ", micro-batch " +
-         std::to_string(microBatch);
+      std::to_string(microBatch);
 }
 
 [[noreturn]] void fail(const Schedule& schedule, const std::string& what) {
   throw ScheduleError("invalid schedule '" + schedule.name + "': " + what);
 }
 
-void record(const Schedule& schedule, int& slot, int position,
-            const Instruction& instruction) {
+void record(
+    const Schedule& schedule,
+    int& slot,
+    int position,
+    const Instruction& instruction) {
   if (slot >= 0) {
-    fail(schedule, std::string(opName(instruction)) + " appears twice for " +
-                       where(stageOf(instruction), microBatchOf(instruction)));
+    fail(
+        schedule,
+        std::string(opName(instruction)) + " appears twice for " +
+            where(stageOf(instruction), microBatchOf(instruction)));
   }
   slot = position;
 }
 
 int* slotFor(Positions& p, const Instruction& instruction) {
   return std::visit(
-      Overloaded{[&](const Forward&) { return &p.forward; },
-                 [&](const Recompute&) { return &p.recompute; },
-                 [&](const Backward&) { return &p.backward; },
-                 [&](const BackwardInput&) { return &p.backwardInput; },
-                 [&](const BackwardWeight&) { return &p.backwardWeight; },
-                 [&](const SendActivation&) { return &p.sendActivation; },
-                 [&](const RecvActivation&) { return &p.recvActivation; },
-                 [&](const SendGrad&) { return &p.sendGrad; },
-                 [&](const RecvGrad&) { return &p.recvGrad; }},
+      Overloaded{
+          [&](const Forward&) { return &p.forward; },
+          [&](const Recompute&) { return &p.recompute; },
+          [&](const Backward&) { return &p.backward; },
+          [&](const BackwardInput&) { return &p.backwardInput; },
+          [&](const BackwardWeight&) { return &p.backwardWeight; },
+          [&](const SendActivation&) { return &p.sendActivation; },
+          [&](const RecvActivation&) { return &p.recvActivation; },
+          [&](const SendGrad&) { return &p.sendGrad; },
+          [&](const RecvGrad&) { return &p.recvGrad; }},
       instruction);
 }
 
-void checkInference(const Schedule& schedule, const Positions& p, int stage, const std::string& at) {
-  if (p.backward >= 0 || p.backwardInput >= 0 || p.backwardWeight >= 0 || p.recompute >= 0 || p.sendGrad >= 0 ||
-      p.recvGrad >= 0 || p.checkpointed) {
+void checkInference(
+    const Schedule& schedule,
+    const Positions& p,
+    int stage,
+    const std::string& at) {
+  if (p.backward >= 0 || p.backwardInput >= 0 || p.backwardWeight >= 0 ||
+      p.recompute >= 0 || p.sendGrad >= 0 || p.recvGrad >= 0 ||
+      p.checkpointed) {
     fail(schedule, "an inference schedule only forwards; see " + at);
   }
   if (stage > 0 && (p.recvActivation < 0 || p.recvActivation > p.forward)) {
-    fail(schedule, "missing receive of the activation before forward for " + at);
+    fail(
+        schedule, "missing receive of the activation before forward for " + at);
   }
-  if (stage < schedule.stages() - 1 && (p.sendActivation < 0 || p.sendActivation < p.forward)) {
+  if (stage < schedule.stages() - 1 &&
+      (p.sendActivation < 0 || p.sendActivation < p.forward)) {
     fail(schedule, "missing send of the activation after forward for " + at);
   }
 }
 
 // The backward (whole or split), and recompute between forward and it.
 // Returns the position of the pass that produces the input gradient.
-int checkBackward(const Schedule& schedule, const Positions& p, const std::string& at) {
+int checkBackward(
+    const Schedule& schedule,
+    const Positions& p,
+    const std::string& at) {
   const bool split = p.backwardInput >= 0 || p.backwardWeight >= 0;
-  if (split && p.backward >= 0) fail(schedule, "both backward and backward_input/weight for " + at);
+  if (split && p.backward >= 0)
+    fail(schedule, "both backward and backward_input/weight for " + at);
   if (split && (p.backwardInput < 0 || p.backwardWeight < 0)) {
-    fail(schedule, "backward_input and backward_weight must both appear for " + at);
+    fail(
+        schedule,
+        "backward_input and backward_weight must both appear for " + at);
   }
-  if (!split && p.backward < 0) fail(schedule, "no backward for " + at);
+  if (!split && p.backward < 0)
+    fail(schedule, "no backward for " + at);
   const int gradientPass = split ? p.backwardInput : p.backward;
-  if (gradientPass < p.forward) fail(schedule, "backward before forward for " + at);
+  if (gradientPass < p.forward)
+    fail(schedule, "backward before forward for " + at);
   if (split && p.backwardWeight < p.backwardInput) {
     fail(schedule, "backward_weight before backward_input for " + at);
   }
   if (p.checkpointed) {
-    if (p.recompute < 0) fail(schedule, "checkpointed forward without recompute for " + at);
+    if (p.recompute < 0)
+      fail(schedule, "checkpointed forward without recompute for " + at);
     if (p.recompute < p.forward || p.recompute > gradientPass) {
-      fail(schedule, "recompute must come between forward and backward for " + at);
+      fail(
+          schedule,
+          "recompute must come between forward and backward for " + at);
     }
   } else if (p.recompute >= 0) {
-    fail(schedule, "recompute of a forward that kept its activations for " + at);
+    fail(
+        schedule, "recompute of a forward that kept its activations for " + at);
   }
   return gradientPass;
 }
 
 // Each transfer with the neighbouring stages, in the right order.
-void checkTransfers(const Schedule& schedule, const Positions& p, int stage, int gradientPass,
-                    const std::string& at) {
+void checkTransfers(
+    const Schedule& schedule,
+    const Positions& p,
+    int stage,
+    int gradientPass,
+    const std::string& at) {
   if (stage > 0) {
     if (p.recvActivation < 0 || p.recvActivation > p.forward) {
-      fail(schedule, "missing receive of the activation before forward for " + at);
+      fail(
+          schedule,
+          "missing receive of the activation before forward for " + at);
     }
     if (p.sendGrad < 0 || p.sendGrad < gradientPass) {
-      fail(schedule, "missing send of the input gradient after backward for " + at);
+      fail(
+          schedule,
+          "missing send of the input gradient after backward for " + at);
     }
   } else if (p.recvActivation >= 0 || p.sendGrad >= 0) {
     fail(schedule, "stage 0 has no previous stage to talk to (" + at + ")");
@@ -112,21 +145,29 @@ void checkTransfers(const Schedule& schedule, const Positions& p, int stage, int
       fail(schedule, "missing send of the activation after forward for " + at);
     }
     if (p.recvGrad < 0 || p.recvGrad > gradientPass) {
-      fail(schedule, "missing receive of the gradient before backward for " + at);
+      fail(
+          schedule,
+          "missing receive of the gradient before backward for " + at);
     }
   } else if (p.sendActivation >= 0 || p.recvGrad >= 0) {
     fail(schedule, "the last stage has no next stage to talk to (" + at + ")");
   }
 }
 
-void checkStageMicroBatch(const Schedule& schedule, const Positions& p, int stage, int mb) {
+void checkStageMicroBatch(
+    const Schedule& schedule,
+    const Positions& p,
+    int stage,
+    int mb) {
   const std::string at = where(stage, mb);
-  if (p.forward < 0) fail(schedule, "no forward for " + at);
-  if (!schedule.training) return checkInference(schedule, p, stage, at);
+  if (p.forward < 0)
+    fail(schedule, "no forward for " + at);
+  if (!schedule.training)
+    return checkInference(schedule, p, stage, at);
   checkTransfers(schedule, p, stage, checkBackward(schedule, p, at), at);
 }
 
-}  // namespace
+} // namespace
 
 void validate(const Schedule& schedule) {
   if (schedule.ranks < 1 || schedule.virtualStages < 1 ||
@@ -134,9 +175,11 @@ void validate(const Schedule& schedule) {
     fail(schedule, "ranks, virtual stages and micro-batches must be >= 1");
   }
   if (static_cast<int>(schedule.perRank.size()) != schedule.ranks) {
-    fail(schedule, "has " + std::to_string(schedule.perRank.size()) +
-                       " instruction lists for " +
-                       std::to_string(schedule.ranks) + " ranks");
+    fail(
+        schedule,
+        "has " + std::to_string(schedule.perRank.size()) +
+            " instruction lists for " + std::to_string(schedule.ranks) +
+            " ranks");
   }
   const int stages = schedule.stages();
   const int m = schedule.microBatches;
@@ -148,21 +191,26 @@ void validate(const Schedule& schedule) {
       const int stage = stageOf(instruction);
       const int mb = microBatchOf(instruction);
       if (stage < 0 || stage >= stages) {
-        fail(schedule, "rank " + std::to_string(rank) + " instruction " +
-                           std::to_string(i) + " names stage " +
-                           std::to_string(stage) + " of " +
-                           std::to_string(stages));
+        fail(
+            schedule,
+            "rank " + std::to_string(rank) + " instruction " +
+                std::to_string(i) + " names stage " + std::to_string(stage) +
+                " of " + std::to_string(stages));
       }
       if (mb < 0 || mb >= m) {
-        fail(schedule, "rank " + std::to_string(rank) + " instruction " +
-                           std::to_string(i) + " names micro-batch " +
-                           std::to_string(mb) + " of " + std::to_string(m));
+        fail(
+            schedule,
+            "rank " + std::to_string(rank) + " instruction " +
+                std::to_string(i) + " names micro-batch " + std::to_string(mb) +
+                " of " + std::to_string(m));
       }
       if (schedule.rankOfStage(stage) != rank) {
-        fail(schedule, "rank " + std::to_string(rank) + " runs " +
-                           shortLabel(instruction) + " of stage " +
-                           std::to_string(stage) + ", which lives on rank " +
-                           std::to_string(schedule.rankOfStage(stage)));
+        fail(
+            schedule,
+            "rank " + std::to_string(rank) + " runs " +
+                shortLabel(instruction) + " of stage " + std::to_string(stage) +
+                ", which lives on rank " +
+                std::to_string(schedule.rankOfStage(stage)));
       }
       Positions& p = positions[static_cast<size_t>(stage) * m + mb];
       record(schedule, *slotFor(p, instruction), i, instruction);
@@ -177,7 +225,8 @@ void validate(const Schedule& schedule) {
     }
   }
   const Simulation dryRun = simulate(schedule, {StageCosts{}});
-  if (!dryRun.finished) fail(schedule, "deadlock: " + dryRun.stuck);
+  if (!dryRun.finished)
+    fail(schedule, "deadlock: " + dryRun.stuck);
 }
 
 namespace {
@@ -187,13 +236,20 @@ namespace {
 class Simulator {
  public:
   Simulator(const Schedule& schedule, const std::vector<StageCosts>& costs)
-      : schedule_(schedule), costs_(costs), stages_(schedule.stages()), m_(schedule.microBatches),
+      : schedule_(schedule),
+        costs_(costs),
+        stages_(schedule.stages()),
+        m_(schedule.microBatches),
         activationReady_(static_cast<size_t>(stages_) * m_, -1.0),
-        gradReady_(static_cast<size_t>(stages_) * m_, -1.0), stashed_(stages_, 0), live_(stages_, 0),
-        next_(schedule.ranks, 0), clock_(schedule.ranks, 0.0) {
+        gradReady_(static_cast<size_t>(stages_) * m_, -1.0),
+        stashed_(stages_, 0),
+        live_(stages_, 0),
+        next_(schedule.ranks, 0),
+        clock_(schedule.ranks, 0.0) {
     if (costs.size() != 1 && static_cast<int>(costs.size()) != stages_) {
-      throw ScheduleError("simulate: expected 1 or " + std::to_string(stages_) + " stage costs, got " +
-                          std::to_string(costs.size()));
+      throw ScheduleError(
+          "simulate: expected 1 or " + std::to_string(stages_) +
+          " stage costs, got " + std::to_string(costs.size()));
     }
     result_.busy.assign(schedule.ranks, 0.0);
     result_.idle.assign(schedule.ranks, 0.0);
@@ -205,7 +261,8 @@ class Simulator {
     for (bool progress = true; progress;) {
       progress = false;
       for (int rank = 0; rank < schedule_.ranks; ++rank) {
-        while (next_[rank] < schedule_.perRank[rank].size() && step(rank)) progress = true;
+        while (next_[rank] < schedule_.perRank[rank].size() && step(rank))
+          progress = true;
       }
     }
     finish();
@@ -213,13 +270,18 @@ class Simulator {
   }
 
  private:
-  const StageCosts& cost(int stage) const { return costs_.size() == 1 ? costs_[0] : costs_[stage]; }
-  size_t index(int stage, int mb) const { return static_cast<size_t>(stage) * m_ + mb; }
+  const StageCosts& cost(int stage) const {
+    return costs_.size() == 1 ? costs_[0] : costs_[stage];
+  }
+  size_t index(int stage, int mb) const {
+    return static_cast<size_t>(stage) * m_ + mb;
+  }
 
   void bump(int stage, int stashDelta, int liveDelta) {
     stashed_[stage] += stashDelta;
     live_[stage] += liveDelta;
-    result_.peakStashed[stage] = std::max(result_.peakStashed[stage], stashed_[stage]);
+    result_.peakStashed[stage] =
+        std::max(result_.peakStashed[stage], stashed_[stage]);
     result_.peakLive[stage] = std::max(result_.peakLive[stage], live_[stage]);
   }
 
@@ -236,20 +298,37 @@ class Simulator {
       blocked = ready < 0;
       start = std::max(start, ready);
     };
-    std::visit(Overloaded{[&](const Forward& f) { duration = c.forward, bump(s, 1, f.checkpointed ? 0 : 1); },
-                          [&](const Recompute&) { duration = c.recompute, bump(s, 0, 1); },
-                          [&](const Backward&) { duration = c.backward, bump(s, -1, -1); },
-                          [&](const BackwardInput&) { duration = c.backwardInput; },
-                          [&](const BackwardWeight&) { duration = c.backwardWeight, bump(s, -1, -1); },
-                          [&](const SendActivation&) { activationReady_[index(s, mb)] = start + c.transfer; },
-                          [&](const SendGrad&) { gradReady_[index(s, mb)] = start + cost(s - 1).transfer; },
-                          [&](const RecvActivation&) { await(s > 0 ? activationReady_[index(s - 1, mb)] : -1); },
-                          [&](const RecvGrad&) { await(s + 1 < stages_ ? gradReady_[index(s + 1, mb)] : -1); }},
-               instruction);
-    if (blocked) return false;
+    std::visit(
+        Overloaded{
+            [&](const Forward& f) {
+              duration = c.forward, bump(s, 1, f.checkpointed ? 0 : 1);
+            },
+            [&](const Recompute&) { duration = c.recompute, bump(s, 0, 1); },
+            [&](const Backward&) { duration = c.backward, bump(s, -1, -1); },
+            [&](const BackwardInput&) { duration = c.backwardInput; },
+            [&](const BackwardWeight&) {
+              duration = c.backwardWeight, bump(s, -1, -1);
+            },
+            [&](const SendActivation&) {
+              activationReady_[index(s, mb)] = start + c.transfer;
+            },
+            [&](const SendGrad&) {
+              gradReady_[index(s, mb)] = start + cost(s - 1).transfer;
+            },
+            [&](const RecvActivation&) {
+              await(s > 0 ? activationReady_[index(s - 1, mb)] : -1);
+            },
+            [&](const RecvGrad&) {
+              await(s + 1 < stages_ ? gradReady_[index(s + 1, mb)] : -1);
+            }},
+        instruction);
+    if (blocked)
+      return false;
     const double end = start + duration;
-    if (isCompute(instruction)) result_.busy[rank] += duration;
-    result_.timeline.push_back({rank, static_cast<int>(next_[rank]), start, end});
+    if (isCompute(instruction))
+      result_.busy[rank] += duration;
+    result_.timeline.push_back(
+        {rank, static_cast<int>(next_[rank]), start, end});
     clock_[rank] = end;
     ++next_[rank];
     return true;
@@ -261,19 +340,22 @@ class Simulator {
       const auto& list = schedule_.perRank[rank];
       if (next_[rank] < list.size()) {
         result_.finished = false;
-        stuck << "rank " << rank << " waits at instruction " << next_[rank] << " (" << shortLabel(list[next_[rank]])
-              << "); ";
+        stuck << "rank " << rank << " waits at instruction " << next_[rank]
+              << " (" << shortLabel(list[next_[rank]]) << "); ";
       }
     }
     result_.stuck = stuck.str();
-    if (!result_.stuck.empty()) result_.stuck.resize(result_.stuck.size() - 2);
+    if (!result_.stuck.empty())
+      result_.stuck.resize(result_.stuck.size() - 2);
     result_.makespan = *std::max_element(clock_.begin(), clock_.end());
     double idle = 0.0;
     for (int rank = 0; rank < schedule_.ranks; ++rank) {
       result_.idle[rank] = result_.makespan - result_.busy[rank];
       idle += result_.idle[rank];
     }
-    result_.bubbleFraction = result_.makespan > 0 ? idle / (schedule_.ranks * result_.makespan) : 0.0;
+    result_.bubbleFraction = result_.makespan > 0
+        ? idle / (schedule_.ranks * result_.makespan)
+        : 0.0;
   }
 
   const Schedule& schedule_;
@@ -287,9 +369,11 @@ class Simulator {
   Simulation result_;
 };
 
-}  // namespace
+} // namespace
 
-Simulation simulate(const Schedule& schedule, const std::vector<StageCosts>& costs) {
+Simulation simulate(
+    const Schedule& schedule,
+    const std::vector<StageCosts>& costs) {
   return Simulator(schedule, costs).run();
 }
 
@@ -298,7 +382,8 @@ double theoreticalBubble(int stages, int microBatches) {
 }
 
 double theoreticalBubble(const Schedule& schedule) {
-  return theoreticalBubble(schedule.ranks, schedule.microBatches * schedule.virtualStages);
+  return theoreticalBubble(
+      schedule.ranks, schedule.microBatches * schedule.virtualStages);
 }
 
-}  // namespace tpipe
+} // namespace tpipe

@@ -29,32 +29,39 @@ std::string checksum(const std::string& bytes) {
     hash *= 0x100000001b3ULL;
   }
   char text[17];
-  std::snprintf(text, sizeof text, "%016llx", static_cast<unsigned long long>(hash));
+  std::snprintf(
+      text, sizeof text, "%016llx", static_cast<unsigned long long>(hash));
   return text;
 }
 
 [[noreturn]] void writeFailed(const fs::path& path, int error) {
-  throw std::runtime_error("checkpoint: cannot write " + path.string() + ": " + std::strerror(error) +
-                           " (the previous checkpoint is intact)");
+  throw std::runtime_error(
+      "checkpoint: cannot write " + path.string() + ": " +
+      std::strerror(error) + " (the previous checkpoint is intact)");
 }
 
 void syncDirectory(const fs::path& dir) {
   const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0) writeFailed(dir, errno);
+  if (fd < 0)
+    writeFailed(dir, errno);
   const int status = ::fsync(fd);
   const int error = errno;
   ::close(fd);
-  if (status != 0) writeFailed(dir, error);
+  if (status != 0)
+    writeFailed(dir, error);
 }
 
 // Every byte written or an exception: short writes, fsync and close checked.
 void writeChecked(const fs::path& path, const std::string& bytes) {
-  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) writeFailed(path, errno);
+  const int fd =
+      ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0)
+    writeFailed(path, errno);
   size_t done = 0;
   while (done < bytes.size()) {
     const ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
-    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && errno == EINTR)
+      continue;
     if (n <= 0) {
       const int error = n < 0 ? errno : ENOSPC;
       ::close(fd);
@@ -67,25 +74,31 @@ void writeChecked(const fs::path& path, const std::string& bytes) {
     ::close(fd);
     writeFailed(path, error);
   }
-  if (::close(fd) != 0) writeFailed(path, errno);
+  if (::close(fd) != 0)
+    writeFailed(path, errno);
 }
 
-}  // namespace
+} // namespace
 
-void writeFileAtomically(const std::filesystem::path& path, const std::string& bytes) {
+void writeFileAtomically(
+    const std::filesystem::path& path,
+    const std::string& bytes) {
   const fs::path temporary = path.string() + ".tmp";
   writeChecked(temporary, bytes);
   std::error_code error;
   fs::rename(temporary, path, error);
-  if (error) writeFailed(path, error.value());
-  syncDirectory(path.parent_path().empty() ? fs::path(".") : path.parent_path());
+  if (error)
+    writeFailed(path, error.value());
+  syncDirectory(
+      path.parent_path().empty() ? fs::path(".") : path.parent_path());
 }
 
 namespace {
 
 std::string readFile(const fs::path& path) {
   std::ifstream in(path, std::ios::binary);
-  if (!in) throw ConfigError("--resume: cannot read " + path.string());
+  if (!in)
+    throw ConfigError("--resume: cannot read " + path.string());
   std::ostringstream bytes;
   bytes << in.rdbuf();
   return bytes.str();
@@ -101,13 +114,16 @@ nlohmann::json readJson(const fs::path& path) {
 
 // The tensors a checkpoint holds: every parameter and buffer, named as
 // nn.Sequential's state_dict; across processes only this rank's stages.
-std::vector<std::pair<std::string, torch::Tensor>> checkpointTensors(const Pipeline& pipe,
-                                                                     Communicator* communicator) {
+std::vector<std::pair<std::string, torch::Tensor>> checkpointTensors(
+    const Pipeline& pipe,
+    Communicator* communicator) {
   std::vector<std::pair<std::string, torch::Tensor>> tensors;
   const auto& boundaries = pipe.boundaries();
   const int ranks = pipe.schedule().ranks;
   for (size_t s = 0; s + 1 < boundaries.size(); ++s) {
-    if (communicator && static_cast<int>(s) % ranks != communicator->stageRank()) continue;
+    if (communicator &&
+        static_cast<int>(s) % ranks != communicator->stageRank())
+      continue;
     for (int l = boundaries[s]; l < boundaries[s + 1]; ++l) {
       const auto& layer = pipe.layers()[l];
       for (const auto& item : layer.module.ptr()->named_parameters()) {
@@ -122,11 +138,14 @@ std::vector<std::pair<std::string, torch::Tensor>> checkpointTensors(const Pipel
 }
 
 // The three files of a state, serialized in memory first.
-std::map<std::string, std::string> stateFiles(Pipeline& pipe, torch::optim::Optimizer& optimizer,
-                                              Communicator* communicator) {
+std::map<std::string, std::string> stateFiles(
+    Pipeline& pipe,
+    torch::optim::Optimizer& optimizer,
+    Communicator* communicator) {
   c10::Dict<std::string, torch::Tensor> weights;
   for (const auto& item : checkpointTensors(pipe, communicator)) {
-    weights.insert(item.first, item.second.detach().to(torch::kCPU).contiguous());
+    weights.insert(
+        item.first, item.second.detach().to(torch::kCPU).contiguous());
   }
   std::map<std::string, std::string> files;
   const std::vector<char> model = torch::pickle_save(weights);
@@ -135,14 +154,18 @@ std::map<std::string, std::string> stateFiles(Pipeline& pipe, torch::optim::Opti
   torch::save(optimizer, optimizerBytes);
   files["optimizer.pt"] = optimizerBytes.str();
   c10::List<torch::Tensor> generators;
-  for (const auto& state : pipe.generatorStates()) generators.push_back(state);
+  for (const auto& state : pipe.generatorStates())
+    generators.push_back(state);
   const std::vector<char> generatorBytes = torch::pickle_save(generators);
-  files["generators.pt"] = std::string(generatorBytes.begin(), generatorBytes.end());
+  files["generators.pt"] =
+      std::string(generatorBytes.begin(), generatorBytes.end());
   return files;
 }
 
-nlohmann::json writeState(const fs::path& dir, const std::string& name,
-                          const std::map<std::string, std::string>& files) {
+nlohmann::json writeState(
+    const fs::path& dir,
+    const std::string& name,
+    const std::map<std::string, std::string>& files) {
   const fs::path staging = dir / (name + ".tmp");
   fs::remove_all(staging);
   fs::create_directories(staging);
@@ -154,10 +177,12 @@ nlohmann::json writeState(const fs::path& dir, const std::string& name,
   writeChecked(staging / "checksums.json", sums.dump() + "\n");
   syncDirectory(staging);
   const fs::path state = dir / name;
-  fs::remove_all(state);  // an uncommitted leftover: the committed state has another step
+  fs::remove_all(
+      state); // an uncommitted leftover: the committed state has another step
   std::error_code error;
   fs::rename(staging, state, error);
-  if (error) writeFailed(state, error.value());
+  if (error)
+    writeFailed(state, error.value());
   syncDirectory(dir);
   return sums;
 }
@@ -165,59 +190,68 @@ nlohmann::json writeState(const fs::path& dir, const std::string& name,
 void removeOtherStates(const fs::path& dir, const std::string& keep) {
   for (const auto& entry : fs::directory_iterator(dir)) {
     const std::string file = entry.path().filename().string();
-    if (file.rfind("state-", 0) == 0 && file != keep) fs::remove_all(entry.path());
-  }
-}
-
-std::string committedState(const fs::path& root) {
-  const fs::path pointer = root / "checkpoint.json";
-  if (!fs::exists(pointer)) return "";
-  try {
-    return readJson(pointer).value("state", "");
-  } catch (const std::exception&) {
-    return "";
+    if (file.rfind("state-", 0) == 0 && file != keep)
+      fs::remove_all(entry.path());
   }
 }
 
 void verify(const fs::path& state, const nlohmann::json& sums) {
-  if (!sums.is_object()) throw ConfigError("--resume: " + state.string() + " lists no checksums");
+  if (!sums.is_object())
+    throw ConfigError("--resume: " + state.string() + " lists no checksums");
   for (const char* file : {"model.pt", "optimizer.pt", "generators.pt"}) {
     const fs::path path = state / file;
-    if (!sums.contains(file)) throw ConfigError("--resume: no checksum recorded for " + path.string());
+    if (!sums.contains(file))
+      throw ConfigError("--resume: no checksum recorded for " + path.string());
     const std::string bytes = readFile(path);
     const auto& expected = sums[file];
-    if (bytes.size() != expected.value("bytes", size_t{0}) || checksum(bytes) != expected.value("fnv1a64", "")) {
-      throw ConfigError("--resume: " + path.string() + " is damaged (its size or checksum differs from the " +
-                        "one recorded when it was saved)");
+    if (bytes.size() != expected.value("bytes", size_t{0}) ||
+        checksum(bytes) != expected.value("fnv1a64", "")) {
+      throw ConfigError(
+          "--resume: " + path.string() +
+          " is damaged (its size or checksum differs from the " +
+          "one recorded when it was saved)");
     }
   }
 }
 
-}  // namespace
+} // namespace
 
 std::string runFingerprint(const Config& config) {
   const nlohmann::json description = describeConfig(config);
-  const nlohmann::json identity = {{"model", description["model"]},
-                                   {"data", description["data"]},
-                                   {"seed", config.train.seed},
-                                   {"optimizer", config.train.optimizer.type}};
+  const nlohmann::json identity = {
+      {"model", description["model"]},
+      {"data", description["data"]},
+      {"seed", config.train.seed},
+      {"optimizer", config.train.optimizer.type}};
   return checksum(identity.dump());
 }
 
-void prepareSaveDirectory(const std::string& dir, const CheckpointIdentity& identity, bool overwrite,
-                          bool resumingFromIt) {
+void prepareSaveDirectory(
+    const std::string& dir,
+    const CheckpointIdentity& identity,
+    bool overwrite,
+    bool resumingFromIt) {
   std::error_code error;
   fs::create_directories(dir, error);
-  if (error) throw ConfigError("--save " + dir + ": cannot create it (" + error.message() + ")");
-  const fs::path probe = fs::path(dir) / (".tpipe-probe-" + std::to_string(::getpid()));
-  const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (error)
+    throw ConfigError(
+        "--save " + dir + ": cannot create it (" + error.message() + ")");
+  const fs::path probe =
+      fs::path(dir) / (".tpipe-probe-" + std::to_string(::getpid()));
+  const int fd =
+      ::open(probe.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   const bool written = fd >= 0 && ::write(fd, "x", 1) == 1;
   const int reason = errno;
-  if (fd >= 0) ::close(fd);
+  if (fd >= 0)
+    ::close(fd);
   fs::remove(probe, error);
-  if (!written) throw ConfigError("--save " + dir + ": cannot write there (" + std::strerror(reason) + ")");
+  if (!written)
+    throw ConfigError(
+        "--save " + dir + ": cannot write there (" + std::strerror(reason) +
+        ")");
   const fs::path pointer = fs::path(dir) / "checkpoint.json";
-  if (resumingFromIt || overwrite || !fs::exists(pointer)) return;
+  if (resumingFromIt || overwrite || !fs::exists(pointer))
+    return;
   std::string run = "?";
   int64_t step = -1;
   try {
@@ -226,31 +260,51 @@ void prepareSaveDirectory(const std::string& dir, const CheckpointIdentity& iden
     step = json.value("step", int64_t{-1});
   } catch (const std::exception&) {
   }
-  const std::string whose = run == identity.run ? "this run (started afresh)" : "a different run";
-  throw ConfigError("--save " + dir + ": holds a checkpoint at step " + std::to_string(step) + " of " + whose +
-                    "; resume it with --resume " + dir + ", save elsewhere, or pass --overwrite to replace it");
+  const std::string whose =
+      run == identity.run ? "this run (started afresh)" : "a different run";
+  throw ConfigError(
+      "--save " + dir + ": holds a checkpoint at step " + std::to_string(step) +
+      " of " + whose + "; resume it with --resume " + dir +
+      ", save elsewhere, or pass --overwrite to replace it");
 }
 
-void saveCheckpoint(const std::string& root, int64_t step, Pipeline& pipe, torch::optim::Optimizer& optimizer,
-                    const CheckpointIdentity& identity, Communicator* communicator) {
+void saveCheckpoint(
+    const std::string& root,
+    int64_t step,
+    Pipeline& pipe,
+    torch::optim::Optimizer& optimizer,
+    const CheckpointIdentity& identity,
+    Communicator* communicator) {
   const bool distributed = communicator != nullptr;
-  const fs::path dir = distributed ? fs::path(root) / ("rank-" + std::to_string(communicator->stageRank())) : fs::path(root);
+  const fs::path dir = distributed
+      ? fs::path(root) / ("rank-" + std::to_string(communicator->stageRank()))
+      : fs::path(root);
   const bool writer = !distributed || communicator->replica() == 0;
   const std::string name = "state-" + std::to_string(step);
   if (writer) {
     fs::create_directories(dir);
     writeState(dir, name, stateFiles(pipe, optimizer, communicator));
   }
-  if (distributed) communicator->barrier();  // every rank's state is written
+  if (distributed)
+    communicator->barrier(); // every rank's state is written
   if (!distributed || communicator->rank() == 0) {
-    nlohmann::json pointer = {{"step", step}, {"state", name}, {"run", identity.run},
-                              {"optimizer", identity.optimizer}, {"stages", pipe.schedule().stages()}};
-    if (distributed) pointer["pipeline_ranks"] = communicator->pipelineRanks();
-    if (!distributed) pointer["files"] = readJson(dir / name / "checksums.json");
-    writeFileAtomically(fs::path(root) / "checkpoint.json", pointer.dump() + "\n");
+    nlohmann::json pointer = {
+        {"step", step},
+        {"state", name},
+        {"run", identity.run},
+        {"optimizer", identity.optimizer},
+        {"stages", pipe.schedule().stages()}};
+    if (distributed)
+      pointer["pipeline_ranks"] = communicator->pipelineRanks();
+    if (!distributed)
+      pointer["files"] = readJson(dir / name / "checksums.json");
+    writeFileAtomically(
+        fs::path(root) / "checkpoint.json", pointer.dump() + "\n");
   }
-  if (distributed) communicator->barrier();  // committed
-  if (!writer) return;
+  if (distributed)
+    communicator->barrier(); // committed
+  if (!writer)
+    return;
   // The newest weights for Python, then the older states: after the commit.
   const fs::path link = dir / "model.pt.tmp";
   fs::remove(link);
@@ -259,61 +313,112 @@ void saveCheckpoint(const std::string& root, int64_t step, Pipeline& pipe, torch
   removeOtherStates(dir, name);
 }
 
-Resumed loadCheckpoint(const std::string& root, Pipeline& pipe, torch::optim::Optimizer& optimizer,
-                       const CheckpointIdentity& identity, Communicator* communicator) {
-  const fs::path pointer = fs::path(root) / "checkpoint.json";
-  const fs::path dir = communicator ? fs::path(root) / ("rank-" + std::to_string(communicator->stageRank())) : fs::path(root);
-  if (!fs::exists(pointer)) throw ConfigError("--resume: " + pointer.string() + " not found");
-  const nlohmann::json json = readJson(pointer);
-  if (communicator && json.value("pipeline_ranks", 0) != communicator->pipelineRanks()) {
-    throw ConfigError("--resume: the checkpoint was written by " + std::to_string(json.value("pipeline_ranks", 1)) +
-                      " pipeline rank(s) in one process each; resume with the same layout");
+namespace {
+
+// checkpoint.json against this run: layout and optimizer.
+void checkPointer(
+    const nlohmann::json& json,
+    const fs::path& pointer,
+    const CheckpointIdentity& identity,
+    Communicator* communicator) {
+  if (communicator &&
+      json.value("pipeline_ranks", 0) != communicator->pipelineRanks()) {
+    throw ConfigError(
+        "--resume: the checkpoint was written by " +
+        std::to_string(json.value("pipeline_ranks", 1)) +
+        " pipeline rank(s) in one process each; resume with the same layout");
   }
   if (!communicator && json.contains("pipeline_ranks")) {
-    throw ConfigError("--resume: the checkpoint was written across " + std::to_string(json.value("pipeline_ranks", 0)) +
-                      " processes; resume it with `tpipe launch`");
+    throw ConfigError(
+        "--resume: the checkpoint was written across " +
+        std::to_string(json.value("pipeline_ranks", 0)) +
+        " processes; resume it with `tpipe launch`");
   }
-  const std::string savedOptimizer = json.value("optimizer", identity.optimizer);
+  const std::string savedOptimizer =
+      json.value("optimizer", identity.optimizer);
   if (savedOptimizer != identity.optimizer) {
-    throw ConfigError("--resume: the checkpoint holds " + savedOptimizer + " optimizer state, but "
-                      "train.optimizer.type is " + identity.optimizer);
+    throw ConfigError(
+        "--resume: the checkpoint holds " + savedOptimizer +
+        " optimizer state, but "
+        "train.optimizer.type is " +
+        identity.optimizer);
   }
-  if (!json.contains("step") || !json["step"].is_number_integer() || !json.contains("state") ||
-      !json["state"].is_string()) {
-    throw ConfigError("--resume: " + pointer.string() + " names no step and state");
+  if (!json.contains("step") || !json["step"].is_number_integer() ||
+      !json.contains("state") || !json["state"].is_string()) {
+    throw ConfigError(
+        "--resume: " + pointer.string() + " names no step and state");
   }
-  const int64_t step = json["step"].get<int64_t>();
-  const fs::path state = dir / json["state"].get<std::string>();
-  verify(state, communicator ? readJson(state / "checksums.json") : json.value("files", nlohmann::json()));
-  const std::string modelBytes = readFile(state / "model.pt");
-  const auto weights = torch::pickle_load(std::vector<char>(modelBytes.begin(), modelBytes.end())).toGenericDict();
+}
+
+void restoreWeights(
+    const fs::path& file,
+    Pipeline& pipe,
+    Communicator* communicator) {
+  const std::string bytes = readFile(file);
+  const auto weights =
+      torch::pickle_load(std::vector<char>(bytes.begin(), bytes.end()))
+          .toGenericDict();
   torch::NoGradGuard noGrad;
   for (const auto& [name, target] : checkpointTensors(pipe, communicator)) {
-    if (!weights.contains(name)) throw ConfigError("--resume: the checkpoint has no '" + name + "'");
+    if (!weights.contains(name))
+      throw ConfigError("--resume: the checkpoint has no '" + name + "'");
     const torch::Tensor saved = weights.at(name).toTensor();
     if (saved.sizes() != target.sizes()) {
-      throw ConfigError("--resume: '" + name + "' has a different shape in the checkpoint");
+      throw ConfigError(
+          "--resume: '" + name + "' has a different shape in the checkpoint");
     }
     target.copy_(saved);
   }
-  std::istringstream optimizerBytes(readFile(state / "optimizer.pt"));
-  torch::load(optimizer, optimizerBytes);
-  const std::string generatorBytes = readFile(state / "generators.pt");
-  std::vector<torch::Tensor> generators;
-  for (const auto& value :
-       torch::pickle_load(std::vector<char>(generatorBytes.begin(), generatorBytes.end())).toTensorList()) {
-    generators.push_back(value);
-  }
-  Resumed resumed{step, ""};
-  if (generators.size() == pipe.generatorStates().size()) {
-    pipe.setGeneratorStates(generators);
-  } else {
-    resumed.note = "the checkpoint has " + std::to_string(generators.size()) + " stage(s), this pipeline " +
-                   std::to_string(pipe.generatorStates().size()) +
-                   ": weights and optimizer state carry over by layer name; the stages' random generators "
-                   "are re-seeded, so dropout masks differ from an uninterrupted run";
-  }
-  return resumed;
 }
 
-}  // namespace tpipe
+// The stages' generator states; on another stage count they stay freshly
+// seeded, and the returned note says so.
+std::string restoreGenerators(const fs::path& file, Pipeline& pipe) {
+  const std::string bytes = readFile(file);
+  std::vector<torch::Tensor> generators;
+  for (const auto& value :
+       torch::pickle_load(std::vector<char>(bytes.begin(), bytes.end()))
+           .toTensorList()) {
+    generators.push_back(value);
+  }
+  const size_t stages = pipe.generatorStates().size();
+  if (generators.size() == stages) {
+    pipe.setGeneratorStates(generators);
+    return "";
+  }
+  return "the checkpoint has " + std::to_string(generators.size()) +
+      " stage(s), this pipeline " + std::to_string(stages) +
+      ": weights and optimizer state carry over by layer name; the stages' random generators "
+      "are re-seeded, so dropout masks differ from an uninterrupted run";
+}
+
+} // namespace
+
+Resumed loadCheckpoint(
+    const std::string& root,
+    Pipeline& pipe,
+    torch::optim::Optimizer& optimizer,
+    const CheckpointIdentity& identity,
+    Communicator* communicator) {
+  const fs::path pointer = fs::path(root) / "checkpoint.json";
+  const fs::path dir = communicator
+      ? fs::path(root) / ("rank-" + std::to_string(communicator->stageRank()))
+      : fs::path(root);
+  if (!fs::exists(pointer))
+    throw ConfigError("--resume: " + pointer.string() + " not found");
+  const nlohmann::json json = readJson(pointer);
+  checkPointer(json, pointer, identity, communicator);
+  const fs::path state = dir / json["state"].get<std::string>();
+  verify(
+      state,
+      communicator ? readJson(state / "checksums.json")
+                   : json.value("files", nlohmann::json()));
+  restoreWeights(state / "model.pt", pipe, communicator);
+  std::istringstream optimizerBytes(readFile(state / "optimizer.pt"));
+  torch::load(optimizer, optimizerBytes);
+  return {
+      json["step"].get<int64_t>(),
+      restoreGenerators(state / "generators.pt", pipe)};
+}
+
+} // namespace tpipe

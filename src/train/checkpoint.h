@@ -33,11 +33,13 @@ namespace tpipe {
 
 // Writes a file beside `path`, checking every write, fsync and close, then
 // renames it over `path`: readers see the old file or the new one.
-void writeFileAtomically(const std::filesystem::path& path, const std::string& bytes);
+void writeFileAtomically(
+    const std::filesystem::path& path,
+    const std::string& bytes);
 
 struct CheckpointIdentity {
-  std::string run;        // runFingerprint(config)
-  std::string optimizer;  // "sgd", "adam", "adamw"
+  std::string run;       // runFingerprint(config)
+  std::string optimizer; // "sgd", "adam", "adamw"
 };
 
 // What makes two runs the same run for checkpoints: the model, the data, the
@@ -47,19 +49,31 @@ std::string runFingerprint(const Config& config);
 // Before the first step: DIR can be created and written (a probe file is
 // made and removed), and holds no checkpoint that this run would overwrite
 // (unless `overwrite`, or the run resumes from DIR itself).
-void prepareSaveDirectory(const std::string& dir, const CheckpointIdentity& identity, bool overwrite,
-                          bool resumingFromIt);
+void prepareSaveDirectory(
+    const std::string& dir,
+    const CheckpointIdentity& identity,
+    bool overwrite,
+    bool resumingFromIt);
 
-void saveCheckpoint(const std::string& dir, int64_t step, Pipeline& pipe, torch::optim::Optimizer& optimizer,
-                    const CheckpointIdentity& identity, Communicator* communicator);
+void saveCheckpoint(
+    const std::string& dir,
+    int64_t step,
+    Pipeline& pipe,
+    torch::optim::Optimizer& optimizer,
+    const CheckpointIdentity& identity,
+    Communicator* communicator);
 
 struct Resumed {
   int64_t step = 0;
-  std::string note;  // e.g. generators re-seeded for another stage count
+  std::string note; // e.g. generators re-seeded for another stage count
 };
 
 // Throws ConfigError naming the damaged, missing or mismatched file or key.
-Resumed loadCheckpoint(const std::string& dir, Pipeline& pipe, torch::optim::Optimizer& optimizer,
-                       const CheckpointIdentity& identity, Communicator* communicator);
+Resumed loadCheckpoint(
+    const std::string& dir,
+    Pipeline& pipe,
+    torch::optim::Optimizer& optimizer,
+    const CheckpointIdentity& identity,
+    Communicator* communicator);
 
-}  // namespace tpipe
+} // namespace tpipe

@@ -20,39 +20,61 @@ LossFunction makeLoss(const std::string& name) {
   // Sequences ([batch, time, classes]) are flattened to one prediction per
   // position; the mean over positions and samples is the per-token loss.
   return [](const torch::Tensor& out, const torch::Tensor& target) {
-    return torch::nn::functional::cross_entropy(out.reshape({-1, out.size(-1)}), target.reshape({-1}));
+    return torch::nn::functional::cross_entropy(
+        out.reshape({-1, out.size(-1)}), target.reshape({-1}));
   };
 }
 
-std::unique_ptr<torch::optim::Optimizer> makeOptimizer(const OptimizerConfig& o,
-                                                       std::vector<torch::Tensor> parameters) {
+std::unique_ptr<torch::optim::Optimizer> makeOptimizer(
+    const OptimizerConfig& o,
+    std::vector<torch::Tensor> parameters) {
   if (o.type == "adam") {
     return std::make_unique<torch::optim::Adam>(
-        parameters, torch::optim::AdamOptions(o.lr).betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(o.weightDecay));
+        parameters,
+        torch::optim::AdamOptions(o.lr)
+            .betas({o.beta1, o.beta2})
+            .eps(o.eps)
+            .weight_decay(o.weightDecay));
   }
   if (o.type == "adamw") {
     return std::make_unique<torch::optim::AdamW>(
-        parameters, torch::optim::AdamWOptions(o.lr).betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(o.weightDecay));
+        parameters,
+        torch::optim::AdamWOptions(o.lr)
+            .betas({o.beta1, o.beta2})
+            .eps(o.eps)
+            .weight_decay(o.weightDecay));
   }
   return std::make_unique<torch::optim::SGD>(
-      parameters, torch::optim::SGDOptions(o.lr).momentum(o.momentum).weight_decay(o.weightDecay));
+      parameters,
+      torch::optim::SGDOptions(o.lr)
+          .momentum(o.momentum)
+          .weight_decay(o.weightDecay));
 }
 
 double learningRate(const TrainConfig& t, int64_t step) {
   const auto& o = t.optimizer;
-  if (step < o.warmupSteps) return o.lr * static_cast<double>(step + 1) / static_cast<double>(o.warmupSteps);
-  if (o.decay != "cosine") return o.lr;
+  if (step < o.warmupSteps)
+    return o.lr * static_cast<double>(step + 1) /
+        static_cast<double>(o.warmupSteps);
+  if (o.decay != "cosine")
+    return o.lr;
   const double span = std::max<int64_t>(1, t.steps - o.warmupSteps);
-  const double progress = std::min(1.0, static_cast<double>(step - o.warmupSteps) / span);
+  const double progress =
+      std::min(1.0, static_cast<double>(step - o.warmupSteps) / span);
   return o.minLr + 0.5 * (o.lr - o.minLr) * (1.0 + std::cos(M_PI * progress));
 }
 
-BatchSource::BatchSource(const Dataset& data, int64_t batchSize, bool shuffle, uint64_t seed)
+BatchSource::BatchSource(
+    const Dataset& data,
+    int64_t batchSize,
+    bool shuffle,
+    uint64_t seed)
     : data_(data), batchSize_(batchSize), shuffle_(shuffle), seed_(seed) {
   const int64_t n = data.trainInputs.size(0);
   if (n < batchSize) {
-    throw ConfigError("train.batch_size: " + std::to_string(batchSize) + " exceeds the " + std::to_string(n) +
-                      " training samples");
+    throw ConfigError(
+        "train.batch_size: " + std::to_string(batchSize) + " exceeds the " +
+        std::to_string(n) + " training samples");
   }
   batchesPerEpoch_ = n / batchSize;
 }
@@ -61,15 +83,21 @@ std::pair<torch::Tensor, torch::Tensor> BatchSource::batch(int64_t step) {
   const int64_t epoch = step / batchesPerEpoch_;
   const int64_t offset = (step % batchesPerEpoch_) * batchSize_;
   if (!shuffle_) {
-    return {data_.trainInputs.narrow(0, offset, batchSize_), data_.trainTargets.narrow(0, offset, batchSize_)};
+    return {
+        data_.trainInputs.narrow(0, offset, batchSize_),
+        data_.trainTargets.narrow(0, offset, batchSize_)};
   }
   if (epoch != epoch_) {
-    at::Generator generator = at::make_generator<at::CPUGeneratorImpl>(seed_ * 1000003ULL + 7919ULL * (epoch + 1));
-    order_ = torch::randperm(data_.trainInputs.size(0), generator, torch::kLong);
+    at::Generator generator = at::make_generator<at::CPUGeneratorImpl>(
+        seed_ * 1000003ULL + 7919ULL * (epoch + 1));
+    order_ =
+        torch::randperm(data_.trainInputs.size(0), generator, torch::kLong);
     epoch_ = epoch;
   }
   const torch::Tensor index = order_.narrow(0, offset, batchSize_);
-  return {data_.trainInputs.index_select(0, index), data_.trainTargets.index_select(0, index)};
+  return {
+      data_.trainInputs.index_select(0, index),
+      data_.trainTargets.index_select(0, index)};
 }
 
-}  // namespace tpipe
+} // namespace tpipe

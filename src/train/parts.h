@@ -18,8 +18,9 @@ namespace tpipe {
 // ---- optimization.cpp: loss, optimizer, learning rate, batches ----------
 
 LossFunction makeLoss(const std::string& name);
-std::unique_ptr<torch::optim::Optimizer> makeOptimizer(const OptimizerConfig& optimizer,
-                                                       std::vector<torch::Tensor> parameters);
+std::unique_ptr<torch::optim::Optimizer> makeOptimizer(
+    const OptimizerConfig& optimizer,
+    std::vector<torch::Tensor> parameters);
 // Linear warm-up over warmupSteps, then constant or cosine decay to minLr
 // at the final step. `step` counts from 0.
 double learningRate(const TrainConfig& train, int64_t step);
@@ -29,7 +30,11 @@ double learningRate(const TrainConfig& train, int64_t step);
 // can be found again on resume.
 class BatchSource {
  public:
-  BatchSource(const Dataset& data, int64_t batchSize, bool shuffle, uint64_t seed);
+  BatchSource(
+      const Dataset& data,
+      int64_t batchSize,
+      bool shuffle,
+      uint64_t seed);
   std::pair<torch::Tensor, torch::Tensor> batch(int64_t step);
 
  private:
@@ -50,17 +55,27 @@ std::shared_ptr<Communicator> joinWorld(const Config& config);
 
 // The plan this run trains with: costs measured (or read) once, on rank 0,
 // and shared, so every process resolves the same plan.
-Plan planTraining(const Config& config, const BuiltModel& model, const std::string& profilePath, bool measure,
-                  Communicator* world);
+Plan planTraining(
+    const Config& config,
+    const BuiltModel& model,
+    const std::string& profilePath,
+    bool measure,
+    Communicator* world);
 
 // ---- reports.cpp: memory table, bubble report and trace files -----------
 
 // Sized parts per device and the caps on what workers may allocate: the
 // declared capacity less the parameters and optimizer state living there.
 std::vector<MemoryRow> prepareMemory(const Config& config, Pipeline& pipe);
-std::vector<MemoryRow> finishMemory(const Pipeline& pipe, std::vector<MemoryRow> rows);
+std::vector<MemoryRow> finishMemory(
+    const Pipeline& pipe,
+    std::vector<MemoryRow> rows);
 void printMemory(std::ostream& log, const std::vector<MemoryRow>& rows);
-void writeTraceOutputs(const Trace& trace, const TrainOptions& options, TrainSummary& summary, std::ostream& log);
+void writeTraceOutputs(
+    const Trace& trace,
+    const TrainOptions& options,
+    TrainSummary& summary,
+    std::ostream& log);
 std::string duration(double seconds);
 
-}  // namespace tpipe
+} // namespace tpipe

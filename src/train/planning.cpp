@@ -19,7 +19,8 @@ Profile readProfile(const std::string& path) {
   try {
     return profileFromJson(json);
   } catch (const nlohmann::json::exception& error) {
-    throw ConfigError("--profile: " + path + " is not a profile (a value of the wrong type)");
+    throw ConfigError(
+        "--profile: " + path + " is not a profile (a value of the wrong type)");
   }
 }
 
@@ -28,23 +29,29 @@ int64_t microBatchSize(const Config& config) {
   return (config.train.batchSize + m - 1) / m;
 }
 
-TrainingCosts savedCosts(const Config& config, const BuiltModel& model, const std::string& path) {
+TrainingCosts savedCosts(
+    const Config& config,
+    const BuiltModel& model,
+    const std::string& path) {
   const Profile profile = readProfile(path);
   if (profile.layers.size() != model.layers.size()) {
-    throw ConfigError("--profile: " + path + " holds " + std::to_string(profile.layers.size()) +
-                      " layers, the config's model " + std::to_string(model.layers.size()) +
-                      " (a profile of another model?)");
+    throw ConfigError(
+        "--profile: " + path + " holds " +
+        std::to_string(profile.layers.size()) + " layers, the config's model " +
+        std::to_string(model.layers.size()) + " (a profile of another model?)");
   }
   TrainingCosts costs;
   const int64_t size = microBatchSize(config);
   costs.layers = profile.costsAt(size);
-  const double scale = static_cast<double>(size) / static_cast<double>(profile.microBatchSize);
-  costs.inputBytes = static_cast<int64_t>(static_cast<double>(profile.inputBytes) * scale);
+  const double scale =
+      static_cast<double>(size) / static_cast<double>(profile.microBatchSize);
+  costs.inputBytes =
+      static_cast<int64_t>(static_cast<double>(profile.inputBytes) * scale);
   costs.noise = profile.noise;
-  costs.source = path + " (profiled at " + std::to_string(profile.microBatchSize) + " samples per micro-batch)";
+  costs.source = path + " (profiled at " +
+      std::to_string(profile.microBatchSize) + " samples per micro-batch)";
   return costs;
 }
-
 
 // Measured costs are measured once, on rank 0, and sent to every rank as
 // raw numbers, so every process resolves the same plan.
@@ -59,14 +66,23 @@ TrainingCosts sharedCosts(const TrainingCosts& mine, Communicator& world) {
     std::memcpy(&out, &value, sizeof out);
     return out;
   };
-  std::vector<int64_t> packed{static_cast<int64_t>(mine.layers.size()), mine.inputBytes, bits(mine.noise)};
+  std::vector<int64_t> packed{
+      static_cast<int64_t>(mine.layers.size()),
+      mine.inputBytes,
+      bits(mine.noise)};
   for (const auto& layer : mine.layers) {
-    packed.insert(packed.end(), {bits(layer.forwardMs), bits(layer.backwardMs), layer.paramBytes,
-                                 layer.activationBytes, layer.stashBytes});
+    packed.insert(
+        packed.end(),
+        {bits(layer.forwardMs),
+         bits(layer.backwardMs),
+         layer.paramBytes,
+         layer.activationBytes,
+         layer.stashBytes});
   }
   packed = world.broadcast(packed);
   TrainingCosts costs = mine;
-  if (world.rank() == 0) return costs;
+  if (world.rank() == 0)
+    return costs;
   costs.inputBytes = packed[1];
   costs.noise = number(packed[2]);
   for (size_t l = 0; l < costs.layers.size(); ++l) {
@@ -81,7 +97,7 @@ TrainingCosts sharedCosts(const TrainingCosts& mine, Communicator& world) {
   return costs;
 }
 
-}  // namespace
+} // namespace
 
 Profile profileModel(const Config& config, const BuiltModel& model) {
   ProfileOptions options;
@@ -90,29 +106,38 @@ Profile profileModel(const Config& config, const BuiltModel& model) {
   options.device = first.rfind("cuda", 0) == 0 ? first : "cpu";
   // The sample inputs draw from their own generator: the caller's stream of
   // random numbers stays as it was.
-  at::Generator generator = at::make_generator<at::CPUGeneratorImpl>(config.train.seed);
+  at::Generator generator =
+      at::make_generator<at::CPUGeneratorImpl>(config.train.seed);
   const std::vector<int64_t>& shape = model.shapes.front();
   auto sample = [&](int64_t n) {
     std::vector<int64_t> sizes{n};
     sizes.insert(sizes.end(), shape.begin(), shape.end());
-    if (!model.integerInput) return torch::randn(sizes, generator);
-    const int64_t vocab = config.model.layers.front().params["num_embeddings"].get<int64_t>();
+    if (!model.integerInput)
+      return torch::randn(sizes, generator);
+    const int64_t vocab =
+        config.model.layers.front().params["num_embeddings"].get<int64_t>();
     return torch::randint(vocab, sizes, generator, torch::kLong);
   };
   return profileLayers(model.layers, sample, options);
 }
 
 bool needsMeasuredCosts(const Config& config) {
-  if (config.pipeline.partition == PartitionMethod::kTime) return true;
+  if (config.pipeline.partition == PartitionMethod::kTime)
+    return true;
   for (const auto& device : config.pipeline.devices) {
-    if (device.memoryBytes > 0) return true;
+    if (device.memoryBytes > 0)
+      return true;
   }
   return false;
 }
 
-TrainingCosts trainingCosts(const Config& config, const BuiltModel& model, const std::string& profilePath,
-                            bool measure) {
-  if (!profilePath.empty()) return savedCosts(config, model, profilePath);
+TrainingCosts trainingCosts(
+    const Config& config,
+    const BuiltModel& model,
+    const std::string& profilePath,
+    bool measure) {
+  if (!profilePath.empty())
+    return savedCosts(config, model, profilePath);
   TrainingCosts costs;
   if (!measure) {
     costs.layers = parameterCosts(model.layers);
@@ -123,8 +148,11 @@ TrainingCosts trainingCosts(const Config& config, const BuiltModel& model, const
   costs.layers = profile.costsAt(profile.microBatchSize);
   costs.inputBytes = profile.inputBytes;
   costs.noise = profile.noise;
-  costs.source = "measured now at " + std::to_string(profile.microBatchSize) + " samples per micro-batch";
-  if (!profile.settled) costs.source += ", still noisy after " + std::to_string(profile.rounds) + " rounds";
+  costs.source = "measured now at " + std::to_string(profile.microBatchSize) +
+      " samples per micro-batch";
+  if (!profile.settled)
+    costs.source +=
+        ", still noisy after " + std::to_string(profile.rounds) + " rounds";
   return costs;
 }
 
@@ -135,7 +163,8 @@ PlanRequest planRequest(const Config& config, const TrainingCosts& costs) {
   request.costSource = costs.source;
   request.costNoise = costs.noise;
   request.inputBytes = costs.inputBytes;
-  for (const auto& device : p.devices) request.devices.push_back({device.name, device.speed, device.memoryBytes});
+  for (const auto& device : p.devices)
+    request.devices.push_back({device.name, device.speed, device.memoryBytes});
   request.stages = p.stages;
   request.partition = p.partition;
   request.balance = p.balance;
@@ -154,31 +183,42 @@ std::shared_ptr<Communicator> joinWorld(const Config& config) {
   const int replicas = config.pipeline.dataParallel;
   if (world.worldSize == 1) {
     if (replicas > 1) {
-      throw ConfigError("pipeline.data_parallel: " + std::to_string(replicas) + " replicas of " +
-                        std::to_string(ranks) + " pipeline ranks need " + std::to_string(replicas * ranks) +
-                        " processes; start them with `tpipe launch --nproc " + std::to_string(replicas * ranks) +
-                        "`");
+      throw ConfigError(
+          "pipeline.data_parallel: " + std::to_string(replicas) +
+          " replicas of " + std::to_string(ranks) + " pipeline ranks need " +
+          std::to_string(replicas * ranks) +
+          " processes; start them with `tpipe launch --nproc " +
+          std::to_string(replicas * ranks) + "`");
     }
     return nullptr;
   }
   if (world.worldSize != replicas * ranks) {
-    throw ConfigError("WORLD_SIZE " + std::to_string(world.worldSize) + " is not pipeline.data_parallel (" +
-                      std::to_string(replicas) + ") x pipeline ranks (" + std::to_string(ranks) + ")");
+    throw ConfigError(
+        "WORLD_SIZE " + std::to_string(world.worldSize) +
+        " is not pipeline.data_parallel (" + std::to_string(replicas) +
+        ") x pipeline ranks (" + std::to_string(ranks) + ")");
   }
-  const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(config.pipeline.timeoutS * 1000));
+  const auto timeout = std::chrono::milliseconds(
+      static_cast<int64_t>(config.pipeline.timeoutS * 1000));
   nlohmann::json run = describeConfig(config);
   run["world"] = {{"size", world.worldSize}, {"pipeline_ranks", ranks}};
   return std::make_shared<Communicator>(world, ranks, timeout, run.dump());
 }
 
-Plan planTraining(const Config& config, const BuiltModel& model, const std::string& profilePath, bool measure,
-                  Communicator* world) {
+Plan planTraining(
+    const Config& config,
+    const BuiltModel& model,
+    const std::string& profilePath,
+    bool measure,
+    Communicator* world) {
   const bool measured = measure || !profilePath.empty();
   const bool here = !world || world->rank() == 0;
   // Ranks other than 0 start from parameter bytes and take rank 0's numbers.
-  TrainingCosts costs = trainingCosts(config, model, here ? profilePath : "", measured && here);
-  if (world && measured) costs = sharedCosts(costs, *world);
+  TrainingCosts costs =
+      trainingCosts(config, model, here ? profilePath : "", measured && here);
+  if (world && measured)
+    costs = sharedCosts(costs, *world);
   return resolvePlan(planRequest(config, costs));
 }
 
-}  // namespace tpipe
+} // namespace tpipe

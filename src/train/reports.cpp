@@ -12,8 +12,10 @@ namespace tpipe {
 
 std::string duration(double seconds) {
   std::ostringstream out;
-  if (seconds >= 3600) out << static_cast<int>(seconds / 3600) << "h";
-  if (seconds >= 60) out << static_cast<int>(std::fmod(seconds, 3600) / 60) << "m";
+  if (seconds >= 3600)
+    out << static_cast<int>(seconds / 3600) << "h";
+  if (seconds >= 60)
+    out << static_cast<int>(std::fmod(seconds, 3600) / 60) << "m";
   out << static_cast<int>(std::fmod(seconds, 60)) << "s";
   return out.str();
 }
@@ -34,19 +36,23 @@ std::vector<MemoryRow> prepareMemory(const Config& config, Pipeline& pipe) {
       for (const auto& p : pipe.layers()[l].module.ptr()->parameters()) {
         const auto bytes = static_cast<int64_t>(p.nbytes());
         row.parameterBytes += bytes;
-        if (p.requires_grad()) row.gradientBytes += bytes;
+        if (p.requires_grad())
+          row.gradientBytes += bytes;
       }
     }
   }
   for (int r = 0; r < ranks; ++r) {
     MemoryRow& row = rows[r];
-    row.optimizerBytes = static_cast<int64_t>(factor * static_cast<double>(row.gradientBytes));
+    row.optimizerBytes =
+        static_cast<int64_t>(factor * static_cast<double>(row.gradientBytes));
     if (row.capacityBytes > 0) {
       const int64_t fixed = row.parameterBytes + row.optimizerBytes;
       if (fixed >= row.capacityBytes) {
-        throw ConfigError("pipeline.devices[" + std::to_string(r) + "].memory: " + row.device + " holds " +
-                          formatBytes(fixed) + " of parameters and optimizer state, more than its capacity of " +
-                          formatBytes(row.capacityBytes) + " (see `tpipe plan`)");
+        throw ConfigError(
+            "pipeline.devices[" + std::to_string(r) +
+            "].memory: " + row.device + " holds " + formatBytes(fixed) +
+            " of parameters and optimizer state, more than its capacity of " +
+            formatBytes(row.capacityBytes) + " (see `tpipe plan`)");
       }
       pipe.setMemoryCapacity(r, row.capacityBytes - fixed);
     }
@@ -55,13 +61,17 @@ std::vector<MemoryRow> prepareMemory(const Config& config, Pipeline& pipe) {
   return rows;
 }
 
-std::vector<MemoryRow> finishMemory(const Pipeline& pipe, std::vector<MemoryRow> rows) {
+std::vector<MemoryRow> finishMemory(
+    const Pipeline& pipe,
+    std::vector<MemoryRow> rows) {
   const auto measured = pipe.memory();
   for (size_t r = 0; r < rows.size() && r < measured.size(); ++r) {
     MemoryRow& row = rows[r];
     row.workerPeakBytes = measured[r].peakBytes;
-    row.activationPeakBytes = std::max<int64_t>(0, row.workerPeakBytes - row.gradientBytes);
-    row.measuredPeakBytes = row.parameterBytes + row.optimizerBytes + row.workerPeakBytes;
+    row.activationPeakBytes =
+        std::max<int64_t>(0, row.workerPeakBytes - row.gradientBytes);
+    row.measuredPeakBytes =
+        row.parameterBytes + row.optimizerBytes + row.workerPeakBytes;
   }
   return rows;
 }
@@ -69,37 +79,63 @@ std::vector<MemoryRow> finishMemory(const Pipeline& pipe, std::vector<MemoryRow>
 void printMemory(std::ostream& log, const std::vector<MemoryRow>& rows) {
   log << "memory per device (measured peak = parameters + optimizer state + the worker's allocator peak)\n";
   char line[256];
-  std::snprintf(line, sizeof line, "%-8s %11s %11s %11s %12s %12s %12s %7s %11s\n", "device", "params", "grads",
-                "optimizer", "activations", "measured", "predicted", "error", "capacity");
+  std::snprintf(
+      line,
+      sizeof line,
+      "%-8s %11s %11s %11s %12s %12s %12s %7s %11s\n",
+      "device",
+      "params",
+      "grads",
+      "optimizer",
+      "activations",
+      "measured",
+      "predicted",
+      "error",
+      "capacity");
   log << line;
   for (const auto& row : rows) {
-    const double error = row.predictedBytes > 0
-                             ? 100.0 * (static_cast<double>(row.predictedBytes) - row.measuredPeakBytes) /
-                                   static_cast<double>(row.measuredPeakBytes)
-                             : 0.0;
-    std::snprintf(line, sizeof line, "%-8s %11s %11s %11s %12s %12s %12s %+6.1f%% %11s\n", row.device.c_str(),
-                  formatBytes(row.parameterBytes).c_str(), formatBytes(row.gradientBytes).c_str(),
-                  formatBytes(row.optimizerBytes).c_str(), formatBytes(row.activationPeakBytes).c_str(),
-                  formatBytes(row.measuredPeakBytes).c_str(), formatBytes(row.predictedBytes).c_str(), error,
-                  row.capacityBytes > 0 ? formatBytes(row.capacityBytes).c_str() : "-");
+    const double error = row.predictedBytes > 0 ? 100.0 *
+            (static_cast<double>(row.predictedBytes) - row.measuredPeakBytes) /
+            static_cast<double>(row.measuredPeakBytes)
+                                                : 0.0;
+    std::snprintf(
+        line,
+        sizeof line,
+        "%-8s %11s %11s %11s %12s %12s %12s %+6.1f%% %11s\n",
+        row.device.c_str(),
+        formatBytes(row.parameterBytes).c_str(),
+        formatBytes(row.gradientBytes).c_str(),
+        formatBytes(row.optimizerBytes).c_str(),
+        formatBytes(row.activationPeakBytes).c_str(),
+        formatBytes(row.measuredPeakBytes).c_str(),
+        formatBytes(row.predictedBytes).c_str(),
+        error,
+        row.capacityBytes > 0 ? formatBytes(row.capacityBytes).c_str() : "-");
     log << line;
   }
 }
 
-void writeTraceOutputs(const Trace& trace, const TrainOptions& options, TrainSummary& summary,
-                       std::ostream& log) {
-  if (trace.steps.empty()) return;
+void writeTraceOutputs(
+    const Trace& trace,
+    const TrainOptions& options,
+    TrainSummary& summary,
+    std::ostream& log) {
+  if (trace.steps.empty())
+    return;
   summary.bubble = bubbleReport(trace);
   printBubbleReport(log, summary.bubble);
   auto write = [](const std::string& path, const std::string& text) {
-    if (!path.empty()) writeFileAtomically(path, text);
+    if (!path.empty())
+      writeFileAtomically(path, text);
   };
   write(options.tracePath, chromeTrace(trace).dump() + "\n");
   write(options.timelinePath, timelineSvg(trace));
   write(options.reportPath, bubbleReportToJson(summary.bubble).dump(1) + "\n");
-  for (const auto* path : {&options.tracePath, &options.timelinePath, &options.reportPath}) {
-    if (!path->empty()) log << "wrote " << *path << "\n";
+  for (const auto* path :
+       {&options.tracePath, &options.timelinePath, &options.reportPath}) {
+    if (!path->empty())
+      log << "wrote " << *path << "\n";
   }
 }
 
-}  // namespace tpipe
+} // namespace tpipe

@@ -33,7 +33,8 @@ StepHook& stepHook() {
 std::atomic<int> requestedStop{0};
 
 void onStopSignal(int signal) {
-  if (requestedStop.exchange(signal) != 0) ::_exit(128 + signal);
+  if (requestedStop.exchange(signal) != 0)
+    ::_exit(128 + signal);
 }
 
 class StopSignals {
@@ -53,11 +54,13 @@ class StopSignals {
   StopSignals& operator=(const StopSignals&) = delete;
 
  private:
-  struct sigaction previousInt_ {}, previousTerm_ {};
+  struct sigaction previousInt_ {
+  }, previousTerm_{};
 };
 
 void setTraining(const LayerList& layers, bool on) {
-  for (const auto& layer : layers) layer.module.ptr()->train(on);
+  for (const auto& layer : layers)
+    layer.module.ptr()->train(on);
 }
 
 struct Evaluation {
@@ -67,15 +70,22 @@ struct Evaluation {
 
 // Across processes only the last stage's process sees outputs; replica 0's
 // counts are summed over the world so every process agrees.
-Evaluation evaluate(Pipeline& pipe, const Dataset& data, const LossFunction& lossFn, bool classification,
-                    int64_t chunk, Communicator* communicator) {
+Evaluation evaluate(
+    Pipeline& pipe,
+    const Dataset& data,
+    const LossFunction& lossFn,
+    bool classification,
+    int64_t chunk,
+    Communicator* communicator) {
   setTraining(pipe.layers(), false);
   const int64_t n = data.evalInputs.size(0);
   double lossSum = 0.0, correct = 0.0, positions = 0.0;
   for (int64_t start = 0; start < n; start += chunk) {
     const int64_t size = std::min(chunk, n - start);
-    const torch::Tensor forwarded = pipe.forward(data.evalInputs.narrow(0, start, size));
-    if (!forwarded.defined() || (communicator && communicator->replica() != 0)) continue;
+    const torch::Tensor forwarded =
+        pipe.forward(data.evalInputs.narrow(0, start, size));
+    if (!forwarded.defined() || (communicator && communicator->replica() != 0))
+      continue;
     const torch::Tensor out = forwarded.to(torch::kCPU);
     const torch::Tensor y = data.evalTargets.narrow(0, start, size);
     lossSum += lossFn(out, y).item<double>() * static_cast<double>(size);
@@ -93,16 +103,21 @@ Evaluation evaluate(Pipeline& pipe, const Dataset& data, const LossFunction& los
   }
   Evaluation result;
   result.loss = lossSum / static_cast<double>(n);
-  if (classification) result.accuracy = correct / positions;
+  if (classification)
+    result.accuracy = correct / positions;
   return result;
 }
 
-PipelineOptions pipelineOptions(const Config& config, const BuiltModel& model, const Plan& plan,
-                                const std::shared_ptr<Communicator>& communicator) {
+PipelineOptions pipelineOptions(
+    const Config& config,
+    const BuiltModel& model,
+    const Plan& plan,
+    const std::shared_ptr<Communicator>& communicator) {
   const auto& p = config.pipeline;
   PipelineOptions options;
   options.devices.clear();
-  for (const auto& device : p.devices) options.devices.push_back(device.name);
+  for (const auto& device : p.devices)
+    options.devices.push_back(device.name);
   options.plan = std::make_shared<const Plan>(plan);
   options.microBatches = p.microBatches;
   options.schedule = p.schedule;
@@ -110,7 +125,8 @@ PipelineOptions pipelineOptions(const Config& config, const BuiltModel& model, c
   options.checkpoint = plan.checkpoint;
   options.threadsPerDevice = p.threadsPerDevice;
   options.seed = config.train.seed;
-  options.layerOutputShapes.assign(model.shapes.begin() + 1, model.shapes.end());
+  options.layerOutputShapes.assign(
+      model.shapes.begin() + 1, model.shapes.end());
   options.communicator = communicator;
   return options;
 }
@@ -135,7 +151,8 @@ class TrainingRun {
   }
 
   TrainSummary run() {
-    StopSignals signals;  // from the start: a signal during set-up stops before the first step
+    StopSignals signals; // from the start: a signal during set-up stops before
+                         // the first step
     setUp();
     resume();
     openMetrics();
@@ -146,102 +163,148 @@ class TrainingRun {
   }
 
  private:
-  Communicator* world() const { return world_.get(); }
+  Communicator* world() const {
+    return world_.get();
+  }
 
   void setUp() {
     if (!options_.saveDir.empty()) {
-      prepareSaveDirectory(options_.saveDir, identity_, options_.overwrite, options_.resumeDir == options_.saveDir);
+      prepareSaveDirectory(
+          options_.saveDir,
+          identity_,
+          options_.overwrite,
+          options_.resumeDir == options_.saveDir);
     }
     model_ = buildModel(config_.model, config_.train.seed);
     setBatchNormMicroBatches(model_, config_.pipeline.microBatches);
     data_ = loadDataset(config_, model_);
     bool capped = false;
-    for (const auto& device : config_.pipeline.devices) capped = capped || device.memoryBytes > 0;
+    for (const auto& device : config_.pipeline.devices)
+      capped = capped || device.memoryBytes > 0;
     measureMemory_ = !world() && (capped || options_.memoryReport);
-    plan_ = planTraining(config_, model_, options_.profilePath, needsMeasuredCosts(config_) || measureMemory_,
-                         world());
-    PipelineOptions pipeOptions = pipelineOptions(config_, model_, plan_, world_);
+    plan_ = planTraining(
+        config_,
+        model_,
+        options_.profilePath,
+        needsMeasuredCosts(config_) || measureMemory_,
+        world());
+    PipelineOptions pipeOptions =
+        pipelineOptions(config_, model_, plan_, world_);
     pipeOptions.trackMemory = measureMemory_;
     pipe_ = std::make_unique<Pipeline>(model_.layers, pipeOptions);
-    if (measureMemory_) memoryRows_ = prepareMemory(config_, *pipe_);
+    if (measureMemory_)
+      memoryRows_ = prepareMemory(config_, *pipe_);
     optimizer_ = makeOptimizer(config_.train.optimizer, pipe_->parameters());
     lossFn_ = makeLoss(config_.train.loss);
     classification_ = config_.train.loss == "cross_entropy";
-    batches_ = std::make_unique<BatchSource>(data_, config_.train.batchSize, config_.data.shuffle,
-                                             config_.train.seed);
+    batches_ = std::make_unique<BatchSource>(
+        data_,
+        config_.train.batchSize,
+        config_.data.shuffle,
+        config_.train.seed);
   }
 
   void resume() {
-    if (options_.resumeDir.empty()) return;
-    const Resumed resumed = loadCheckpoint(options_.resumeDir, *pipe_, *optimizer_, identity_, world());
+    if (options_.resumeDir.empty())
+      return;
+    const Resumed resumed = loadCheckpoint(
+        options_.resumeDir, *pipe_, *optimizer_, identity_, world());
     summary_.startStep = resumed.step;
     resumeNote_ = resumed.note;
     if (summary_.startStep > config_.train.steps) {
-      throw ConfigError("--resume: the checkpoint is at step " + std::to_string(summary_.startStep) +
-                        ", past train.steps = " + std::to_string(config_.train.steps));
+      throw ConfigError(
+          "--resume: the checkpoint is at step " +
+          std::to_string(summary_.startStep) +
+          ", past train.steps = " + std::to_string(config_.train.steps));
     }
   }
 
   void openMetrics() {
-    if (options_.metricsPath.empty()) return;
-    metrics_.open(options_.metricsPath, summary_.startStep > 0 ? std::ios::app : std::ios::trunc);
-    if (!metrics_) throw ConfigError("--metrics: cannot write " + options_.metricsPath);
+    if (options_.metricsPath.empty())
+      return;
+    metrics_.open(
+        options_.metricsPath,
+        summary_.startStep > 0 ? std::ios::app : std::ios::trunc);
+    if (!metrics_)
+      throw ConfigError("--metrics: cannot write " + options_.metricsPath);
   }
 
   // Metrics and progress are flushed line by line: a killed run keeps them.
   void writeMetrics(const nlohmann::json& record) {
-    if (!metrics_.is_open()) return;
+    if (!metrics_.is_open())
+      return;
     metrics_ << record.dump() << '\n' << std::flush;
-    if (!metrics_) throw std::runtime_error("--metrics: cannot write " + options_.metricsPath);
+    if (!metrics_)
+      throw std::runtime_error(
+          "--metrics: cannot write " + options_.metricsPath);
   }
 
   void logStart() {
     std::ostream& log = *log_;
-    log << "model: " << model_.layers.size() << " layers, " << model_.parameterCount << " parameters; "
-        << data_.description << "\n";
+    log << "model: " << model_.layers.size() << " layers, "
+        << model_.parameterCount << " parameters; " << data_.description
+        << "\n";
     if (world()) {
-      log << "processes: " << world()->worldSize() << " (" << world()->replicas() << " replica(s) x "
-          << world()->pipelineRanks() << " pipeline ranks), rendezvous over tpipe's store + Gloo\n";
+      log << "processes: " << world()->worldSize() << " ("
+          << world()->replicas() << " replica(s) x " << world()->pipelineRanks()
+          << " pipeline ranks), rendezvous over tpipe's store + Gloo\n";
     }
     log << "pipeline: " << pipe_->schedule().stages() << " stages on";
-    for (const auto& device : pipe_->stageDevices()) log << ' ' << device;
+    for (const auto& device : pipe_->stageDevices())
+      log << ' ' << device;
     log << ", boundaries";
-    for (int b : pipe_->boundaries()) log << ' ' << b;
-    log << ", " << config_.pipeline.microBatches << " micro-batches, " << plan_.schedule.name << ", checkpoint "
+    for (int b : pipe_->boundaries())
+      log << ' ' << b;
+    log << ", " << config_.pipeline.microBatches << " micro-batches, "
+        << plan_.schedule.name << ", checkpoint "
         << checkpointModeName(plan_.checkpoint) << "\n";
-    log << "plan: partition " << partitionMethodName(plan_.partition) << ", costs from " << plan_.costSource;
+    log << "plan: partition " << partitionMethodName(plan_.partition)
+        << ", costs from " << plan_.costSource;
     if (plan_.simulation.makespan > 0) {
-      log << ", predicted step " << std::fixed << std::setprecision(2) << plan_.simulation.makespan << " ms"
-          << std::defaultfloat;
+      log << ", predicted step " << std::fixed << std::setprecision(2)
+          << plan_.simulation.makespan << " ms" << std::defaultfloat;
     }
     log << "\n";
-    for (const auto& note : plan_.notes) log << "plan: " << note << "\n";
-    if (summary_.startStep > 0) log << "resumed at step " << summary_.startStep << "\n";
-    if (!resumeNote_.empty()) log << "resume: " << resumeNote_ << "\n";
+    for (const auto& note : plan_.notes)
+      log << "plan: " << note << "\n";
+    if (summary_.startStep > 0)
+      log << "resumed at step " << summary_.startStep << "\n";
+    if (!resumeNote_.empty())
+      log << "resume: " << resumeNote_ << "\n";
     log << std::flush;
   }
 
-  double elapsed() const { return std::chrono::duration<double>(Clock::now() - start_).count(); }
+  double elapsed() const {
+    return std::chrono::duration<double>(Clock::now() - start_).count();
+  }
 
   void evaluateAt(int64_t step) {
     const int64_t chunk = std::max<int64_t>(config_.train.batchSize, 256);
-    const Evaluation e = evaluate(*pipe_, data_, lossFn_, classification_, chunk, world());
+    const Evaluation e =
+        evaluate(*pipe_, data_, lossFn_, classification_, chunk, world());
     summary_.evalLoss = e.loss;
     summary_.evalAccuracy = e.accuracy;
-    nlohmann::json record = {{"step", step}, {"eval_loss", e.loss}, {"elapsed_s", elapsed()}};
-    if (classification_) record["eval_accuracy"] = e.accuracy;
+    nlohmann::json record = {
+        {"step", step}, {"eval_loss", e.loss}, {"elapsed_s", elapsed()}};
+    if (classification_)
+      record["eval_accuracy"] = e.accuracy;
     writeMetrics(record);
     std::ostream& log = *log_;
-    if (live_) log << '\n';
-    log << "eval at step " << step << ": loss " << std::fixed << std::setprecision(4) << e.loss;
-    if (classification_) log << ", accuracy " << e.accuracy;
+    if (live_)
+      log << '\n';
+    log << "eval at step " << step << ": loss " << std::fixed
+        << std::setprecision(4) << e.loss;
+    if (classification_)
+      log << ", accuracy " << e.accuracy;
     log << std::defaultfloat << std::endl;
   }
 
   double trainStep(int64_t step) {
     const double lr = learningRate(config_.train, step);
-    for (auto& group : optimizer_->param_groups()) group.options().set_lr(lr);
-    if (stepHook()) stepHook()(world() ? world()->rank() : 0, step);
+    for (auto& group : optimizer_->param_groups())
+      group.options().set_lr(lr);
+    if (stepHook())
+      stepHook()(world() ? world()->rank() : 0, step);
     auto [x, y] = batches_->batch(step);
     if (world() && world()->replicas() > 1) {
       const int64_t share = config_.train.batchSize / world()->replicas();
@@ -251,8 +314,9 @@ class TrainingRun {
     optimizer_->zero_grad();
     const double loss = pipe_->trainStep(x, y, lossFn_).item<double>();
     if (!std::isfinite(loss)) {
-      throw std::runtime_error("the loss became " + std::to_string(loss) + " at step " + std::to_string(step + 1) +
-                               " (lower train.optimizer.lr?)");
+      throw std::runtime_error(
+          "the loss became " + std::to_string(loss) + " at step " +
+          std::to_string(step + 1) + " (lower train.optimizer.lr?)");
     }
     optimizer_->step();
     return loss;
@@ -261,19 +325,32 @@ class TrainingRun {
   void report(int64_t done, double loss) {
     const int64_t total = config_.train.steps;
     const double seconds = elapsed();
-    const double rate = static_cast<double>((done - summary_.startStep) * config_.train.batchSize) / seconds;
-    writeMetrics({{"step", done}, {"loss", loss}, {"lr", learningRate(config_.train, done - 1)},
-                  {"elapsed_s", seconds}, {"samples_per_s", rate}});
-    const double eta = static_cast<double>(total - done) * config_.train.batchSize / std::max(rate, 1e-9);
-    const int64_t every = config_.train.logEvery > 0 ? config_.train.logEvery : std::max<int64_t>(1, total / 20);
+    const double rate =
+        static_cast<double>(
+            (done - summary_.startStep) * config_.train.batchSize) /
+        seconds;
+    writeMetrics(
+        {{"step", done},
+         {"loss", loss},
+         {"lr", learningRate(config_.train, done - 1)},
+         {"elapsed_s", seconds},
+         {"samples_per_s", rate}});
+    const double eta = static_cast<double>(total - done) *
+        config_.train.batchSize / std::max(rate, 1e-9);
+    const int64_t every = config_.train.logEvery > 0
+        ? config_.train.logEvery
+        : std::max<int64_t>(1, total / 20);
     std::ostream& log = *log_;
     if (live_) {
-      log << "\rstep " << done << "/" << total << "  loss " << std::fixed << std::setprecision(4) << loss << "  "
-          << std::setprecision(0) << rate << " samples/s  ETA " << duration(eta) << "   " << std::defaultfloat
-          << std::flush;
+      log << "\rstep " << done << "/" << total << "  loss " << std::fixed
+          << std::setprecision(4) << loss << "  " << std::setprecision(0)
+          << rate << " samples/s  ETA " << duration(eta) << "   "
+          << std::defaultfloat << std::flush;
     } else if (done % every == 0 || done == total) {
-      log << "step " << done << "/" << total << " loss " << std::fixed << std::setprecision(4) << loss << " "
-          << std::setprecision(0) << rate << " samples/s ETA " << duration(eta) << std::defaultfloat << std::endl;
+      log << "step " << done << "/" << total << " loss " << std::fixed
+          << std::setprecision(4) << loss << " " << std::setprecision(0) << rate
+          << " samples/s ETA " << duration(eta) << std::defaultfloat
+          << std::endl;
     }
   }
 
@@ -281,53 +358,69 @@ class TrainingRun {
   // whether any of them was signalled.
   int agreedStop() {
     const int mine = requestedStop.load();
-    if (!world()) return mine;
-    const std::vector<double> signalled = world()->sum({static_cast<double>(mine)});
-    if (signalled[0] == 0.0) return 0;
+    if (!world())
+      return mine;
+    const std::vector<double> signalled =
+        world()->sum({static_cast<double>(mine)});
+    if (signalled[0] == 0.0)
+      return 0;
     return mine != 0 ? mine : SIGTERM;
   }
 
   void save(int64_t done) {
-    saveCheckpoint(options_.saveDir, done, *pipe_, *optimizer_, identity_, world());
+    saveCheckpoint(
+        options_.saveDir, done, *pipe_, *optimizer_, identity_, world());
     saved_ = true;
   }
 
   void loop() {
     const int64_t total = config_.train.steps;
-    const int64_t last = options_.stopAfter > 0 ? std::min(total, options_.stopAfter) : total;
-    const int64_t recordFrom = std::max<int64_t>(summary_.startStep, last - std::max(0, options_.recordSteps));
+    const int64_t last =
+        options_.stopAfter > 0 ? std::min(total, options_.stopAfter) : total;
+    const int64_t recordFrom = std::max<int64_t>(
+        summary_.startStep, last - std::max(0, options_.recordSteps));
     const bool saving = !options_.saveDir.empty();
-    if (saving && total == 0) save(0);
+    if (saving && total == 0)
+      save(0);
     start_ = Clock::now();
     int64_t done = summary_.startStep;
     summary_.stopSignal = agreedStop();
-    for (int64_t step = summary_.startStep; step < last && !summary_.stopSignal; ++step) {
-      if (step == recordFrom && options_.recordSteps > 0) pipe_->setRecording(true);
+    for (int64_t step = summary_.startStep; step < last && !summary_.stopSignal;
+         ++step) {
+      if (step == recordFrom && options_.recordSteps > 0)
+        pipe_->setRecording(true);
       const double loss = trainStep(step);
       summary_.losses.push_back(loss);
       summary_.finalLoss = loss;
       done = step + 1;
       report(done, loss);
       const int every = static_cast<int>(config_.train.evalEvery);
-      if (options_.evaluate && every > 0 && done % every == 0 && done != total) evaluateAt(done);
+      if (options_.evaluate && every > 0 && done % every == 0 && done != total)
+        evaluateAt(done);
       summary_.stopSignal = agreedStop();
-      const bool periodic = config_.train.checkpointEvery > 0 && done % config_.train.checkpointEvery == 0;
-      if (saving && (done == last || periodic || summary_.stopSignal)) save(done);
+      const bool periodic = config_.train.checkpointEvery > 0 &&
+          done % config_.train.checkpointEvery == 0;
+      if (saving && (done == last || periodic || summary_.stopSignal))
+        save(done);
     }
     summary_.steps = done;
-    if (live_) *log_ << '\n';
+    if (live_)
+      *log_ << '\n';
   }
 
   void finish() {
     std::ostream& log = *log_;
     summary_.seconds = elapsed();
-    summary_.samplesPerSecond = static_cast<double>((summary_.steps - summary_.startStep) *
-                                                    config_.train.batchSize) /
-                                std::max(summary_.seconds, 1e-9);
+    summary_.samplesPerSecond =
+        static_cast<double>(
+            (summary_.steps - summary_.startStep) * config_.train.batchSize) /
+        std::max(summary_.seconds, 1e-9);
     if (summary_.stopSignal) {
-      log << "stopped by " << (summary_.stopSignal == SIGINT ? "SIGINT" : "SIGTERM") << " after step "
-          << summary_.steps
-          << (saved_ ? "; checkpoint saved to " + options_.saveDir : " (nothing new saved)")
+      log << "stopped by "
+          << (summary_.stopSignal == SIGINT ? "SIGINT" : "SIGTERM")
+          << " after step " << summary_.steps
+          << (saved_ ? "; checkpoint saved to " + options_.saveDir
+                     : " (nothing new saved)")
           << std::endl;
       return;
     }
@@ -337,12 +430,16 @@ class TrainingRun {
       summary_.memory = finishMemory(*pipe_, memoryRows_);
       printMemory(log, summary_.memory);
     }
-    if (!options_.evaluate) return;
+    if (!options_.evaluate)
+      return;
     evaluateAt(summary_.steps);
-    log << "done: " << summary_.steps << " steps in " << std::fixed << std::setprecision(1) << summary_.seconds
-        << " s, " << std::setprecision(0) << summary_.samplesPerSecond << " samples/s, final loss "
-        << std::setprecision(4) << summary_.finalLoss << ", eval loss " << summary_.evalLoss;
-    if (classification_) log << ", eval accuracy " << summary_.evalAccuracy;
+    log << "done: " << summary_.steps << " steps in " << std::fixed
+        << std::setprecision(1) << summary_.seconds << " s, "
+        << std::setprecision(0) << summary_.samplesPerSecond
+        << " samples/s, final loss " << std::setprecision(4)
+        << summary_.finalLoss << ", eval loss " << summary_.evalLoss;
+    if (classification_)
+      log << ", eval accuracy " << summary_.evalAccuracy;
     log << std::defaultfloat << std::endl;
   }
 
@@ -370,12 +467,14 @@ class TrainingRun {
   TrainSummary summary_;
 };
 
-}  // namespace
+} // namespace
 
-void setStepHook(StepHook hook) { stepHook() = std::move(hook); }
+void setStepHook(StepHook hook) {
+  stepHook() = std::move(hook);
+}
 
 TrainSummary train(const Config& config, const TrainOptions& options) {
   return TrainingRun(config, options).run();
 }
 
-}  // namespace tpipe
+} // namespace tpipe

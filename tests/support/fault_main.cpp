@@ -19,11 +19,19 @@ int main(int argc, char** argv) {
     if (std::sscanf(fault, "%d:%lld:%15s", &rank, &at, kind) == 3) {
       const std::string what = kind;
       tpipe::setStepHook([rank, at, what](int current, int64_t step) {
-        if (current != rank || step != at) return;
-        std::fprintf(stderr, "TPIPE_FAULT: rank %d %s at step %lld\n", rank, what.c_str(), at);
-        if (what == "exit") std::_Exit(17);
+        if (current != rank || step != at)
+          return;
+        std::fprintf(
+            stderr,
+            "TPIPE_FAULT: rank %d %s at step %lld\n",
+            rank,
+            what.c_str(),
+            at);
+        if (what == "exit")
+          std::_Exit(17);
         if (what == "hang") {
-          for (;;) std::this_thread::sleep_for(std::chrono::hours(1));
+          for (;;)
+            std::this_thread::sleep_for(std::chrono::hours(1));
         }
       });
     }
