@@ -57,4 +57,39 @@ nlohmann::json readJsonFile(
   return parseJsonText(text.str(), what, allowComments);
 }
 
+std::string firstDifference(
+    const nlohmann::json& a,
+    const nlohmann::json& b,
+    const std::string& path) {
+  if (a.type() != b.type())
+    return path.empty() ? "(the whole value)" : path;
+  if (a.is_object()) {
+    for (const auto& item : a.items()) {
+      const std::string key =
+          path.empty() ? item.key() : path + "." + item.key();
+      if (!b.contains(item.key()))
+        return key;
+      const std::string inner =
+          firstDifference(item.value(), b.at(item.key()), key);
+      if (!inner.empty())
+        return inner;
+    }
+    for (const auto& item : b.items()) {
+      if (!a.contains(item.key()))
+        return path.empty() ? item.key() : path + "." + item.key();
+    }
+    return "";
+  }
+  if (a.is_array()) {
+    for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) {
+      const std::string inner =
+          firstDifference(a[i], b[i], path + "[" + std::to_string(i) + "]");
+      if (!inner.empty())
+        return inner;
+    }
+    return a.size() == b.size() ? "" : path;
+  }
+  return a == b ? "" : (path.empty() ? "(the whole value)" : path);
+}
+
 } // namespace tpipe

@@ -24,4 +24,11 @@ nlohmann::json readJsonFile(
     const std::string& what,
     bool allowComments = false);
 
+// The first key path at which two JSON values differ ("train.seed",
+// "model.layers[3].out_features"), or "" when they are equal.
+std::string firstDifference(
+    const nlohmann::json& a,
+    const nlohmann::json& b,
+    const std::string& path = "");
+
 } // namespace tpipe

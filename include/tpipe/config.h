@@ -106,13 +106,6 @@ Config parseConfig(const nlohmann::json& json);
 // the ranks of one job compare before they train together.
 nlohmann::json describeConfig(const Config& config);
 
-// The first key path at which two JSON values differ ("train.seed",
-// "model.layers[3].out_features"), or "" when they are equal.
-std::string firstDifference(
-    const nlohmann::json& a,
-    const nlohmann::json& b,
-    const std::string& path = "");
-
 // Reads a JSON file, applies "key.path=value" overrides (value parsed as
 // JSON when it is valid JSON, as a string otherwise), and parses it.
 nlohmann::json readConfigJson(

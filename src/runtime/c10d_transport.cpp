@@ -82,7 +82,7 @@ std::unique_ptr<Transport> makeProcessGroupTransport(Communicator&, int, int) {
 
 #include "runtime/network.h"
 #include "runtime/store.h"
-#include "tpipe/config.h"
+#include "json_input.h"
 #include "tpipe/errors.h"
 
 namespace tpipe {
