@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <nlohmann/json.hpp>
+#include <fstream>
 #include <string>
 #include <sys/wait.h>
 
@@ -60,6 +61,19 @@ TEST(CliTest, BadScheduleExitsWithStatusTwo) {
   EXPECT_NE(r.output.find("unknown schedule 'nope'"), std::string::npos)
       << r.output;
   EXPECT_EQ(r.output.find("Exception raised from"), std::string::npos);
+}
+
+// A user error exits 2 from every command, whichever layer finds it.
+TEST(CliTest, ABadScheduleFileExitsTwoFromTrainAndValidate) {
+  const std::string root = TPIPE_SOURCE_DIR;
+  const std::string file = testing::TempDir() + "/tpipe_cli_bad_schedule.json";
+  std::ofstream(file) << "{\"ranks\": 2, \"stages\": [[]]}";
+  for (const char* command : {"train", "validate", "plan"}) {
+    const Result r = runTpipe(
+        std::string(command) + " " + root + "/configs/mlp_synthetic.json --set pipeline.schedule=" + file);
+    EXPECT_EQ(r.status, 2) << command << ": " << r.output;
+    EXPECT_NE(r.output.find("schedule file " + file), std::string::npos) << command << ": " << r.output;
+  }
 }
 
 } // namespace

@@ -82,6 +82,8 @@ TEST(ConfigTest, EveryBadConfigNamesItsPath) {
        "pipeline.balance: has 3 entries for 2 stages"},
       {{"pipeline.balance=[2,0]"},
        "pipeline.balance[1]: expected a positive integer, got 0"},
+      {{"pipeline.balance=[2,3]", "pipeline.partition=time"},
+       "pipeline.balance: given together with partition 'time'"},
       {{"pipeline.partition=balance"},
        "pipeline.balance: missing (required by partition 'balance')"},
       {{"model.layers.0.type=conv3d"},

@@ -74,6 +74,12 @@ TrainingCosts trainingCosts(
     const std::string& profilePath,
     bool measure);
 
+// Costs from a profile, at the config's micro-batch size.
+TrainingCosts costsFromProfile(
+    const Config& config,
+    const Profile& profile,
+    const std::string& source);
+
 // The plan resolver's request for a config: its devices (speed, memory),
 // partition method, schedule, micro-batches, checkpoint mode and optimizer.
 PlanRequest planRequest(const Config& config, const TrainingCosts& costs);

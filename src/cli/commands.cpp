@@ -242,6 +242,15 @@ int profileCommand(
       profile.device.c_str(),
       100.0 * profile.noise,
       profile.settled ? "" : ", still above the bound");
+  // What `train` would run from these numbers (`plan --profile` shows it too).
+  try {
+    const tpipe::Plan plan = tpipe::resolvePlan(tpipe::planRequest(
+        config, tpipe::costsFromProfile(config, profile, "this profile")));
+    std::printf("\nthe plan from this profile:\n");
+    tpipe::printPlan(std::cout, plan);
+  } catch (const tpipe::PartitionError& error) {
+    std::printf("\nno plan fits: %s\n", error.what());
+  }
   if (!outPath.empty()) {
     std::ofstream out(outPath);
     out << tpipe::profileToJson(profile).dump(1) << '\n';

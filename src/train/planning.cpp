@@ -40,17 +40,11 @@ TrainingCosts savedCosts(
         std::to_string(profile.layers.size()) + " layers, the config's model " +
         std::to_string(model.layers.size()) + " (a profile of another model?)");
   }
-  TrainingCosts costs;
-  const int64_t size = microBatchSize(config);
-  costs.layers = profile.costsAt(size);
-  const double scale =
-      static_cast<double>(size) / static_cast<double>(profile.microBatchSize);
-  costs.inputBytes =
-      static_cast<int64_t>(static_cast<double>(profile.inputBytes) * scale);
-  costs.noise = profile.noise;
-  costs.source = path + " (profiled at " +
-      std::to_string(profile.microBatchSize) + " samples per micro-batch)";
-  return costs;
+  return costsFromProfile(
+      config,
+      profile,
+      path + " (profiled at " + std::to_string(profile.microBatchSize) +
+          " samples per micro-batch)");
 }
 
 // Measured costs are measured once, on rank 0, and sent to every rank as
@@ -145,14 +139,27 @@ TrainingCosts trainingCosts(
     return costs;
   }
   const Profile profile = profileModel(config, model);
-  costs.layers = profile.costsAt(profile.microBatchSize);
-  costs.inputBytes = profile.inputBytes;
-  costs.noise = profile.noise;
-  costs.source = "measured now at " + std::to_string(profile.microBatchSize) +
-      " samples per micro-batch";
+  std::string source = "measured now at " +
+      std::to_string(profile.microBatchSize) + " samples per micro-batch";
   if (!profile.settled)
-    costs.source +=
+    source +=
         ", still noisy after " + std::to_string(profile.rounds) + " rounds";
+  return costsFromProfile(config, profile, source);
+}
+
+TrainingCosts costsFromProfile(
+    const Config& config,
+    const Profile& profile,
+    const std::string& source) {
+  TrainingCosts costs;
+  const int64_t size = microBatchSize(config);
+  costs.layers = profile.costsAt(size);
+  const double scale =
+      static_cast<double>(size) / static_cast<double>(profile.microBatchSize);
+  costs.inputBytes =
+      static_cast<int64_t>(static_cast<double>(profile.inputBytes) * scale);
+  costs.noise = profile.noise;
+  costs.source = source;
   return costs;
 }
 
