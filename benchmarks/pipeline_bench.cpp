@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cstdio>
 #include <fstream>
+#include <map>
 #include <thread>
 
 #include <nlohmann/json.hpp>
@@ -543,6 +544,89 @@ nlohmann::json randomnessCost() {
   return rows;
 }
 
+// Mean duration (ms) of each op kind over the recorded steps.
+std::map<std::string, double> meanOpMs(const tpipe::Trace& trace) {
+  std::map<std::string, double> sum;
+  std::map<std::string, int> count;
+  for (const auto& step : trace.steps) {
+    for (const auto& event : step.events) {
+      const auto& instruction = trace.schedule.perRank[event.rank][event.index];
+      const std::string op = tpipe::opName(instruction);
+      sum[op] += (event.endUs - event.startUs) / 1000.0;
+      ++count[op];
+    }
+  }
+  for (auto& [op, total] : sum)
+    total /= count[op];
+  return sum;
+}
+
+// Zero bubble against 1F1B, side by side on one balanced stack, and the cost
+// of the split backward (input pass + weight pass) against the fused one.
+nlohmann::json zeroBubble() {
+  const int p = 2, m = 8;
+  torch::manual_seed(2);
+  torch::nn::Sequential net;
+  for (int b = 0; b < 8; ++b) {
+    net->push_back(torch::nn::Linear(1024, 1024));
+    net->push_back(torch::nn::ReLU());
+  }
+  const torch::Tensor x = torch::randn({256, 1024});
+  const torch::Tensor y = torch::randint(0, 1024, {256}, torch::kLong);
+  std::printf(
+      "\nzero bubble, %d stages x 4 x (Linear 1024 + ReLU), batch 256, %d micro-batches, checkpoint never,"
+      " 1 thread per stage\n",
+      p,
+      m);
+  std::map<std::string, std::vector<double>> steps;
+  std::map<std::string, std::map<std::string, double>> ops;
+  for (int round = 0; round < 5; ++round) {
+    for (const char* schedule : {"1f1b", "zb-h1"}) {
+      tpipe::PipelineOptions options;
+      options.devices = cpus(p);
+      options.microBatches = m;
+      options.schedule = schedule;
+      options.checkpoint = CheckpointMode::kNever;
+      options.threadsPerDevice = 1;
+      const Measured r =
+          timePipeline(tpipe::layersOf(net), options, x, y, 1, 3, false);
+      steps[schedule].push_back(r.stepMs);
+      options.record = true;
+      tpipe::Pipeline recorded(tpipe::layersOf(net), options);
+      for (int s = 0; s < 3; ++s)
+        recorded.trainStep(x, y, crossEntropy);
+      for (const auto& [op, ms] : meanOpMs(recorded.trace()))
+        ops[schedule][op] += ms / 5.0;
+      for (auto& q : net->parameters())
+        q.mutable_grad() = torch::Tensor();
+    }
+  }
+  const double fused = ops["1f1b"]["backward"];
+  const double split =
+      ops["zb-h1"]["backward_input"] + ops["zb-h1"]["backward_weight"];
+  std::printf("%-8s %12s\n", "schedule", "step ms");
+  for (const char* schedule : {"1f1b", "zb-h1"})
+    std::printf("%-8s %12.2f\n", schedule, median(steps[schedule]));
+  const double ratio = median(steps["zb-h1"]) / median(steps["1f1b"]);
+  std::printf("zb-h1 / 1f1b step: %.3f (goal <= 0.97)\n", ratio);
+  std::printf(
+      "backward per micro-batch and stage: fused %.3f ms; input %.3f + weight %.3f = %.3f ms: %.3fx "
+      "(goal <= 1.15)\n",
+      fused,
+      ops["zb-h1"]["backward_input"],
+      ops["zb-h1"]["backward_weight"],
+      split,
+      split / fused);
+  return {
+      {"step_ms",
+       {{"1f1b", median(steps["1f1b"])}, {"zb-h1", median(steps["zb-h1"])}}},
+      {"zb_h1_over_1f1b", ratio},
+      {"fused_backward_ms", fused},
+      {"input_pass_ms", ops["zb-h1"]["backward_input"]},
+      {"weight_pass_ms", ops["zb-h1"]["backward_weight"]},
+      {"split_over_fused", split / fused}};
+}
+
 int main(int argc, char** argv) {
   const std::string out = argc > 1 ? argv[1] : "pipeline.json";
   const std::string only = argc > 2 ? argv[2] : "all";
@@ -558,6 +642,8 @@ int main(int argc, char** argv) {
     json["memory"] = memoryBySchedule();
   if (only == "all" || only == "randomness")
     json["randomness"] = randomnessCost();
+  if (only == "all" || only == "zero-bubble")
+    json["zero_bubble"] = zeroBubble();
   std::ofstream(out) << json.dump(1) << '\n';
   std::printf("\nwrote %s\n", out.c_str());
   return 0;

@@ -89,7 +89,8 @@ class RankExecutor {
       at::AutoGradMode gradMode(training && !op.checkpointed);
       StageGeneratorScope generator(
           training && stage.stochastic, stage.rngState, stage.device);
-      output = runLayers(stage, stash.input);
+      const bool record = training && !op.checkpointed && state_.splitBackward;
+      output = runLayers(stage, stash.input, record ? &stash : nullptr);
       if (training && stage.stochastic)
         stage.rngState = generator.current();
       if (isLast(op.stage) && training)
@@ -114,7 +115,8 @@ class RankExecutor {
     RecomputeScope recomputeScope;
     StageGeneratorScope generator(
         stage.stochastic, stash.rngState, stage.device);
-    at::Tensor output = runLayers(stage, stash.input);
+    at::Tensor output =
+        runLayers(stage, stash.input, state_.splitBackward ? &stash : nullptr);
     if (isLast(op.stage)) {
       output = weightedLoss(output, Forward{op.stage, op.microBatch, true});
     }
@@ -132,35 +134,53 @@ class RankExecutor {
     release(stash);
   }
 
+  // The input pass: the gradient of the stage input (for the previous
+  // stage) and of each parameter-owning layer's output (for the weight
+  // pass), in one walk that computes no weight gradient. The graph is kept
+  // for the weight pass.
   void operator()(const BackwardInput& op) {
     Stash& stash = state_.at(op.stage, op.microBatch);
-    if (op.stage == 0)
-      return; // no previous stage wants an input gradient
     at::AutoGradMode gradMode(true);
-    if (stash.output.requires_grad() && stash.input.requires_grad()) {
-      auto grads = torch::autograd::grad(
+    const bool wantInput = op.stage > 0 && stash.input.requires_grad();
+    std::vector<at::Tensor> wanted;
+    if (wantInput)
+      wanted.push_back(stash.input);
+    wanted.insert(
+        wanted.end(), stash.weightOutputs.begin(), stash.weightOutputs.end());
+    std::vector<at::Tensor> grads(wanted.size());
+    if (stash.output.requires_grad() && !wanted.empty()) {
+      grads = torch::autograd::grad(
           {stash.output},
-          {stash.input},
+          wanted,
           gradientsFor(stash),
           /*retain_graph=*/true,
           /*create_graph=*/false,
           /*allow_unused=*/true);
-      stash.inputGrad = grads[0];
     }
-    stash.inputGrad = inputGradient(stash);
+    if (wantInput)
+      stash.inputGrad = grads.front();
+    stash.weightOutputGrads.assign(
+        grads.begin() + (wantInput ? 1 : 0), grads.end());
+    if (op.stage > 0)
+      stash.inputGrad = inputGradient(stash);
   }
 
+  // The weight pass: each layer's parameter gradients from the gradient at
+  // its output, walking only that layer's part of the graph.
   void operator()(const BackwardWeight& op) {
     StageRuntime& stage = stageAt(op.stage);
     Stash& stash = state_.at(op.stage, op.microBatch);
     at::AutoGradMode gradMode(true);
-    if (stash.output.requires_grad() && !stage.parameters.empty()) {
+    for (size_t i = 0; i < stash.weightOutputs.size(); ++i) {
+      const at::Tensor& grad = stash.weightOutputGrads.at(i);
+      if (!grad.defined())
+        continue; // the loss does not depend on this layer
       torch::autograd::backward(
-          {stash.output},
-          gradientsFor(stash),
+          {stash.weightOutputs[i]},
+          {grad},
           /*retain_graph=*/false,
           /*create_graph=*/false,
-          stage.parameters);
+          stage.layerParameters[stash.weightLayers[i]]);
     }
     release(stash);
   }
@@ -306,9 +326,23 @@ class RankExecutor {
         c10::IntArrayRef(expected));
   }
 
-  static at::Tensor runLayers(StageRuntime& stage, at::Tensor x) {
-    for (auto& layer : stage.layers)
-      x = layer.forward(x);
+  // With `record`, keeps the output of every layer that owns parameters,
+  // for a split backward's weight pass.
+  static at::Tensor runLayers(
+      StageRuntime& stage,
+      at::Tensor x,
+      Stash* record = nullptr) {
+    if (record) {
+      record->weightOutputs.clear();
+      record->weightLayers.clear();
+    }
+    for (size_t l = 0; l < stage.layers.size(); ++l) {
+      x = stage.layers[l].forward(x);
+      if (record && !stage.layerParameters[l].empty() && x.requires_grad()) {
+        record->weightOutputs.push_back(x);
+        record->weightLayers.push_back(static_cast<int>(l));
+      }
+    }
     return x;
   }
 
@@ -343,6 +377,9 @@ class RankExecutor {
     stash.output = at::Tensor();
     stash.gradOutput = at::Tensor();
     stash.rngState = at::Tensor();
+    stash.weightOutputs.clear();
+    stash.weightOutputGrads.clear();
+    stash.weightLayers.clear();
   }
 
   StepState& state_;

@@ -28,8 +28,10 @@ struct StageRuntime {
   c10::Device device{c10::kCPU};
   std::vector<torch::nn::AnyModule> layers;
   std::vector<at::Tensor> parameters; // those requiring grad
-  bool stochastic = false;            // holds a layer that draws randomness
-  at::Tensor rngState;                // the stage's own generator state
+  // Per layer, its parameters requiring grad (the weight pass's targets).
+  std::vector<std::vector<at::Tensor>> layerParameters;
+  bool stochastic = false; // holds a layer that draws randomness
+  at::Tensor rngState;     // the stage's own generator state
   // On an accelerator: the stage computes on its own stream and ships its
   // outputs on a second one, so transfers overlap compute. Unset on CPU.
   c10::optional<c10::Stream> computeStream, copyStream;
@@ -43,6 +45,11 @@ struct Stash {
   at::Tensor inputGrad;  // gradient to send to the previous stage
   at::Tensor rngState;   // generator state at the forward, for recompute
   bool checkpointed = false;
+  // Split backward: the outputs of the stage's layers that own parameters
+  // (recorded at the forward or recompute), and the gradients the input pass
+  // found for them, which the weight pass starts from.
+  std::vector<at::Tensor> weightOutputs, weightOutputGrads;
+  std::vector<int> weightLayers; // index in StageRuntime::layers
 };
 
 // The state of one step, shared by all ranks' workers.
@@ -55,6 +62,9 @@ struct StepState {
   std::vector<double> weights;     // micro-batch size / batch size
   std::vector<int64_t> microBatchSizes;
   const LossFunction* lossFn = nullptr;
+  // The schedule splits backwards into input and weight passes: forwards
+  // record what the weight pass needs.
+  bool splitBackward = false;
   std::vector<Stash> stash;        // [stage * m + micro-batch]
   std::vector<at::Tensor> losses;  // weighted, detached, per micro-batch
   std::vector<at::Tensor> outputs; // inference outputs per micro-batch

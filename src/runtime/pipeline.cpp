@@ -391,9 +391,12 @@ void Pipeline::Impl::placeStage(int s) {
       layer.ptr()->to(stage.device);
     stage.layers.push_back(layer);
     stage.stochastic = stage.stochastic || drawsRandomness(layers[l]);
+    stage.layerParameters.emplace_back();
     for (const auto& parameter : layer.ptr()->parameters()) {
-      if (parameter.requires_grad())
-        stage.parameters.push_back(parameter);
+      if (!parameter.requires_grad())
+        continue;
+      stage.parameters.push_back(parameter);
+      stage.layerParameters.back().push_back(parameter);
     }
   }
   if (local && !stage.device.is_cpu()) {
@@ -488,6 +491,13 @@ void Pipeline::Impl::run(runtime::StepState& state, const Schedule& plan) {
   state.losses.assign(m, {});
   state.outputs.assign(m, {});
   state.record = options.record && plan.training;
+  state.splitBackward = false;
+  for (const auto& list : plan.perRank) {
+    for (const auto& instruction : list) {
+      state.splitBackward = state.splitBackward ||
+          std::holds_alternative<BackwardInput>(instruction);
+    }
+  }
   state.copyOnReceive = !memorySlots.empty();
   if (state.record)
     state.events.assign(plan.ranks, {});
