@@ -617,17 +617,21 @@ class ProcessGroupTransport final : public Transport {
         direction == Direction::kActivation ? "activation" : "gradient";
     const std::string receiving = std::string("receiving the ") + what +
         " of micro-batch " + std::to_string(microBatch);
+    // Part 0 is the header, part 1 the data.
+    auto receiveInto = [&](std::vector<at::Tensor>& tensors, int part) {
+      waitReceive(
+          impl_.withPeer(
+              peer,
+              receiving,
+              [&] {
+                return impl_.worldGroup->recv(
+                    tensors, peer, tag(direction, boundary, microBatch, part));
+              }),
+          peer,
+          receiving);
+    };
     std::vector<at::Tensor> header{at::empty({kHeaderSize}, at::kLong)};
-    waitReceive(
-        impl_.withPeer(
-            peer,
-            receiving,
-            [&] {
-              return impl_.worldGroup->recv(
-                  header, peer, tag(direction, boundary, microBatch, 0));
-            }),
-        peer,
-        receiving);
+    receiveInto(header, 0);
     const int64_t* h = header[0].data_ptr<int64_t>();
     TORCH_CHECK(
         h[0] == kMagic && h[1] == microBatch && h[2] == boundary &&
@@ -652,16 +656,7 @@ class ProcessGroupTransport final : public Transport {
     std::vector<int64_t> shape(h + 6, h + 6 + h[5]);
     std::vector<at::Tensor> data{
         at::empty(shape, at::TensorOptions().dtype(dtype))};
-    waitReceive(
-        impl_.withPeer(
-            peer,
-            receiving,
-            [&] {
-              return impl_.worldGroup->recv(
-                  data, peer, tag(direction, boundary, microBatch, 1));
-            }),
-        peer,
-        receiving);
+    receiveInto(data, 1);
     return {data[0], nullptr};
   }
 
