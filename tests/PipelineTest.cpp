@@ -126,6 +126,21 @@ TEST(PipelineTest, TransparentInFloat) {
     expectTransparent(c, torch::kFloat);
 }
 
+// The schedules added since the transparency table was written, through the
+// same check: ZB-H2 over every stage count, micro-batch count and mode.
+TEST(PipelineTest, ZeroBubbleH2IsTransparent) {
+  for (int ranks = 1; ranks <= 4; ++ranks) {
+    for (int m : {1, 2, 4, 7}) {
+      for (auto mode :
+           {CheckpointMode::kAlways,
+            CheckpointMode::kExceptLast,
+            CheckpointMode::kNever}) {
+        expectTransparent({"zb-h2", ranks, 1, m, mode}, torch::kDouble);
+      }
+    }
+  }
+}
+
 TEST(PipelineTest, SeveralOptimizerStepsTrackSequentialTraining) {
   torch::nn::Sequential reference = makeNet(torch::kDouble, 3);
   torch::nn::Sequential piped = makeNet(torch::kDouble, 3);

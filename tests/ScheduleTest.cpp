@@ -1,5 +1,7 @@
 #include <gtest/gtest.h>
 
+#include <random>
+
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -316,6 +318,67 @@ TEST(ScheduleTest, PrintedTimelineShowsEveryRank) {
       << out.str();
   EXPECT_NE(out.str().find("1 |..F0B0==F1B1==....|"), std::string::npos)
       << out.str();
+}
+
+TEST(ScheduleTest, ZeroBubbleH2AndAutoAreValidEverywhere) {
+  for (int p : {1, 2, 3, 4}) {
+    for (int m : {1, 2, 3, 5, 8, 9}) {
+      for (auto mode :
+           {CheckpointMode::kNever,
+            CheckpointMode::kExceptLast,
+            CheckpointMode::kAlways}) {
+        SCOPED_TRACE("p=" + std::to_string(p) + " m=" + std::to_string(m));
+        EXPECT_NO_THROW(validate(zeroBubbleH2Schedule(p, m, mode)));
+        const std::vector<int> limit(p, p);
+        EXPECT_NO_THROW(
+            validate(autoSchedule(p, m, mode, {StageCosts{}}, limit)));
+        // A limit of one micro-batch in flight still makes progress.
+        EXPECT_NO_THROW(validate(
+            autoSchedule(p, m, mode, {StageCosts{}}, std::vector<int>(p, 1))));
+      }
+    }
+  }
+}
+
+// Unit costs: ZB-H1 is already at the bound (p - 1) / (3m + p - 1); the list
+// scheduler reaches it too, and uses at most its limit of micro-batches.
+TEST(ScheduleTest, ZeroBubbleH2ReachesTheUnitCostBound) {
+  const Simulation h2 = simulate(
+      zeroBubbleH2Schedule(4, 8, CheckpointMode::kNever), {StageCosts{}});
+  EXPECT_DOUBLE_EQ(h2.makespan, 3 * 8 + 3);
+  for (int held : h2.peakStashed)
+    EXPECT_LE(held, 2 * 4 - 1);
+}
+
+// With uneven costs and transfers the list scheduler beats ZB-H1, and it is
+// never worse than it under the same limit.
+TEST(ScheduleTest, AutoIsNeverWorseThanZeroBubbleH1) {
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<double> time(0.2, 2.0);
+  int better = 0;
+  for (int trial = 0; trial < 60; ++trial) {
+    const int p = 2 + static_cast<int>(rng() % 3),
+              m = p + static_cast<int>(rng() % 8);
+    std::vector<StageCosts> costs(p);
+    for (auto& c : costs) {
+      c.forward = time(rng), c.backwardInput = time(rng),
+      c.backwardWeight = time(rng);
+      c.backward = c.backwardInput + c.backwardWeight;
+      c.recompute = c.forward;
+      c.transfer = 0.1 * time(rng);
+    }
+    const double h1 =
+        simulate(zeroBubbleH1Schedule(p, m, CheckpointMode::kNever), costs)
+            .makespan;
+    const Schedule automatic = autoSchedule(
+        p, m, CheckpointMode::kNever, costs, std::vector<int>(p, p));
+    const Simulation simulated = simulate(automatic, costs);
+    EXPECT_LE(simulated.makespan, h1 + 1e-9) << "trial " << trial;
+    for (int held : simulated.peakStashed)
+      EXPECT_LE(held, p);
+    better += simulated.makespan < h1 - 1e-9;
+  }
+  EXPECT_GT(better, 10);
 }
 
 } // namespace

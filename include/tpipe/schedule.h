@@ -131,6 +131,7 @@ enum class ScheduleKind {
   kOneFOneB,     // "1f1b"
   kInterleaved,  // "interleaved-1f1b": virtual stages per rank
   kZeroBubbleH1, // "zb-h1": backward split into input and weight passes
+  kZeroBubbleH2, // "zb-h2": more warm-up forwards, near-zero bubble
 };
 const char* scheduleKindName(ScheduleKind kind);
 
@@ -195,6 +196,21 @@ Schedule interleavedSchedule(
     int virtualStages,
     CheckpointMode mode);
 Schedule zeroBubbleH1Schedule(int ranks, int microBatches, CheckpointMode mode);
+// Up to 2p - 1 micro-batches in flight per stage; the list scheduler below
+// with unit costs (F = B = W), which then leaves no bubble for m >= 2p.
+Schedule zeroBubbleH2Schedule(int ranks, int microBatches, CheckpointMode mode);
+// The zero-bubble list scheduler with measured per-stage costs (forward,
+// backwardInput, backwardWeight, transfer) and a per-stage limit of
+// micro-batches in flight (forwarded, weight pass not yet done). Returns
+// ZB-H1 instead where that fits the limits and simulates faster, so it is
+// never worse than ZB-H1. Named "auto". The heuristic's steps are in
+// src/scheduler/generators.cpp (GreedyZeroBubble).
+Schedule autoSchedule(
+    int ranks,
+    int microBatches,
+    CheckpointMode mode,
+    const std::vector<StageCosts>& costs,
+    const std::vector<int>& limit);
 // Inference: every rank forwards its stages' micro-batches in order.
 Schedule forwardOnlySchedule(int ranks, int virtualStages, int microBatches);
 // Dispatches on spec.source and validates the result. A schedule file must

@@ -261,10 +261,80 @@ int profileCommand(
   return 0;
 }
 
-int printSchedule(const tpipe::ScheduleSpec& spec, bool json) {
-  const tpipe::Schedule schedule = tpipe::makeSchedule(spec);
-  const tpipe::Simulation simulation =
-      tpipe::simulate(schedule, {tpipe::StageCosts{}});
+// Per-stage costs from a recorded run's report (`tpipe train --report`,
+// `tpipe profile --steps N --report`: "stage_costs") or a file of the same
+// shape ({"stage_costs": [{"forward_ms", "backward_input_ms",
+// "backward_weight_ms", "transfer_ms"}, ...]}). A fused backward measured
+// alone is split in halves, as the simulator assumes elsewhere.
+std::vector<tpipe::StageCosts> readStageCosts(
+    const std::string& path,
+    int stages) {
+  const nlohmann::json json = tpipe::readJsonFile(path, "--costs " + path);
+  if (!json.is_object() || !json.contains("stage_costs") ||
+      !json["stage_costs"].is_array()) {
+    throw tpipe::ConfigError(
+        "--costs " + path +
+        ": expected {\"stage_costs\": [...]} (a report from --report)");
+  }
+  const auto& items = json["stage_costs"];
+  if (static_cast<int>(items.size()) != stages) {
+    throw tpipe::ConfigError(
+        "--costs " + path + ": " + std::to_string(items.size()) +
+        " stages of costs for " + std::to_string(stages) + " stages");
+  }
+  std::vector<tpipe::StageCosts> costs;
+  for (size_t k = 0; k < items.size(); ++k) {
+    auto number = [&](const char* key) {
+      const auto& value = items[k].value(key, nlohmann::json(0.0));
+      if (!value.is_number() || value.get<double>() < 0) {
+        throw tpipe::ConfigError(
+            "--costs " + path + ": stage_costs[" + std::to_string(k) + "]." +
+            key + ": expected a non-negative number");
+      }
+      return value.get<double>();
+    };
+    tpipe::StageCosts c;
+    c.forward = number("forward_ms");
+    c.backwardInput = number("backward_input_ms");
+    c.backwardWeight = number("backward_weight_ms");
+    const double fused = number("backward_ms");
+    if (c.backwardInput + c.backwardWeight == 0.0)
+      c.backwardInput = c.backwardWeight = fused / 2;
+    c.backward = fused > 0 ? fused : c.backwardInput + c.backwardWeight;
+    c.recompute = c.forward;
+    c.transfer = number("transfer_ms");
+    costs.push_back(c);
+  }
+  return costs;
+}
+
+struct ScheduleRequest {
+  tpipe::ScheduleSpec spec;
+  std::string text = "gpipe"; // a schedule name, "auto", or a file
+  std::string costsPath;
+  int memoryLimit = 0; // micro-batches in flight per stage; 0: p
+};
+
+int printSchedule(const ScheduleRequest& request, bool json) {
+  tpipe::ScheduleSpec spec = request.spec;
+  std::vector<tpipe::StageCosts> costs{tpipe::StageCosts{}};
+  if (!request.costsPath.empty())
+    costs = readStageCosts(request.costsPath, spec.ranks);
+  tpipe::Schedule schedule;
+  if (request.text == "auto") {
+    const int limit =
+        request.memoryLimit > 0 ? request.memoryLimit : spec.ranks;
+    schedule = tpipe::autoSchedule(
+        spec.ranks,
+        spec.microBatches,
+        spec.checkpoint,
+        costs,
+        std::vector<int>(spec.ranks, limit));
+  } else {
+    spec.source = request.text;
+    schedule = tpipe::makeSchedule(spec);
+  }
+  const tpipe::Simulation simulation = tpipe::simulate(schedule, costs);
   if (json) {
     nlohmann::json out = tpipe::scheduleToJson(schedule);
     out["simulation"] = tpipe::simulationToJson(schedule, simulation);
@@ -272,8 +342,12 @@ int printSchedule(const tpipe::ScheduleSpec& spec, bool json) {
     return 0;
   }
   tpipe::printInstructions(std::cout, schedule);
-  std::cout << "\nunit costs: forward 1, backward 2 (input 1 + weight 1), "
-               "recompute 1, transfer 0\n";
+  if (request.costsPath.empty()) {
+    std::cout
+        << "\nunit costs: forward 1, backward 2 (input 1 + weight 1), recompute 1, transfer 0\n";
+  } else {
+    std::cout << "\ncosts (ms) from " << request.costsPath << "\n";
+  }
   tpipe::printSimulation(std::cout, schedule, simulation);
   return 0;
 }
@@ -307,8 +381,8 @@ struct Arguments {
   std::string profilePath, profileOut;
   int planStages = 0, profileSteps = 0;
   bool json = false;
-  tpipe::ScheduleSpec spec;
-  std::string scheduleText = "gpipe", checkpoint = "except_last";
+  ScheduleRequest schedule;
+  std::string checkpoint = "except_last";
 };
 
 CLI::App* addTrain(CLI::App& app, Arguments& a) {
@@ -442,15 +516,35 @@ CLI::App* addSchedule(CLI::App& app, Arguments& a) {
   auto* schedule = app.add_subcommand(
       "schedule",
       "print a schedule's instruction lists and simulated timeline");
-  schedule->add_option("--stages", a.spec.ranks, "pipeline ranks (devices)")
+  schedule
+      ->add_option(
+          "--stages", a.schedule.spec.ranks, "pipeline ranks (devices)")
       ->required()
       ->check(CLI::Range(1, 4096));
-  schedule->add_option("--micro-batches", a.spec.microBatches, "micro-batches")
+  schedule
+      ->add_option(
+          "--micro-batches", a.schedule.spec.microBatches, "micro-batches")
       ->required()
       ->check(CLI::Range(1, 65536));
   schedule->add_option(
-      "--schedule", a.scheduleText, "gpipe | 1f1b | interleaved-1f1b | zb-h1");
-  schedule->add_option("--virtual", a.spec.virtualStages, "stages per device")
+      "--schedule",
+      a.schedule.text,
+      "gpipe | 1f1b | interleaved-1f1b | zb-h1 | zb-h2 | auto | a file *.json");
+  schedule
+      ->add_option(
+          "--costs",
+          a.schedule.costsPath,
+          "per-stage costs: a report from `train --report` (\"stage_costs\")")
+      ->check(CLI::ExistingFile);
+  schedule
+      ->add_option(
+          "--memory-limit",
+          a.schedule.memoryLimit,
+          "auto: micro-batches in flight per stage (default: stages, as zb-h1)")
+      ->check(CLI::Range(1, 65536));
+  schedule
+      ->add_option(
+          "--virtual", a.schedule.spec.virtualStages, "stages per device")
       ->check(CLI::Range(1, 64));
   schedule->add_option(
       "--checkpoint", a.checkpoint, "always | except_last | never");
@@ -503,9 +597,8 @@ int dispatch(const Subcommands& c, Arguments& a) {
   }
   if (*c.profile)
     return runProfile(a);
-  a.spec.checkpoint = tpipe::parseCheckpointMode(a.checkpoint);
-  a.spec.source = a.scheduleText;
-  return printSchedule(a.spec, a.json);
+  a.schedule.spec.checkpoint = tpipe::parseCheckpointMode(a.checkpoint);
+  return printSchedule(a.schedule, a.json);
 }
 
 } // namespace

@@ -112,6 +112,138 @@ std::vector<ComputeStep> oneFOneBOrder(
   return steps;
 }
 
+// The zero-bubble list scheduler (the Zero Bubble paper's automatic
+// scheduler, simplified), on one stage per rank with split backwards. It
+// replays time with the given per-stage costs; whenever a rank is free it
+// runs, in this order of preference:
+//   1. an input pass (B) whose gradient has arrived: it unblocks the stage
+//      before, so the bubble upstream shrinks;
+//   2. a forward (F) whose activation has arrived, if the stage holds fewer
+//      than `limit[stage]` micro-batches (forwarded, weight pass not done);
+//   3. a weight pass (W) of a micro-batch whose B is done: W depends on no
+//      other rank, so it fills what would be idle time;
+// and otherwise waits for the next arrival. Remaining Ws drain at the end.
+class GreedyZeroBubble {
+ public:
+  GreedyZeroBubble(
+      int ranks,
+      int m,
+      std::vector<StageCosts> costs,
+      std::vector<int> limit)
+      : p_(ranks),
+        m_(m),
+        costs_(std::move(costs)),
+        limit_(std::move(limit)),
+        free_(ranks, 0.0),
+        f_(ranks, 0),
+        b_(ranks, 0),
+        w_(ranks, 0),
+        forwardDone_(ranks, std::vector<double>(m, -1.0)),
+        backwardDone_(ranks, std::vector<double>(m, -1.0)),
+        order_(ranks) {}
+
+  ComputeOrder run() {
+    while (!done()) {
+      double t = kNever;
+      for (int r = 0; r < p_; ++r) {
+        if (w_[r] < m_)
+          t = std::min(t, free_[r]);
+      }
+      bool progressed = false;
+      for (int r = 0; r < p_; ++r) {
+        if (w_[r] < m_ && free_[r] <= t + kEpsilon)
+          progressed = step(r, t) || progressed;
+      }
+      if (!progressed)
+        advance(t);
+    }
+    return order_;
+  }
+
+ private:
+  static constexpr double kNever = 1e300;
+  static constexpr double kEpsilon = 1e-12;
+
+  const StageCosts& cost(int s) const {
+    return costs_.size() == 1 ? costs_[0] : costs_[s];
+  }
+  bool done() const {
+    for (int r = 0; r < p_; ++r) {
+      if (w_[r] < m_)
+        return false;
+    }
+    return true;
+  }
+  // When stage s could start its next B / F; kNever while unknown.
+  double backwardReady(int s) const {
+    if (b_[s] >= f_[s])
+      return kNever;
+    if (s == p_ - 1)
+      return forwardDone_[s][b_[s]];
+    const double sent = backwardDone_[s + 1][b_[s]];
+    return sent < 0 ? kNever : sent + cost(s + 1).transfer;
+  }
+  double forwardReady(int s) const {
+    if (f_[s] >= m_ || f_[s] - w_[s] >= limit_[s])
+      return kNever;
+    if (s == 0)
+      return 0.0;
+    const double sent = forwardDone_[s - 1][f_[s]];
+    return sent < 0 ? kNever : sent + cost(s - 1).transfer;
+  }
+
+  bool step(int s, double t) {
+    Pass pass;
+    int mb;
+    double duration;
+    if (backwardReady(s) <= t + kEpsilon) {
+      pass = Pass::kBackwardInput, mb = b_[s]++,
+      duration = cost(s).backwardInput;
+      backwardDone_[s][mb] = t + duration;
+    } else if (forwardReady(s) <= t + kEpsilon) {
+      pass = Pass::kForward, mb = f_[s]++, duration = cost(s).forward;
+      forwardDone_[s][mb] = t + duration;
+    } else if (w_[s] < b_[s]) {
+      pass = Pass::kBackwardWeight, mb = w_[s]++,
+      duration = cost(s).backwardWeight;
+    } else {
+      return false;
+    }
+    order_[s].push_back({pass, s, mb});
+    free_[s] = t + duration;
+    return true;
+  }
+
+  // Nobody could run at t: idle ranks wait for the next finish or arrival.
+  void advance(double t) {
+    double next = kNever;
+    for (int r = 0; r < p_; ++r) {
+      if (w_[r] >= m_)
+        continue;
+      if (free_[r] > t + kEpsilon)
+        next = std::min(next, free_[r]);
+      for (double ready : {backwardReady(r), forwardReady(r)}) {
+        if (ready > t + kEpsilon)
+          next = std::min(next, ready);
+      }
+    }
+    if (next >= kNever)
+      throw ScheduleError("zero-bubble scheduler: no rank can make progress");
+    for (int r = 0; r < p_; ++r) {
+      if (w_[r] < m_ && free_[r] <= t + kEpsilon)
+        free_[r] = next;
+    }
+  }
+
+  int p_, m_;
+  std::vector<StageCosts> costs_;
+  std::vector<int> limit_;
+  std::vector<double> free_;
+  std::vector<int> f_, b_, w_; // next micro-batch of each pass, per stage
+  std::vector<std::vector<double>> forwardDone_, backwardDone_;
+  ComputeOrder order_;
+};
+
 } // namespace
 
 CheckpointMode parseCheckpointMode(const std::string& name) {
@@ -152,7 +284,7 @@ bool isCheckpointed(CheckpointMode mode, int microBatch, int microBatches) {
 
 const std::vector<std::string>& scheduleNames() {
   static const std::vector<std::string> names = {
-      "gpipe", "1f1b", "interleaved-1f1b", "zb-h1"};
+      "gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2"};
   return names;
 }
 
@@ -271,6 +403,62 @@ Schedule zeroBubbleH1Schedule(
   return lower("zb-h1", ranks, 1, microBatches, mode, order);
 }
 
+Schedule zeroBubbleH2Schedule(
+    int ranks,
+    int microBatches,
+    CheckpointMode mode) {
+  requireCounts(ranks, microBatches, 1);
+  // Up to 2p - 1 micro-batches in flight: enough warm-up forwards to cover
+  // the wait for the first gradient, so unit-cost stages never idle.
+  const std::vector<int> limit(ranks, 2 * ranks - 1);
+  const ComputeOrder order =
+      GreedyZeroBubble(ranks, microBatches, {StageCosts{}}, limit).run();
+  return lower("zb-h2", ranks, 1, microBatches, mode, order);
+}
+
+Schedule autoSchedule(
+    int ranks,
+    int microBatches,
+    CheckpointMode mode,
+    const std::vector<StageCosts>& costs,
+    const std::vector<int>& limit) {
+  requireCounts(ranks, microBatches, 1);
+  if (costs.size() != 1 && static_cast<int>(costs.size()) != ranks) {
+    throw ScheduleError(
+        "auto schedule: expected 1 or " + std::to_string(ranks) +
+        " stage costs, got " + std::to_string(costs.size()));
+  }
+  if (static_cast<int>(limit.size()) != ranks) {
+    throw ScheduleError(
+        "auto schedule: expected " + std::to_string(ranks) +
+        " in-flight limits, got " + std::to_string(limit.size()));
+  }
+  for (int cap : limit) {
+    if (cap < 1)
+      throw ScheduleError("auto schedule: an in-flight limit must be >= 1");
+  }
+  Schedule greedy = lower(
+      "auto",
+      ranks,
+      1,
+      microBatches,
+      mode,
+      GreedyZeroBubble(ranks, microBatches, costs, limit).run());
+  validate(greedy);
+  // Never worse than ZB-H1 where ZB-H1 fits the limit (it holds up to p).
+  bool h1Fits = true;
+  for (int cap : limit)
+    h1Fits = h1Fits && cap >= std::min(ranks, microBatches);
+  if (!h1Fits)
+    return greedy;
+  Schedule h1 = zeroBubbleH1Schedule(ranks, microBatches, mode);
+  if (simulate(h1, costs).makespan < simulate(greedy, costs).makespan) {
+    h1.name = "auto";
+    return h1;
+  }
+  return greedy;
+}
+
 Schedule forwardOnlySchedule(int ranks, int virtualStages, int microBatches) {
   requireCounts(ranks, microBatches, virtualStages);
   ComputeOrder order(ranks);
@@ -302,6 +490,8 @@ const char* scheduleKindName(ScheduleKind kind) {
       return "interleaved-1f1b";
     case ScheduleKind::kZeroBubbleH1:
       return "zb-h1";
+    case ScheduleKind::kZeroBubbleH2:
+      return "zb-h2";
   }
   return "?";
 }
@@ -311,7 +501,8 @@ ScheduleSource::ScheduleSource(const std::string& text) {
        {ScheduleKind::kGpipe,
         ScheduleKind::kOneFOneB,
         ScheduleKind::kInterleaved,
-        ScheduleKind::kZeroBubbleH1}) {
+        ScheduleKind::kZeroBubbleH1,
+        ScheduleKind::kZeroBubbleH2}) {
     if (text == scheduleKindName(kind)) {
       kind_ = kind;
       known_ = true;
@@ -416,6 +607,10 @@ Schedule makeSchedule(const ScheduleSpec& spec) {
     case ScheduleKind::kZeroBubbleH1:
       schedule =
           zeroBubbleH1Schedule(spec.ranks, spec.microBatches, spec.checkpoint);
+      break;
+    case ScheduleKind::kZeroBubbleH2:
+      schedule =
+          zeroBubbleH2Schedule(spec.ranks, spec.microBatches, spec.checkpoint);
       break;
   }
   validate(schedule);
