@@ -63,6 +63,24 @@ TEST(CliTest, BadScheduleExitsWithStatusTwo) {
   EXPECT_EQ(r.output.find("Exception raised from"), std::string::npos);
 }
 
+// A schedule moved through torch.distributed.pipelining's CSV trains here.
+TEST(CliTest, AnActionCsvScheduleTrains) {
+  const std::string root = TPIPE_SOURCE_DIR;
+  const std::string file = testing::TempDir() + "/tpipe_cli_schedule.csv";
+  const Result csv =
+      runTpipe("schedule --stages 2 --micro-batches 4 --schedule zb-h2 --csv");
+  ASSERT_EQ(csv.status, 0) << csv.output;
+  EXPECT_EQ(csv.output.rfind("0F0,", 0), 0u) << csv.output;
+  std::ofstream(file) << csv.output;
+  const Result train = runTpipe(
+      "train " + root +
+      "/configs/mlp_synthetic.json --set train.steps=3 --set pipeline.schedule=" +
+      file);
+  EXPECT_EQ(train.status, 0) << train.output;
+  EXPECT_NE(train.output.find("done: 3 steps"), std::string::npos)
+      << train.output;
+}
+
 // A user error exits 2 from every command, whichever layer finds it.
 TEST(CliTest, ABadScheduleFileExitsTwoFromTrainAndValidate) {
   const std::string root = TPIPE_SOURCE_DIR;
@@ -70,9 +88,11 @@ TEST(CliTest, ABadScheduleFileExitsTwoFromTrainAndValidate) {
   std::ofstream(file) << "{\"ranks\": 2, \"stages\": [[]]}";
   for (const char* command : {"train", "validate", "plan"}) {
     const Result r = runTpipe(
-        std::string(command) + " " + root + "/configs/mlp_synthetic.json --set pipeline.schedule=" + file);
+        std::string(command) + " " + root +
+        "/configs/mlp_synthetic.json --set pipeline.schedule=" + file);
     EXPECT_EQ(r.status, 2) << command << ": " << r.output;
-    EXPECT_NE(r.output.find("schedule file " + file), std::string::npos) << command << ": " << r.output;
+    EXPECT_NE(r.output.find("schedule file " + file), std::string::npos)
+        << command << ": " << r.output;
   }
 }
 

@@ -381,5 +381,42 @@ TEST(ScheduleTest, AutoIsNeverWorseThanZeroBubbleH1) {
   EXPECT_GT(better, 10);
 }
 
+// Our schedules go to torch.distributed.pipelining's action CSV and back
+// unchanged (transfers and recomputes are derived again).
+TEST(ScheduleTest, ActionCsvRoundTrips) {
+  for (auto mode :
+       {CheckpointMode::kNever,
+        CheckpointMode::kExceptLast,
+        CheckpointMode::kAlways}) {
+    for (const Schedule& schedule :
+         {gpipeSchedule(3, 5, mode),
+          oneFOneBSchedule(4, 6, mode),
+          zeroBubbleH1Schedule(3, 4, mode),
+          zeroBubbleH2Schedule(2, 5, mode),
+          interleavedSchedule(2, 4, 2, mode)}) {
+      SCOPED_TRACE(schedule.name + " " + checkpointModeName(mode));
+      const std::string csv = scheduleToCsv(schedule);
+      const Schedule back = scheduleFromCsv(csv, mode);
+      EXPECT_EQ(back.ranks, schedule.ranks);
+      EXPECT_EQ(back.virtualStages, schedule.virtualStages);
+      EXPECT_EQ(back.microBatches, schedule.microBatches);
+      EXPECT_EQ(
+          scheduleToJson(back)["stages"], scheduleToJson(schedule)["stages"]);
+      EXPECT_EQ(scheduleToCsv(back), csv);
+    }
+  }
+  EXPECT_EQ(
+      scheduleToCsv(zeroBubbleH1Schedule(2, 2, CheckpointMode::kNever)),
+      "0F0,0F1,0I0,0W0,0I1,0W1\n1F0,1I0,1F1,1I1,1W0,1W1\n");
+  EXPECT_THROW(
+      scheduleFromCsv("0F0,0X0\n", CheckpointMode::kNever), ScheduleError);
+  EXPECT_THROW(
+      scheduleFromCsv("1F0\n0F0\n", CheckpointMode::kNever),
+      ScheduleError); // stage 1 on rank 0
+  EXPECT_THROW(
+      scheduleFromCsv("0F0,0I0\n1F0\n", CheckpointMode::kNever),
+      ScheduleError); // no W, no backward
+}
+
 } // namespace
 } // namespace tpipe

@@ -138,7 +138,8 @@ const char* scheduleKindName(ScheduleKind kind);
 // Which schedule to run: a built-in generator or a schedule file (as
 // `tpipe schedule --json` writes it). Text converts implicitly, so options
 // read `schedule = "1f1b"` or `schedule = "mine.json"`: a name from
-// scheduleNames() is that generator, text ending in .json a file; any other
+// scheduleNames() is that generator, text ending in .json (tpipe's format)
+// or .csv (torch.distributed.pipelining's action CSV) a file; any other
 // text is kept as an unknown name that makeSchedule rejects, listing the
 // names.
 class ScheduleSource {
@@ -211,6 +212,15 @@ Schedule autoSchedule(
     CheckpointMode mode,
     const std::vector<StageCosts>& costs,
     const std::vector<int>& limit);
+// torch.distributed.pipelining's compute-only action CSV: one row per rank,
+// actions like "0F1" (stage 0 forward of micro-batch 1), with "I" and "W"
+// for the split backward and "B" for the whole one. Transfers and recomputes
+// are not written; reading derives them (recomputes from `mode`) and
+// validates the result. Stage s must run on rank s % ranks.
+std::string scheduleToCsv(const Schedule& schedule);
+Schedule scheduleFromCsv(const std::string& text, CheckpointMode mode);
+Schedule loadScheduleCsv(const std::string& path, CheckpointMode mode);
+
 // Inference: every rank forwards its stages' micro-batches in order.
 Schedule forwardOnlySchedule(int ranks, int virtualStages, int microBatches);
 // Dispatches on spec.source and validates the result. A schedule file must

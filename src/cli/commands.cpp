@@ -315,7 +315,7 @@ struct ScheduleRequest {
   int memoryLimit = 0; // micro-batches in flight per stage; 0: p
 };
 
-int printSchedule(const ScheduleRequest& request, bool json) {
+int printSchedule(const ScheduleRequest& request, bool json, bool csv) {
   tpipe::ScheduleSpec spec = request.spec;
   std::vector<tpipe::StageCosts> costs{tpipe::StageCosts{}};
   if (!request.costsPath.empty())
@@ -333,6 +333,10 @@ int printSchedule(const ScheduleRequest& request, bool json) {
   } else {
     spec.source = request.text;
     schedule = tpipe::makeSchedule(spec);
+  }
+  if (csv) {
+    std::cout << tpipe::scheduleToCsv(schedule);
+    return 0;
   }
   const tpipe::Simulation simulation = tpipe::simulate(schedule, costs);
   if (json) {
@@ -380,7 +384,7 @@ struct Arguments {
   int processes = 1;
   std::string profilePath, profileOut;
   int planStages = 0, profileSteps = 0;
-  bool json = false;
+  bool json = false, csv = false;
   ScheduleRequest schedule;
   std::string checkpoint = "except_last";
 };
@@ -549,6 +553,10 @@ CLI::App* addSchedule(CLI::App& app, Arguments& a) {
   schedule->add_option(
       "--checkpoint", a.checkpoint, "always | except_last | never");
   schedule->add_flag("--json", a.json, "print JSON");
+  schedule->add_flag(
+      "--csv",
+      a.csv,
+      "print torch.distributed.pipelining's compute-only action CSV");
   return schedule;
 }
 
@@ -598,7 +606,7 @@ int dispatch(const Subcommands& c, Arguments& a) {
   if (*c.profile)
     return runProfile(a);
   a.schedule.spec.checkpoint = tpipe::parseCheckpointMode(a.checkpoint);
-  return printSchedule(a.schedule, a.json);
+  return printSchedule(a.schedule, a.json, a.csv);
 }
 
 } // namespace

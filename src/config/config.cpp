@@ -482,17 +482,15 @@ std::vector<DeviceConfig> parseDevices(const Json& devices) {
 }
 
 ScheduleSource parseScheduleSource(ObjectReader& pipeline) {
-  if (const Json* custom = pipeline.find("schedule"); custom &&
-      custom->is_string() && custom->get<std::string>().size() > 5 &&
-      custom->get<std::string>().rfind(".json") ==
-          custom->get<std::string>().size() - 5) {
-    return ScheduleSource::file(
-        custom->get<std::string>()); // validated when the plan loads it
-  } else {
-    std::vector<std::string> names = scheduleNames();
-    names.push_back("a schedule file (*.json)");
-    return ScheduleSource(pipeline.choice("schedule", "gpipe", names));
+  if (const Json* custom = pipeline.find("schedule");
+      custom && custom->is_string()) {
+    const ScheduleSource source(custom->get<std::string>());
+    if (source.isFile())
+      return source; // validated when the plan loads it
   }
+  std::vector<std::string> names = scheduleNames();
+  names.push_back("a schedule file (*.json, *.csv)");
+  return ScheduleSource(pipeline.choice("schedule", "gpipe", names));
 }
 
 void parseBalance(ObjectReader& pipeline, PipelineConfig& p) {

@@ -4,6 +4,7 @@
 #include <fstream>
 #include <iomanip>
 #include <ostream>
+#include <sstream>
 
 #include <nlohmann/json.hpp>
 
@@ -268,6 +269,19 @@ Schedule loadScheduleFile(const std::string& path) {
     Schedule schedule = scheduleFromJson(json);
     validate(schedule);
     return schedule;
+  } catch (const ScheduleError& error) {
+    throw ScheduleError("schedule file " + path + ": " + error.what());
+  }
+}
+
+Schedule loadScheduleCsv(const std::string& path, CheckpointMode mode) {
+  std::ifstream file(path, std::ios::binary);
+  if (!file)
+    throw ScheduleError("schedule file " + path + ": cannot open");
+  std::ostringstream text;
+  text << file.rdbuf();
+  try {
+    return scheduleFromCsv(text.str(), mode);
   } catch (const ScheduleError& error) {
     throw ScheduleError("schedule file " + path + ": " + error.what());
   }

@@ -1,6 +1,7 @@
 // Schedule generators: each decides only the order of compute on every rank;
 // `lower` adds the transfers and recomputation every generator needs alike.
 #include <algorithm>
+#include <cctype>
 #include <sstream>
 
 #include "tpipe/schedule.h"
@@ -459,6 +460,148 @@ Schedule autoSchedule(
   return greedy;
 }
 
+namespace {
+
+// "0F1" -> stage 0, forward, micro-batch 1 (torch.distributed.pipelining's
+// action text: stage, computation type, micro-batch).
+ComputeStep parseAction(const std::string& text, int rank) {
+  size_t at = 0;
+  auto number = [&] {
+    const size_t start = at;
+    while (at < text.size() &&
+           std::isdigit(static_cast<unsigned char>(text[at])))
+      ++at;
+    if (at == start || at - start > 6) {
+      throw ScheduleError(
+          "CSV row " + std::to_string(rank) + ": cannot read action '" + text +
+          "'");
+    }
+    return std::stoi(text.substr(start, at - start));
+  };
+  const int stage = number();
+  if (at >= text.size())
+    throw ScheduleError(
+        "CSV row " + std::to_string(rank) + ": action '" + text +
+        "' has no type");
+  const char type = text[at++];
+  const int mb = number();
+  if (at != text.size())
+    throw ScheduleError(
+        "CSV row " + std::to_string(rank) + ": cannot read action '" + text +
+        "'");
+  switch (type) {
+    case 'F':
+      return {Pass::kForward, stage, mb};
+    case 'B':
+      return {Pass::kBackward, stage, mb};
+    case 'I':
+      return {Pass::kBackwardInput, stage, mb};
+    case 'W':
+      return {Pass::kBackwardWeight, stage, mb};
+    default:
+      throw ScheduleError(
+          "CSV row " + std::to_string(rank) + ": action '" + text +
+          "' is not compute (F, B, I or W)");
+  }
+}
+
+std::vector<std::string> splitCells(const std::string& line) {
+  std::vector<std::string> cells;
+  std::string cell;
+  for (char c : line + ",") {
+    if (c == ',') {
+      const size_t first = cell.find_first_not_of(" \t\r");
+      const size_t last = cell.find_last_not_of(" \t\r");
+      cells.push_back(
+          first == std::string::npos ? ""
+                                     : cell.substr(first, last - first + 1));
+      cell.clear();
+    } else {
+      cell += c;
+    }
+  }
+  return cells;
+}
+
+} // namespace
+
+std::string scheduleToCsv(const Schedule& schedule) {
+  std::ostringstream csv;
+  for (const auto& list : schedule.perRank) {
+    bool first = true;
+    for (const Instruction& instruction : list) {
+      char type = 0;
+      if (std::holds_alternative<Forward>(instruction))
+        type = 'F';
+      if (std::holds_alternative<Backward>(instruction))
+        type = 'B';
+      if (std::holds_alternative<BackwardInput>(instruction))
+        type = 'I';
+      if (std::holds_alternative<BackwardWeight>(instruction))
+        type = 'W';
+      if (type == 0)
+        continue; // transfers and recomputes are derived
+      csv << (first ? "" : ",") << stageOf(instruction) << type
+          << microBatchOf(instruction);
+      first = false;
+    }
+    csv << '\n';
+  }
+  return csv.str();
+}
+
+Schedule scheduleFromCsv(const std::string& text, CheckpointMode mode) {
+  std::istringstream lines(text);
+  std::string line;
+  ComputeOrder order;
+  int stages = 0, microBatches = 0;
+  while (std::getline(lines, line)) {
+    if (line.find_first_not_of(" \t\r") == std::string::npos && order.empty())
+      continue;
+    order.emplace_back();
+    for (const std::string& cell : splitCells(line)) {
+      if (cell.empty())
+        continue; // an idle slot
+      const ComputeStep step =
+          parseAction(cell, static_cast<int>(order.size()) - 1);
+      order.back().push_back(step);
+      stages = std::max(stages, step.stage + 1);
+      microBatches = std::max(microBatches, step.microBatch + 1);
+    }
+  }
+  while (!order.empty() && order.back().empty())
+    order.pop_back();
+  const int ranks = static_cast<int>(order.size());
+  if (ranks == 0 || stages == 0)
+    throw ScheduleError("CSV schedule: no actions");
+  if (stages % ranks != 0) {
+    throw ScheduleError(
+        "CSV schedule: " + std::to_string(stages) + " stages on " +
+        std::to_string(ranks) +
+        " ranks; tpipe places stage s on rank s % ranks");
+  }
+  for (int rank = 0; rank < ranks; ++rank) {
+    for (const ComputeStep& step : order[rank]) {
+      if (step.stage % ranks != rank) {
+        throw ScheduleError(
+            "CSV row " + std::to_string(rank) + ": stage " +
+            std::to_string(step.stage) + " runs on rank " +
+            std::to_string(step.stage % ranks) + " in tpipe");
+      }
+    }
+  }
+  const int virtualStages = stages / ranks;
+  Schedule schedule = lower(
+      virtualStages == 1 ? "custom" : "custom",
+      ranks,
+      virtualStages,
+      microBatches,
+      mode,
+      order);
+  validate(schedule);
+  return schedule;
+}
+
 Schedule forwardOnlySchedule(int ranks, int virtualStages, int microBatches) {
   requireCounts(ranks, microBatches, virtualStages);
   ComputeOrder order(ranks);
@@ -509,7 +652,11 @@ ScheduleSource::ScheduleSource(const std::string& text) {
       return;
     }
   }
-  if (text.size() > 5 && text.compare(text.size() - 5, 5, ".json") == 0) {
+  auto endsWith = [&](const char* suffix) {
+    const size_t n = std::char_traits<char>::length(suffix);
+    return text.size() > n && text.compare(text.size() - n, n, suffix) == 0;
+  };
+  if (endsWith(".json") || endsWith(".csv")) {
     path_ = text;
     return;
   }
@@ -533,7 +680,10 @@ namespace {
 
 Schedule loadMatching(const ScheduleSpec& spec) {
   const std::string& file = spec.source.path();
-  Schedule loaded = loadScheduleFile(file);
+  Schedule loaded =
+      file.size() > 4 && file.compare(file.size() - 4, 4, ".csv") == 0
+      ? loadScheduleCsv(file, spec.checkpoint)
+      : loadScheduleFile(file);
   if (loaded.ranks != spec.ranks ||
       loaded.virtualStages != spec.virtualStages) {
     throw ScheduleError(
