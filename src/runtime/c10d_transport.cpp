@@ -296,6 +296,20 @@ std::vector<nlohmann::json> agreeOnRun(
     if (key.empty())
       key = difference;
   }
+  // Every rank reaches the same verdict from the same keys; rank 0 hosts the
+  // store, so it waits (bounded) until the others have read them.
+  store.set(
+      "tpipe/compared/" + std::to_string(world.rank), std::vector<uint8_t>{1});
+  if (world.rank == 0) {
+    std::vector<std::string> compared;
+    for (int r = 0; r < world.worldSize; ++r)
+      compared.push_back("tpipe/compared/" + std::to_string(r));
+    try {
+      store.wait(compared, std::min(timeout, std::chrono::milliseconds(10000)));
+    } catch (const std::exception&) {
+      // A rank that died meanwhile is named by what follows.
+    }
+  }
   if (!differing.empty()) {
     throw UserError(
         "the ranks disagree about the run: rank(s) " + rankList(differing) +
