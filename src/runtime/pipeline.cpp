@@ -481,6 +481,21 @@ std::vector<at::Tensor> Pipeline::Impl::split(
   return parts;
 }
 
+namespace {
+
+// Whether the schedule splits backwards into input and weight passes.
+bool splitsBackward(const Schedule& schedule) {
+  for (const auto& list : schedule.perRank) {
+    for (const auto& instruction : list) {
+      if (std::holds_alternative<BackwardInput>(instruction))
+        return true;
+    }
+  }
+  return false;
+}
+
+} // namespace
+
 void Pipeline::Impl::run(runtime::StepState& state, const Schedule& plan) {
   state.schedule = &plan;
   state.stages = &stages;
@@ -491,13 +506,7 @@ void Pipeline::Impl::run(runtime::StepState& state, const Schedule& plan) {
   state.losses.assign(m, {});
   state.outputs.assign(m, {});
   state.record = options.record && plan.training;
-  state.splitBackward = false;
-  for (const auto& list : plan.perRank) {
-    for (const auto& instruction : list) {
-      state.splitBackward = state.splitBackward ||
-          std::holds_alternative<BackwardInput>(instruction);
-    }
-  }
+  state.splitBackward = splitsBackward(plan);
   state.copyOnReceive = !memorySlots.empty();
   if (state.record)
     state.events.assign(plan.ranks, {});
