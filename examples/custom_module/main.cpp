@@ -35,8 +35,9 @@ int main() {
   tpipe::Pipeline pipe(tpipe::layersOf(net), options);
 
   const torch::Tensor x = torch::randn({64, 16});
-  const torch::Tensor y = x.narrow(1, 0, 4).argmax(1);  // a learnable target
-  torch::optim::SGD sgd(pipe.parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+  const torch::Tensor y = x.narrow(1, 0, 4).argmax(1); // a learnable target
+  torch::optim::SGD sgd(
+      pipe.parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
   auto loss = [](const torch::Tensor& out, const torch::Tensor& target) {
     return torch::nn::functional::cross_entropy(out, target);
   };
@@ -45,11 +46,14 @@ int main() {
     sgd.zero_grad();
     last = pipe.trainStep(x, y, loss).item<double>();
     sgd.step();
-    if (step == 0) first = last;
-    if (step % 10 == 0 || step == 29) std::printf("step %d loss %.4f\n", step + 1, last);
+    if (step == 0)
+      first = last;
+    if (step % 10 == 0 || step == 29)
+      std::printf("step %d loss %.4f\n", step + 1, last);
   }
   std::printf("stages %d, boundaries", pipe.plan().stageCount());
-  for (int b : pipe.boundaries()) std::printf(" %d", b);
+  for (int b : pipe.boundaries())
+    std::printf(" %d", b);
   std::printf("; loss %.4f -> %.4f\n", first, last);
-  return last < first ? 0 : 1;  // the loss must fall
+  return last < first ? 0 : 1; // the loss must fall
 }
