@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 #include <fstream>
 #include <string>
+#include <vector>
 #include <sys/wait.h>
 
 namespace {
@@ -79,6 +80,40 @@ TEST(CliTest, AnActionCsvScheduleTrains) {
   EXPECT_EQ(train.status, 0) << train.output;
   EXPECT_NE(train.output.find("done: 3 steps"), std::string::npos)
       << train.output;
+}
+
+// pipeline.schedule "auto": the first steps measure the stages, the rest
+// run the schedule built from them, and training is unchanged by it.
+TEST(CliTest, AnAutoScheduleIsBuiltFromTheFirstStepsAndTrainsTheSame) {
+  const std::string root = TPIPE_SOURCE_DIR;
+  std::vector<std::vector<double>> losses;
+  for (const char* schedule : {"auto", "1f1b"}) {
+    const std::string metrics =
+        testing::TempDir() + "/tpipe_cli_auto_" + schedule + ".jsonl";
+    const Result r = runTpipe(
+        "train " + root +
+        "/configs/mlp_synthetic.json --set train.steps=12 --set pipeline.schedule=" +
+        schedule + " --metrics " + metrics);
+    ASSERT_EQ(r.status, 0) << r.output;
+    if (std::string(schedule) == "auto") {
+      EXPECT_NE(
+          r.output.find("schedule auto: built from the measured stage times"),
+          std::string::npos)
+          << r.output;
+    }
+    std::ifstream in(metrics);
+    std::string line;
+    losses.emplace_back();
+    while (std::getline(in, line)) {
+      const auto record = nlohmann::json::parse(line);
+      if (record.contains("loss"))
+        losses.back().push_back(record["loss"].get<double>());
+    }
+  }
+  ASSERT_EQ(losses[0].size(), 12u);
+  ASSERT_EQ(losses[1].size(), 12u);
+  for (size_t i = 0; i < 12; ++i)
+    EXPECT_NEAR(losses[0][i], losses[1][i], 1e-6) << "step " << i + 1;
 }
 
 // A user error exits 2 from every command, whichever layer finds it.

@@ -132,6 +132,8 @@ enum class ScheduleKind {
   kInterleaved,  // "interleaved-1f1b": virtual stages per rank
   kZeroBubbleH1, // "zb-h1": backward split into input and weight passes
   kZeroBubbleH2, // "zb-h2": more warm-up forwards, near-zero bubble
+  kAuto,         // "auto": the list scheduler; unit costs until `tpipe train`
+                 // measures the stages (after its first recorded steps)
 };
 const char* scheduleKindName(ScheduleKind kind);
 

@@ -285,7 +285,7 @@ bool isCheckpointed(CheckpointMode mode, int microBatch, int microBatches) {
 
 const std::vector<std::string>& scheduleNames() {
   static const std::vector<std::string> names = {
-      "gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2"};
+      "gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "auto"};
   return names;
 }
 
@@ -635,6 +635,8 @@ const char* scheduleKindName(ScheduleKind kind) {
       return "zb-h1";
     case ScheduleKind::kZeroBubbleH2:
       return "zb-h2";
+    case ScheduleKind::kAuto:
+      return "auto";
   }
   return "?";
 }
@@ -645,7 +647,8 @@ ScheduleSource::ScheduleSource(const std::string& text) {
         ScheduleKind::kOneFOneB,
         ScheduleKind::kInterleaved,
         ScheduleKind::kZeroBubbleH1,
-        ScheduleKind::kZeroBubbleH2}) {
+        ScheduleKind::kZeroBubbleH2,
+        ScheduleKind::kAuto}) {
     if (text == scheduleKindName(kind)) {
       kind_ = kind;
       known_ = true;
@@ -761,6 +764,14 @@ Schedule makeSchedule(const ScheduleSpec& spec) {
     case ScheduleKind::kZeroBubbleH2:
       schedule =
           zeroBubbleH2Schedule(spec.ranks, spec.microBatches, spec.checkpoint);
+      break;
+    case ScheduleKind::kAuto:
+      schedule = autoSchedule(
+          spec.ranks,
+          spec.microBatches,
+          spec.checkpoint,
+          {StageCosts{}},
+          std::vector<int>(spec.ranks, spec.ranks));
       break;
   }
   validate(schedule);

@@ -15,6 +15,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "tpipe/schedule.h"
 #include "train/checkpoint.h"
 #include "train/parts.h"
 
@@ -373,6 +374,47 @@ class TrainingRun {
     saved_ = true;
   }
 
+  // pipeline.schedule "auto": the first steps run the unit-cost schedule;
+  // their recorded per-stage times then build the schedule the rest runs.
+  static constexpr int64_t kAutoWarmupSteps = 2, kAutoRecordedSteps = 3;
+
+  bool calibrating() const {
+    return plan_.schedule.name == "auto" && !world() &&
+        plan_.schedule.virtualStages == 1;
+  }
+
+  void adoptAutoSchedule(bool recordAfter) {
+    const BubbleReport report = bubbleReport(pipe_->trace());
+    const int p = plan_.schedule.ranks;
+    Plan plan = plan_;
+    plan.schedule = autoSchedule(
+        p,
+        plan.schedule.microBatches,
+        plan.checkpoint,
+        report.measuredCosts,
+        std::vector<int>(p, p));
+    plan.simulation = simulate(plan.schedule, report.measuredCosts);
+    const double h1 = simulate(
+                          zeroBubbleH1Schedule(
+                              p, plan.schedule.microBatches, plan.checkpoint),
+                          report.measuredCosts)
+                          .makespan;
+    const std::vector<torch::Tensor> generators = pipe_->generatorStates();
+    PipelineOptions options = pipelineOptions(config_, model_, plan, world_);
+    options.trackMemory = measureMemory_;
+    pipe_.reset(); // its workers end before the new ones start
+    pipe_ = std::make_unique<Pipeline>(model_.layers, options);
+    pipe_->setGeneratorStates(generators);
+    if (measureMemory_)
+      memoryRows_ = prepareMemory(config_, *pipe_);
+    pipe_->setRecording(recordAfter);
+    plan_ = plan;
+    *log_ << "schedule auto: built from the measured stage times of "
+          << kAutoRecordedSteps << " steps; simulated step " << std::fixed
+          << std::setprecision(2) << plan.simulation.makespan
+          << " ms (zb-h1: " << h1 << " ms)" << std::defaultfloat << std::endl;
+  }
+
   void loop() {
     const int64_t total = config_.train.steps;
     const int64_t last =
@@ -385,15 +427,21 @@ class TrainingRun {
     start_ = Clock::now();
     int64_t done = summary_.startStep;
     summary_.stopSignal = agreedStop();
+    const bool calibrate = calibrating();
+    const int64_t calibrateFrom = summary_.startStep + kAutoWarmupSteps;
+    const int64_t adoptAt = calibrateFrom + kAutoRecordedSteps;
     for (int64_t step = summary_.startStep; step < last && !summary_.stopSignal;
          ++step) {
-      if (step == recordFrom && options_.recordSteps > 0)
+      if ((step == recordFrom && options_.recordSteps > 0) ||
+          (calibrate && step == calibrateFrom))
         pipe_->setRecording(true);
       const double loss = trainStep(step);
       summary_.losses.push_back(loss);
       summary_.finalLoss = loss;
       done = step + 1;
       report(done, loss);
+      if (calibrate && done == adoptAt)
+        adoptAutoSchedule(options_.recordSteps > 0 && done >= recordFrom);
       const int every = static_cast<int>(config_.train.evalEvery);
       if (options_.evaluate && every > 0 && done % every == 0 && done != total)
         evaluateAt(done);
