@@ -627,6 +627,68 @@ nlohmann::json zeroBubble() {
       {"split_over_fused", split / fused}};
 }
 
+// Every zero-bubble schedule against 1F1B, side by side (alternating), on a
+// balanced stack: step time, and the measured against the simulated step
+// (the schedule replayed with the measured mean instruction times).
+nlohmann::json scheduleTable() {
+  torch::manual_seed(3);
+  torch::nn::Sequential net = balancedStack(8, 512);
+  const torch::Tensor x = torch::randn({256, 512});
+  const torch::Tensor y = torch::randint(0, 512, {256}, torch::kLong);
+  const int p = 2;
+  std::printf(
+      "\nschedules, %d stages x 4 x (Linear 512 + Tanh), batch 256, checkpoint never, 1 thread per stage\n",
+      p);
+  std::printf(
+      "%-4s %-6s %10s %12s %14s %14s\n",
+      "m",
+      "sched",
+      "step ms",
+      "vs 1f1b",
+      "bubble meas.",
+      "meas./sim.");
+  nlohmann::json rows = nlohmann::json::array();
+  for (int m : {4, 8, 16}) {
+    std::map<std::string, std::vector<double>> steps, ratio, bubble;
+    const char* schedules[] = {"1f1b", "zb-h1", "zb-h2", "auto"};
+    for (int round = 0; round < 3; ++round) {
+      for (const char* schedule : schedules) {
+        tpipe::PipelineOptions options;
+        options.devices = cpus(p);
+        options.microBatches = m;
+        options.schedule = schedule;
+        options.checkpoint = CheckpointMode::kNever;
+        options.threadsPerDevice = 1;
+        const Measured r =
+            timePipeline(tpipe::layersOf(net), options, x, y, 1, 3, false);
+        steps[schedule].push_back(r.stepMs);
+        ratio[schedule].push_back(
+            r.bubble.stepMs / std::max(r.bubble.simulatedStepMs, 1e-9));
+        bubble[schedule].push_back(r.bubble.measuredBubble);
+      }
+    }
+    for (const char* schedule : schedules) {
+      const double step = median(steps[schedule]);
+      std::printf(
+          "%-4d %-6s %10.2f %12.3f %13.1f%% %14.3f\n",
+          m,
+          schedule,
+          step,
+          step / median(steps["1f1b"]),
+          100 * median(bubble[schedule]),
+          median(ratio[schedule]));
+      rows.push_back(
+          {{"micro_batches", m},
+           {"schedule", schedule},
+           {"step_ms", step},
+           {"over_1f1b", step / median(steps["1f1b"])},
+           {"measured_bubble", median(bubble[schedule])},
+           {"measured_over_simulated", median(ratio[schedule])}});
+    }
+  }
+  return rows;
+}
+
 int main(int argc, char** argv) {
   const std::string out = argc > 1 ? argv[1] : "pipeline.json";
   const std::string only = argc > 2 ? argv[2] : "all";
@@ -644,6 +706,8 @@ int main(int argc, char** argv) {
     json["randomness"] = randomnessCost();
   if (only == "all" || only == "zero-bubble")
     json["zero_bubble"] = zeroBubble();
+  if (only == "all" || only == "schedules")
+    json["schedules"] = scheduleTable();
   std::ofstream(out) << json.dump(1) << '\n';
   std::printf("\nwrote %s\n", out.c_str());
   return 0;
