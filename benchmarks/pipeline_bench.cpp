@@ -120,6 +120,21 @@ std::vector<std::string> cpus(int n) {
   return devices;
 }
 
+// p CPU devices, m micro-batches, one intra-op thread per stage.
+tpipe::PipelineOptions benchOptions(
+    int p,
+    int m,
+    const char* schedule,
+    CheckpointMode mode) {
+  tpipe::PipelineOptions options;
+  options.devices = cpus(p);
+  options.microBatches = m;
+  options.schedule = schedule;
+  options.checkpoint = mode;
+  options.threadsPerDevice = 1;
+  return options;
+}
+
 nlohmann::json sweep() {
   const int blocks = 8, width = 384, batch = 256;
   torch::nn::Sequential net = balancedStack(blocks, width);
@@ -248,12 +263,8 @@ nlohmann::json dispatchOverhead() {
       "non-compute us/instr");
   for (int p : {1, 2}) {
     for (const char* schedule : {"gpipe", "1f1b"}) {
-      tpipe::PipelineOptions options;
-      options.devices = cpus(p);
-      options.microBatches = m;
-      options.schedule = schedule;
-      options.checkpoint = CheckpointMode::kNever;
-      options.threadsPerDevice = 1;
+      tpipe::PipelineOptions options =
+          benchOptions(p, m, schedule, CheckpointMode::kNever);
       const Measured r = timePipeline(layers, options, x, y, 3, 15, false);
       tpipe::Pipeline probe(layers, options);
       size_t instructions = 0;
@@ -443,12 +454,7 @@ nlohmann::json memoryBySchedule() {
          {CheckpointMode::kNever,
           CheckpointMode::kExceptLast,
           CheckpointMode::kAlways}) {
-      tpipe::PipelineOptions options;
-      options.devices = cpus(p);
-      options.microBatches = m;
-      options.schedule = schedule;
-      options.checkpoint = mode;
-      options.threadsPerDevice = 1;
+      tpipe::PipelineOptions options = benchOptions(p, m, schedule, mode);
       const Measured r = timePipeline(layers, options, x, y, 1, 2);
       std::string measured, theory;
       std::vector<double> units;
@@ -517,12 +523,7 @@ nlohmann::json randomnessCost() {
         tpipe::LayerList layers = tpipe::layersOf(net);
         for (auto& layer : layers)
           layer.randomness = declared;
-        tpipe::PipelineOptions options;
-        options.devices = cpus(p);
-        options.microBatches = m;
-        options.schedule = "1f1b";
-        options.checkpoint = mode;
-        options.threadsPerDevice = 1;
+        tpipe::PipelineOptions options = benchOptions(p, m, "1f1b", mode);
         const double ms =
             timePipeline(layers, options, x, y, 1, 3, false).stepMs;
         (declared == tpipe::Randomness::kNone ? none : draws).push_back(ms);
@@ -582,12 +583,8 @@ nlohmann::json zeroBubble() {
   std::map<std::string, std::map<std::string, double>> ops;
   for (int round = 0; round < 5; ++round) {
     for (const char* schedule : {"1f1b", "zb-h1"}) {
-      tpipe::PipelineOptions options;
-      options.devices = cpus(p);
-      options.microBatches = m;
-      options.schedule = schedule;
-      options.checkpoint = CheckpointMode::kNever;
-      options.threadsPerDevice = 1;
+      tpipe::PipelineOptions options =
+          benchOptions(p, m, schedule, CheckpointMode::kNever);
       const Measured r =
           timePipeline(tpipe::layersOf(net), options, x, y, 1, 3, false);
       steps[schedule].push_back(r.stepMs);
@@ -653,12 +650,8 @@ nlohmann::json scheduleTable() {
     const char* schedules[] = {"1f1b", "zb-h1", "zb-h2", "auto"};
     for (int round = 0; round < 3; ++round) {
       for (const char* schedule : schedules) {
-        tpipe::PipelineOptions options;
-        options.devices = cpus(p);
-        options.microBatches = m;
-        options.schedule = schedule;
-        options.checkpoint = CheckpointMode::kNever;
-        options.threadsPerDevice = 1;
+        tpipe::PipelineOptions options =
+            benchOptions(p, m, schedule, CheckpointMode::kNever);
         const Measured r =
             timePipeline(tpipe::layersOf(net), options, x, y, 1, 3, false);
         steps[schedule].push_back(r.stepMs);
