@@ -55,7 +55,7 @@ int runRank(int rank, int port, const std::string& out) {
   world.masterPort = port;
   tpipe::Communicator communicator(world, 2, std::chrono::seconds(60));
   auto transport =
-      tpipe::runtime::makeProcessGroupTransport(communicator, 2, 1);
+      tpipe::runtime::makeProcessGroupTransport({}, communicator, 2, 1);
   nlohmann::json rows = nlohmann::json::array();
   if (rank == 0)
     std::printf("%12s %14s %14s\n", "bytes", "one-way us", "GB/s");

@@ -647,11 +647,13 @@ nlohmann::json scheduleTable() {
   nlohmann::json rows = nlohmann::json::array();
   for (int m : {4, 8, 16}) {
     std::map<std::string, std::vector<double>> steps, ratio, bubble;
-    const char* schedules[] = {"1f1b", "zb-h1", "zb-h2", "auto"};
+    const char* schedules[] = {"1f1b", "zb-h1", "zb-h2", "zb-v", "auto"};
     for (int round = 0; round < 3; ++round) {
       for (const char* schedule : schedules) {
         tpipe::PipelineOptions options =
             benchOptions(p, m, schedule, CheckpointMode::kNever);
+        if (std::string(schedule) == "zb-v")
+          options.virtualStages = 2; // 2p half-size stages in a V
         const Measured r =
             timePipeline(tpipe::layersOf(net), options, x, y, 1, 3, false);
         steps[schedule].push_back(r.stepMs);

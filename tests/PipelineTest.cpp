@@ -127,8 +127,9 @@ TEST(PipelineTest, TransparentInFloat) {
 }
 
 // The schedules added since the transparency table was written, through the
-// same check: ZB-H2 over every stage count, micro-batch count and mode.
-TEST(PipelineTest, ZeroBubbleH2IsTransparent) {
+// same check: ZB-H2 and ZB-V (two stages per rank in a V) over every stage
+// count, micro-batch count and mode.
+TEST(PipelineTest, ZeroBubbleH2AndVAreTransparent) {
   for (int ranks = 1; ranks <= 4; ++ranks) {
     for (int m : {1, 2, 4, 7}) {
       for (auto mode :
@@ -136,6 +137,7 @@ TEST(PipelineTest, ZeroBubbleH2IsTransparent) {
             CheckpointMode::kExceptLast,
             CheckpointMode::kNever}) {
         expectTransparent({"zb-h2", ranks, 1, m, mode}, torch::kDouble);
+        expectTransparent({"zb-v", ranks, 2, m, mode}, torch::kDouble);
       }
     }
   }

@@ -119,8 +119,8 @@ TEST(ScheduleTest, EveryGeneratorValidatesAcrossShapes) {
               CheckpointMode::kNever}) {
           for (int v : {1, 2, 3}) {
             const bool interleaved = name == "interleaved-1f1b";
-            if (v > 1 && !interleaved)
-              continue;
+            if (name == "zb-v" ? v != 2 : v > 1 && !interleaved)
+              continue; // zb-v: two stages per rank, always
             if (interleaved && v > 1 && m % p != 0)
               continue;
             SCOPED_TRACE(
@@ -329,6 +329,9 @@ TEST(ScheduleTest, ZeroBubbleH2AndAutoAreValidEverywhere) {
             CheckpointMode::kAlways}) {
         SCOPED_TRACE("p=" + std::to_string(p) + " m=" + std::to_string(m));
         EXPECT_NO_THROW(validate(zeroBubbleH2Schedule(p, m, mode)));
+        const Schedule v = zeroBubbleVSchedule(p, m, mode);
+        EXPECT_NO_THROW(validate(v));
+        EXPECT_EQ(v.stagesOfRank(0), (std::vector<int>{0, 2 * p - 1}));
         const std::vector<int> limit(p, p);
         EXPECT_NO_THROW(
             validate(autoSchedule(p, m, mode, {StageCosts{}}, limit)));
@@ -393,7 +396,8 @@ TEST(ScheduleTest, ActionCsvRoundTrips) {
           oneFOneBSchedule(4, 6, mode),
           zeroBubbleH1Schedule(3, 4, mode),
           zeroBubbleH2Schedule(2, 5, mode),
-          interleavedSchedule(2, 4, 2, mode)}) {
+          interleavedSchedule(2, 4, 2, mode),
+          zeroBubbleVSchedule(3, 4, mode)}) {
       SCOPED_TRACE(schedule.name + " " + checkpointModeName(mode));
       const std::string csv = scheduleToCsv(schedule);
       const Schedule back = scheduleFromCsv(csv, mode);
@@ -403,6 +407,7 @@ TEST(ScheduleTest, ActionCsvRoundTrips) {
       EXPECT_EQ(
           scheduleToJson(back)["stages"], scheduleToJson(schedule)["stages"]);
       EXPECT_EQ(scheduleToCsv(back), csv);
+      EXPECT_EQ(back.placement, schedule.placement);
     }
   }
   EXPECT_EQ(

@@ -117,12 +117,24 @@ struct Schedule {
   int virtualStages = 1;
   int microBatches = 0;
   std::vector<std::vector<Instruction>> perRank;
+  // The rank of each stage; empty: stage s runs on rank s % ranks (one
+  // stage per rank, or interleaved). ZB-V lays stages in a V instead.
+  std::vector<int> placement;
 
   int stages() const {
     return ranks * virtualStages;
   }
   int rankOfStage(int stage) const {
-    return stage % ranks;
+    return placement.empty() ? stage % ranks : placement[stage];
+  }
+  // The stages rank `rank` runs, in increasing order.
+  std::vector<int> stagesOfRank(int rank) const {
+    std::vector<int> stages;
+    for (int s = 0; s < this->stages(); ++s) {
+      if (rankOfStage(s) == rank)
+        stages.push_back(s);
+    }
+    return stages;
   }
 };
 
@@ -132,6 +144,8 @@ enum class ScheduleKind {
   kInterleaved,  // "interleaved-1f1b": virtual stages per rank
   kZeroBubbleH1, // "zb-h1": backward split into input and weight passes
   kZeroBubbleH2, // "zb-h2": more warm-up forwards, near-zero bubble
+  kZeroBubbleV,  // "zb-v": two stages per rank in a V (rank r holds stages r
+                 // and 2p - 1 - r): zero bubble at 1F1B's memory
   kAuto,         // "auto": the list scheduler; unit costs until `tpipe train`
                  // measures the stages (after its first recorded steps)
 };
@@ -223,8 +237,16 @@ std::string scheduleToCsv(const Schedule& schedule);
 Schedule scheduleFromCsv(const std::string& text, CheckpointMode mode);
 Schedule loadScheduleCsv(const std::string& path, CheckpointMode mode);
 
-// Inference: every rank forwards its stages' micro-batches in order.
-Schedule forwardOnlySchedule(int ranks, int virtualStages, int microBatches);
+// 2p stages on p ranks in a V, from the list scheduler with unit costs and
+// p micro-batches of each stage in flight.
+Schedule zeroBubbleVSchedule(int ranks, int microBatches, CheckpointMode mode);
+// Inference: every rank forwards its stages' micro-batches in order, with
+// the stages placed as `placement` says (empty: s % ranks).
+Schedule forwardOnlySchedule(
+    int ranks,
+    int virtualStages,
+    int microBatches,
+    const std::vector<int>& placement = {});
 // Dispatches on spec.source and validates the result. A schedule file must
 // match the spec's ranks, virtual stages and micro-batches.
 Schedule makeSchedule(const ScheduleSpec& spec);

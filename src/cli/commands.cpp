@@ -332,6 +332,8 @@ int printSchedule(const ScheduleRequest& request, bool json, bool csv) {
         std::vector<int>(spec.ranks, limit));
   } else {
     spec.source = request.text;
+    if (request.text == "zb-v" && spec.virtualStages == 1)
+      spec.virtualStages = 2; // P ranks hold 2P stages in a V
     schedule = tpipe::makeSchedule(spec);
   }
   if (csv) {

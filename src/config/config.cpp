@@ -569,8 +569,11 @@ void parsePipeline(const Json& json, Config& config) {
   p.microBatches = static_cast<int>(
       pipeline.integer("micro_batches", 1, 1, "a positive integer", 65536));
   p.schedule = parseScheduleSource(pipeline);
-  p.virtualStages = static_cast<int>(
-      pipeline.integer("virtual_stages", 1, 1, "a positive integer", 64));
+  // zb-v always lays two stages on each device.
+  const bool vShaped =
+      p.schedule.isBuiltIn() && p.schedule.kind() == ScheduleKind::kZeroBubbleV;
+  p.virtualStages = static_cast<int>(pipeline.integer(
+      "virtual_stages", vShaped ? 2 : 1, 1, "a positive integer", 64));
   p.checkpoint = parseCheckpointMode(pipeline.choice(
       "checkpoint", "except_last", {"always", "except_last", "never"}));
   p.partition = parsePartitionMethod(pipeline.choice(

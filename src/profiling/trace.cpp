@@ -184,7 +184,7 @@ nlohmann::json chromeTrace(const Trace& trace) {
        {"args", {{"name", "tpipe pipeline"}}}});
   for (int r = 0; r < trace.schedule.ranks; ++r) {
     std::string stages;
-    for (int s = r; s < trace.schedule.stages(); s += trace.schedule.ranks) {
+    for (int s : trace.schedule.stagesOfRank(r)) {
       stages += (stages.empty() ? "" : ",") + std::to_string(s);
     }
     const std::string device =

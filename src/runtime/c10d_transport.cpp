@@ -62,7 +62,11 @@ std::vector<int64_t> Communicator::broadcast(
 void Communicator::averageAcrossReplicas(const std::vector<at::Tensor>&) {}
 void Communicator::barrier() {}
 namespace runtime {
-std::unique_ptr<Transport> makeProcessGroupTransport(Communicator&, int, int) {
+std::unique_ptr<Transport> makeProcessGroupTransport(
+    const std::vector<int>&,
+    Communicator&,
+    int,
+    int) {
   TORCH_CHECK(
       false, "this tpipe was built without c10d (Gloo headers missing)");
 }
@@ -562,10 +566,12 @@ constexpr int kMaxDims = kHeaderSize - 6;
 class ProcessGroupTransport final : public Transport {
  public:
   ProcessGroupTransport(
+      std::vector<int> placement,
       Communicator& communicator,
       int stages,
       int microBatches)
-      : communicator_(communicator),
+      : placement_(std::move(placement)),
+        communicator_(communicator),
         impl_(communicator.impl()),
         stages_(stages),
         microBatches_(microBatches) {}
@@ -694,8 +700,9 @@ class ProcessGroupTransport final : public Transport {
   };
 
   int processOf(int stage) const {
-    return communicator_.replica() * communicator_.pipelineRanks() +
-        stage % communicator_.pipelineRanks();
+    const int rank = placement_.empty() ? stage % communicator_.pipelineRanks()
+                                        : placement_[stage];
+    return communicator_.replica() * communicator_.pipelineRanks() + rank;
   }
 
   int tag(Direction direction, int boundary, int microBatch, int part) const {
@@ -724,6 +731,7 @@ class ProcessGroupTransport final : public Transport {
     current_.reset();
   }
 
+  std::vector<int> placement_;
   Communicator& communicator_;
   Communicator::Impl& impl_;
   int stages_;
@@ -735,11 +743,12 @@ class ProcessGroupTransport final : public Transport {
 };
 
 std::unique_ptr<Transport> makeProcessGroupTransport(
+    const std::vector<int>& placement,
     Communicator& communicator,
     int stages,
     int microBatches) {
   return std::make_unique<ProcessGroupTransport>(
-      communicator, stages, microBatches);
+      placement, communicator, stages, microBatches);
 }
 
 } // namespace runtime

@@ -14,7 +14,9 @@ namespace runtime {
 // share this process go through a LocalTransport. Every message is a small
 // header (micro-batch, boundary, dtype, shape) then the data, so receivers
 // allocate before the data arrives and reject what they did not expect.
+// `placement`: each stage's pipeline rank (empty: stage % pipeline ranks).
 std::unique_ptr<Transport> makeProcessGroupTransport(
+    const std::vector<int>& placement,
     Communicator& communicator,
     int stages,
     int microBatches);

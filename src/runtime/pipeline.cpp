@@ -202,7 +202,7 @@ struct Pipeline::Impl {
   // "stage 1 (cpu:1)", or "stage 1, 5 (cpu:1)" with virtual stages.
   std::string memoryLabel(int rank) const {
     std::string stageList;
-    for (int s = rank; s < schedule.stages(); s += schedule.ranks) {
+    for (int s : schedule.stagesOfRank(rank)) {
       stageList += (stageList.empty() ? "" : ", ") + std::to_string(s);
     }
     return "stage " + stageList + " (" + options.devices[rank] + ")";
@@ -401,14 +401,14 @@ void Pipeline::Impl::placeStage(int s) {
   }
   if (local && !stage.device.is_cpu()) {
     // One pair of streams per rank: its virtual stages share them.
-    const int rank = schedule.rankOfStage(s);
-    if (rank == s) {
+    const int first = schedule.stagesOfRank(schedule.rankOfStage(s)).front();
+    if (first == s) {
       c10::impl::VirtualGuardImpl impl(stage.device.type());
       stage.computeStream = impl.getStreamFromGlobalPool(stage.device);
       stage.copyStream = impl.getStreamFromGlobalPool(stage.device);
     } else {
-      stage.computeStream = stages[rank].computeStream;
-      stage.copyStream = stages[rank].copyStream;
+      stage.computeStream = stages[first].computeStream;
+      stage.copyStream = stages[first].copyStream;
     }
   }
   // The stage's own stream of random numbers, in its device's format.
@@ -464,7 +464,10 @@ void Pipeline::Impl::place() {
     placeStage(s);
   if (options.communicator) {
     remoteTransport = runtime::makeProcessGroupTransport(
-        *options.communicator, schedule.stages(), schedule.microBatches);
+        schedule.placement,
+        *options.communicator,
+        schedule.stages(),
+        schedule.microBatches);
     transport = remoteTransport.get();
   }
   startWorkers();
@@ -636,7 +639,10 @@ torch::Tensor Pipeline::forward(const torch::Tensor& input) {
   const int m = static_cast<int>(
       std::min<int64_t>(impl_->options.microBatches, input.size(0)));
   const Schedule inference = forwardOnlySchedule(
-      impl_->schedule.ranks, impl_->schedule.virtualStages, m);
+      impl_->schedule.ranks,
+      impl_->schedule.virtualStages,
+      m,
+      impl_->schedule.placement);
   runtime::StepState state;
   state.inputs = impl_->split(input, m, impl_->stages.front().device);
   for (const auto& chunk : state.inputs)

@@ -110,7 +110,7 @@ void printSimulation(
   for (int rank = 0; rank < schedule.ranks; ++rank) {
     out << std::setw(4) << rank << ' ' << std::setw(7) << simulation.busy[rank]
         << ' ' << std::setw(8) << simulation.idle[rank] << "  ";
-    for (int stage = rank; stage < schedule.stages(); stage += schedule.ranks) {
+    for (int stage : schedule.stagesOfRank(rank)) {
       out << " s" << stage << ": " << simulation.peakStashed[stage] << " / "
           << simulation.peakLive[stage];
     }
@@ -160,6 +160,7 @@ nlohmann::json scheduleToJson(const Schedule& schedule) {
       {"training", schedule.training},
       {"ranks", schedule.ranks},
       {"virtual_stages", schedule.virtualStages},
+      {"placement", schedule.placement},
       {"micro_batches", schedule.microBatches},
       {"stages", std::move(lists)}};
 }
@@ -239,6 +240,20 @@ Schedule scheduleFromJson(const nlohmann::json& json) {
       json, "ranks", "schedule", static_cast<int>(lists.size()), false);
   schedule.virtualStages =
       requireInt(json, "virtual_stages", "schedule", 1, false);
+  if (json.contains("placement")) {
+    const auto& placement = json["placement"];
+    if (!placement.is_array())
+      throw ScheduleError("placement: expected a list of ranks, one per stage");
+    for (const auto& rank : placement) {
+      if (!rank.is_number_integer() || rank.get<int64_t>() < 0 ||
+          rank.get<int64_t>() >= schedule.ranks) {
+        throw ScheduleError(
+            "placement: expected ranks in [0, " +
+            std::to_string(schedule.ranks) + "), got " + rank.dump());
+      }
+      schedule.placement.push_back(rank.get<int>());
+    }
+  }
   int maxMicroBatch = -1;
   for (size_t rank = 0; rank < lists.size(); ++rank) {
     const std::string path = "stages[" + std::to_string(rank) + "]";

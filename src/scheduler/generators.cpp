@@ -114,13 +114,15 @@ std::vector<ComputeStep> oneFOneBOrder(
 }
 
 // The zero-bubble list scheduler (the Zero Bubble paper's automatic
-// scheduler, simplified), on one stage per rank with split backwards. It
-// replays time with the given per-stage costs; whenever a rank is free it
-// runs, in this order of preference:
-//   1. an input pass (B) whose gradient has arrived: it unblocks the stage
-//      before, so the bubble upstream shrinks;
-//   2. a forward (F) whose activation has arrived, if the stage holds fewer
-//      than `limit[stage]` micro-batches (forwarded, weight pass not done);
+// scheduler, simplified), with split backwards. Stage s runs on rank
+// placement[s] (a rank may hold several stages, as in ZB-V). It replays time
+// with the given per-stage costs; whenever a rank is free it runs, in this
+// order of preference:
+//   1. an input pass (B) whose gradient has arrived, the latest stage first:
+//      it unblocks the stage before, so the bubble upstream shrinks;
+//   2. a forward (F) whose activation has arrived, the latest stage first,
+//      if the stage holds fewer than `limit[stage]` micro-batches
+//      (forwarded, weight pass not done);
 //   3. a weight pass (W) of a micro-batch whose B is done: W depends on no
 //      other rank, so it fills what would be idle time;
 // and otherwise waits for the next arrival. Remaining Ws drain at the end.
@@ -128,31 +130,34 @@ class GreedyZeroBubble {
  public:
   GreedyZeroBubble(
       int ranks,
+      std::vector<int> placement,
       int m,
       std::vector<StageCosts> costs,
       std::vector<int> limit)
       : p_(ranks),
+        stages_(static_cast<int>(placement.size())),
         m_(m),
+        placement_(std::move(placement)),
         costs_(std::move(costs)),
         limit_(std::move(limit)),
         free_(ranks, 0.0),
-        f_(ranks, 0),
-        b_(ranks, 0),
-        w_(ranks, 0),
-        forwardDone_(ranks, std::vector<double>(m, -1.0)),
-        backwardDone_(ranks, std::vector<double>(m, -1.0)),
+        f_(stages_, 0),
+        b_(stages_, 0),
+        w_(stages_, 0),
+        forwardDone_(stages_, std::vector<double>(m, -1.0)),
+        backwardDone_(stages_, std::vector<double>(m, -1.0)),
         order_(ranks) {}
 
   ComputeOrder run() {
-    while (!done()) {
+    while (!allDone()) {
       double t = kNever;
       for (int r = 0; r < p_; ++r) {
-        if (w_[r] < m_)
+        if (!rankDone(r))
           t = std::min(t, free_[r]);
       }
       bool progressed = false;
       for (int r = 0; r < p_; ++r) {
-        if (w_[r] < m_ && free_[r] <= t + kEpsilon)
+        if (!rankDone(r) && free_[r] <= t + kEpsilon)
           progressed = step(r, t) || progressed;
       }
       if (!progressed)
@@ -168,9 +173,16 @@ class GreedyZeroBubble {
   const StageCosts& cost(int s) const {
     return costs_.size() == 1 ? costs_[0] : costs_[s];
   }
-  bool done() const {
-    for (int r = 0; r < p_; ++r) {
-      if (w_[r] < m_)
+  bool rankDone(int r) const {
+    for (int s = 0; s < stages_; ++s) {
+      if (placement_[s] == r && w_[s] < m_)
+        return false;
+    }
+    return true;
+  }
+  bool allDone() const {
+    for (int s = 0; s < stages_; ++s) {
+      if (w_[s] < m_)
         return false;
     }
     return true;
@@ -179,7 +191,7 @@ class GreedyZeroBubble {
   double backwardReady(int s) const {
     if (b_[s] >= f_[s])
       return kNever;
-    if (s == p_ - 1)
+    if (s == stages_ - 1)
       return forwardDone_[s][b_[s]];
     const double sent = backwardDone_[s + 1][b_[s]];
     return sent < 0 ? kNever : sent + cost(s + 1).transfer;
@@ -192,26 +204,44 @@ class GreedyZeroBubble {
     const double sent = forwardDone_[s - 1][f_[s]];
     return sent < 0 ? kNever : sent + cost(s - 1).transfer;
   }
+  // The latest stage of rank r whose next pass is ready by t, or -1.
+  int latestReady(int r, double t, bool backward) const {
+    for (int s = stages_ - 1; s >= 0; --s) {
+      if (placement_[s] != r)
+        continue;
+      const double ready = backward ? backwardReady(s) : forwardReady(s);
+      if (ready <= t + kEpsilon)
+        return s;
+    }
+    return -1;
+  }
+  int pendingWeight(int r) const {
+    for (int s = 0; s < stages_; ++s) {
+      if (placement_[s] == r && w_[s] < b_[s])
+        return s;
+    }
+    return -1;
+  }
 
-  bool step(int s, double t) {
+  bool step(int r, double t) {
     Pass pass;
-    int mb;
+    int s, mb;
     double duration;
-    if (backwardReady(s) <= t + kEpsilon) {
+    if ((s = latestReady(r, t, true)) >= 0) {
       pass = Pass::kBackwardInput, mb = b_[s]++,
       duration = cost(s).backwardInput;
       backwardDone_[s][mb] = t + duration;
-    } else if (forwardReady(s) <= t + kEpsilon) {
+    } else if ((s = latestReady(r, t, false)) >= 0) {
       pass = Pass::kForward, mb = f_[s]++, duration = cost(s).forward;
       forwardDone_[s][mb] = t + duration;
-    } else if (w_[s] < b_[s]) {
+    } else if ((s = pendingWeight(r)) >= 0) {
       pass = Pass::kBackwardWeight, mb = w_[s]++,
       duration = cost(s).backwardWeight;
     } else {
       return false;
     }
-    order_[s].push_back({pass, s, mb});
-    free_[s] = t + duration;
+    order_[r].push_back({pass, s, mb});
+    free_[r] = t + duration;
     return true;
   }
 
@@ -219,11 +249,11 @@ class GreedyZeroBubble {
   void advance(double t) {
     double next = kNever;
     for (int r = 0; r < p_; ++r) {
-      if (w_[r] >= m_)
-        continue;
-      if (free_[r] > t + kEpsilon)
+      if (!rankDone(r) && free_[r] > t + kEpsilon)
         next = std::min(next, free_[r]);
-      for (double ready : {backwardReady(r), forwardReady(r)}) {
+    }
+    for (int s = 0; s < stages_; ++s) {
+      for (double ready : {backwardReady(s), forwardReady(s)}) {
         if (ready > t + kEpsilon)
           next = std::min(next, ready);
       }
@@ -231,12 +261,13 @@ class GreedyZeroBubble {
     if (next >= kNever)
       throw ScheduleError("zero-bubble scheduler: no rank can make progress");
     for (int r = 0; r < p_; ++r) {
-      if (w_[r] < m_ && free_[r] <= t + kEpsilon)
+      if (!rankDone(r) && free_[r] <= t + kEpsilon)
         free_[r] = next;
     }
   }
 
-  int p_, m_;
+  int p_, stages_, m_;
+  std::vector<int> placement_;
   std::vector<StageCosts> costs_;
   std::vector<int> limit_;
   std::vector<double> free_;
@@ -244,6 +275,22 @@ class GreedyZeroBubble {
   std::vector<std::vector<double>> forwardDone_, backwardDone_;
   ComputeOrder order_;
 };
+
+// One stage per rank: stage s on rank s.
+std::vector<int> straightPlacement(int ranks) {
+  std::vector<int> placement(ranks);
+  for (int s = 0; s < ranks; ++s)
+    placement[s] = s;
+  return placement;
+}
+
+// 2p stages in a V: rank r holds stages r and 2p - 1 - r.
+std::vector<int> vPlacement(int ranks) {
+  std::vector<int> placement(2 * ranks);
+  for (int s = 0; s < 2 * ranks; ++s)
+    placement[s] = s < ranks ? s : 2 * ranks - 1 - s;
+  return placement;
+}
 
 } // namespace
 
@@ -285,7 +332,7 @@ bool isCheckpointed(CheckpointMode mode, int microBatch, int microBatches) {
 
 const std::vector<std::string>& scheduleNames() {
   static const std::vector<std::string> names = {
-      "gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "auto"};
+      "gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v", "auto"};
   return names;
 }
 
@@ -413,7 +460,9 @@ Schedule zeroBubbleH2Schedule(
   // the wait for the first gradient, so unit-cost stages never idle.
   const std::vector<int> limit(ranks, 2 * ranks - 1);
   const ComputeOrder order =
-      GreedyZeroBubble(ranks, microBatches, {StageCosts{}}, limit).run();
+      GreedyZeroBubble(
+          ranks, straightPlacement(ranks), microBatches, {StageCosts{}}, limit)
+          .run();
   return lower("zb-h2", ranks, 1, microBatches, mode, order);
 }
 
@@ -444,7 +493,9 @@ Schedule autoSchedule(
       1,
       microBatches,
       mode,
-      GreedyZeroBubble(ranks, microBatches, costs, limit).run());
+      GreedyZeroBubble(
+          ranks, straightPlacement(ranks), microBatches, costs, limit)
+          .run());
   validate(greedy);
   // Never worse than ZB-H1 where ZB-H1 fits the limit (it holds up to p).
   bool h1Fits = true;
@@ -574,41 +625,57 @@ Schedule scheduleFromCsv(const std::string& text, CheckpointMode mode) {
   const int ranks = static_cast<int>(order.size());
   if (ranks == 0 || stages == 0)
     throw ScheduleError("CSV schedule: no actions");
+  // Each stage's rank is the row it appears on; the default (s % ranks) is
+  // kept implicit.
+  std::vector<int> placement(stages, -1);
+  for (int rank = 0; rank < ranks; ++rank) {
+    for (const ComputeStep& step : order[rank]) {
+      if (placement[step.stage] >= 0 && placement[step.stage] != rank) {
+        throw ScheduleError(
+            "CSV schedule: stage " + std::to_string(step.stage) +
+            " appears on rows " + std::to_string(placement[step.stage]) +
+            " and " + std::to_string(rank));
+      }
+      placement[step.stage] = rank;
+    }
+  }
+  bool interleaved = true;
+  for (int s = 0; s < stages; ++s)
+    interleaved = interleaved && placement[s] == s % ranks;
   if (stages % ranks != 0) {
     throw ScheduleError(
         "CSV schedule: " + std::to_string(stages) + " stages on " +
-        std::to_string(ranks) +
-        " ranks; tpipe places stage s on rank s % ranks");
+        std::to_string(ranks) + " ranks; each rank must hold as many stages");
   }
-  for (int rank = 0; rank < ranks; ++rank) {
-    for (const ComputeStep& step : order[rank]) {
-      if (step.stage % ranks != rank) {
-        throw ScheduleError(
-            "CSV row " + std::to_string(rank) + ": stage " +
-            std::to_string(step.stage) + " runs on rank " +
-            std::to_string(step.stage % ranks) + " in tpipe");
-      }
-    }
+  for (int s = 0; s < stages; ++s) {
+    if (placement[s] < 0)
+      throw ScheduleError(
+          "CSV schedule: stage " + std::to_string(s) + " never runs");
   }
   const int virtualStages = stages / ranks;
-  Schedule schedule = lower(
-      virtualStages == 1 ? "custom" : "custom",
-      ranks,
-      virtualStages,
-      microBatches,
-      mode,
-      order);
+  Schedule schedule =
+      lower("custom", ranks, virtualStages, microBatches, mode, order);
+  if (!interleaved)
+    schedule.placement = placement;
   validate(schedule);
   return schedule;
 }
 
-Schedule forwardOnlySchedule(int ranks, int virtualStages, int microBatches) {
+Schedule forwardOnlySchedule(
+    int ranks,
+    int virtualStages,
+    int microBatches,
+    const std::vector<int>& placement) {
   requireCounts(ranks, microBatches, virtualStages);
+  Schedule placed;
+  placed.ranks = ranks;
+  placed.virtualStages = virtualStages;
+  placed.placement = placement;
   ComputeOrder order(ranks);
   for (int rank = 0; rank < ranks; ++rank) {
-    for (int chunk = 0; chunk < virtualStages; ++chunk) {
+    for (int stage : placed.stagesOfRank(rank)) {
       for (int mb = 0; mb < microBatches; ++mb) {
-        order[rank].push_back({Pass::kForward, chunk * ranks + rank, mb});
+        order[rank].push_back({Pass::kForward, stage, mb});
       }
     }
   }
@@ -620,6 +687,21 @@ Schedule forwardOnlySchedule(int ranks, int virtualStages, int microBatches) {
       CheckpointMode::kNever,
       order);
   schedule.training = false;
+  schedule.placement = placement;
+  return schedule;
+}
+
+Schedule zeroBubbleVSchedule(int ranks, int microBatches, CheckpointMode mode) {
+  requireCounts(ranks, microBatches, 2);
+  const std::vector<int> placement = vPlacement(ranks);
+  // Each stage is half a 1F1B stage: p of each in flight hold what 1F1B's
+  // first stage holds.
+  const std::vector<int> limit(2 * ranks, ranks);
+  const ComputeOrder order =
+      GreedyZeroBubble(ranks, placement, microBatches, {StageCosts{}}, limit)
+          .run();
+  Schedule schedule = lower("zb-v", ranks, 2, microBatches, mode, order);
+  schedule.placement = placement;
   return schedule;
 }
 
@@ -635,6 +717,8 @@ const char* scheduleKindName(ScheduleKind kind) {
       return "zb-h1";
     case ScheduleKind::kZeroBubbleH2:
       return "zb-h2";
+    case ScheduleKind::kZeroBubbleV:
+      return "zb-v";
     case ScheduleKind::kAuto:
       return "auto";
   }
@@ -648,6 +732,7 @@ ScheduleSource::ScheduleSource(const std::string& text) {
         ScheduleKind::kInterleaved,
         ScheduleKind::kZeroBubbleH1,
         ScheduleKind::kZeroBubbleH2,
+        ScheduleKind::kZeroBubbleV,
         ScheduleKind::kAuto}) {
     if (text == scheduleKindName(kind)) {
       kind_ = kind;
@@ -738,11 +823,19 @@ Schedule makeSchedule(const ScheduleSpec& spec) {
   }
   checkSize(spec);
   const ScheduleKind kind = spec.source.kind();
-  if (kind != ScheduleKind::kInterleaved && spec.virtualStages != 1) {
+  if (kind == ScheduleKind::kZeroBubbleV && spec.virtualStages != 2) {
+    throw ScheduleError(
+        "schedule 'zb-v' lays two stages on each rank: it needs 2 virtual "
+        "stages, got " +
+        std::to_string(spec.virtualStages));
+  }
+  if (kind != ScheduleKind::kInterleaved &&
+      kind != ScheduleKind::kZeroBubbleV && spec.virtualStages != 1) {
     throw ScheduleError(
         "schedule '" + spec.source.text() +
         "' has one stage per rank; virtual stages (" +
-        std::to_string(spec.virtualStages) + ") need 'interleaved-1f1b'");
+        std::to_string(spec.virtualStages) +
+        ") need 'interleaved-1f1b' or 'zb-v'");
   }
   Schedule schedule;
   switch (kind) {
@@ -764,6 +857,10 @@ Schedule makeSchedule(const ScheduleSpec& spec) {
     case ScheduleKind::kZeroBubbleH2:
       schedule =
           zeroBubbleH2Schedule(spec.ranks, spec.microBatches, spec.checkpoint);
+      break;
+    case ScheduleKind::kZeroBubbleV:
+      schedule =
+          zeroBubbleVSchedule(spec.ranks, spec.microBatches, spec.checkpoint);
       break;
     case ScheduleKind::kAuto:
       schedule = autoSchedule(

@@ -182,6 +182,22 @@ void validate(const Schedule& schedule) {
             " ranks");
   }
   const int stages = schedule.stages();
+  if (!schedule.placement.empty()) {
+    if (static_cast<int>(schedule.placement.size()) != stages)
+      fail(
+          schedule,
+          "places " + std::to_string(schedule.placement.size()) +
+              " stages, but it has " + std::to_string(stages));
+    for (int rank = 0; rank < schedule.ranks; ++rank) {
+      if (static_cast<int>(schedule.stagesOfRank(rank).size()) !=
+          schedule.virtualStages)
+        fail(
+            schedule,
+            "rank " + std::to_string(rank) + " is placed " +
+                std::to_string(schedule.stagesOfRank(rank).size()) +
+                " stages, not " + std::to_string(schedule.virtualStages));
+    }
+  }
   const int m = schedule.microBatches;
   std::vector<Positions> positions(static_cast<size_t>(stages) * m);
   for (int rank = 0; rank < schedule.ranks; ++rank) {

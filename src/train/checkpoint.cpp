@@ -122,7 +122,8 @@ std::vector<std::pair<std::string, torch::Tensor>> checkpointTensors(
   const int ranks = pipe.schedule().ranks;
   for (size_t s = 0; s + 1 < boundaries.size(); ++s) {
     if (communicator &&
-        static_cast<int>(s) % ranks != communicator->stageRank())
+        pipe.schedule().rankOfStage(static_cast<int>(s)) !=
+            communicator->stageRank())
       continue;
     for (int l = boundaries[s]; l < boundaries[s + 1]; ++l) {
       const auto& layer = pipe.layers()[l];

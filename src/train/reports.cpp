@@ -28,9 +28,10 @@ std::vector<MemoryRow> prepareMemory(const Config& config, Pipeline& pipe) {
   std::vector<MemoryRow> rows(ranks);
   const auto& boundaries = pipe.boundaries();
   for (int s = 0; s < pipe.schedule().stages(); ++s) {
-    MemoryRow& row = rows[s % ranks];
-    row.device = config.pipeline.devices[s % ranks].name;
-    row.capacityBytes = config.pipeline.devices[s % ranks].memoryBytes;
+    const int rank = pipe.schedule().rankOfStage(s);
+    MemoryRow& row = rows[rank];
+    row.device = config.pipeline.devices[rank].name;
+    row.capacityBytes = config.pipeline.devices[rank].memoryBytes;
     row.predictedBytes += predicted[s].memoryBytes;
     for (int l = boundaries[s]; l < boundaries[s + 1]; ++l) {
       for (const auto& p : pipe.layers()[l].module.ptr()->parameters()) {
