@@ -446,34 +446,45 @@ nlohmann::json memoryBySchedule() {
       "%-8s %-12s %-30s %-30s\n",
       "schedule",
       "checkpoint",
-      "measured units (stage 0..3)",
-      "theory (stage 0..3)");
+      "measured units (device 0..)",
+      "schedule's prediction");
   nlohmann::json rows = nlohmann::json::array();
-  for (const char* schedule : {"gpipe", "1f1b", "zb-h1"}) {
+  for (const char* schedule :
+       {"gpipe", "1f1b", "zb-h1", "zb-h2", "zb-v", "auto"}) {
     for (auto mode :
          {CheckpointMode::kNever,
           CheckpointMode::kExceptLast,
           CheckpointMode::kAlways}) {
-      tpipe::PipelineOptions options = benchOptions(p, m, schedule, mode);
+      // zb-v: the same 4 stages, two per device on 2 devices.
+      const bool v = std::string(schedule) == "zb-v";
+      const int ranks = v ? p / 2 : p;
+      tpipe::PipelineOptions options = benchOptions(ranks, m, schedule, mode);
+      options.virtualStages = v ? 2 : 1;
       const Measured r = timePipeline(layers, options, x, y, 1, 2);
+      const tpipe::Schedule plan =
+          tpipe::makeSchedule({schedule, ranks, m, v ? 2 : 1, mode});
+      const tpipe::MemoryModel model = tpipe::memoryModelOf(plan, 0, 0);
       std::string measured, theory;
       std::vector<double> units;
-      for (int s = 0; s < p; ++s) {
+      for (int d = 0; d < ranks; ++d) {
+        const std::vector<int> stages = plan.stagesOfRank(d);
         char cell[32];
-        const double u = (static_cast<double>(r.peaks[s]) - gradients) / unit;
+        const double u = (static_cast<double>(r.peaks[d]) -
+                          gradients * static_cast<double>(stages.size())) /
+            unit;
         std::snprintf(cell, sizeof cell, "%6.2f ", u);
         measured += cell;
         units.push_back(u);
-        const tpipe::MemoryModel model = tpipe::memoryModelOf(
-            tpipe::makeSchedule({schedule, p, m, 1, mode}), 0, 0);
-        const int held = model.stashedAt(s);
-        // A unit is a stage input plus the tanh output; stage 0's input is
-        // the caller's batch, not the worker's. Remat keeps inputs only, and
-        // one micro-batch is recomputed at a time.
-        const double input = s == 0 ? 0.0 : 0.5;
-        const double expected = mode == CheckpointMode::kNever
-            ? held * (input + 0.5)
-            : held * input + 0.5;
+        // The schedule's own prediction: a unit is a stage input plus the
+        // tanh output; stage 0's input is the caller's batch, not the
+        // worker's. Held micro-batches keep their input; live ones (not
+        // rematerialized, or recomputed and awaiting their passes) also the
+        // tanh output.
+        double expected = 0.0;
+        for (int s : stages) {
+          const double input = s == 0 ? 0.0 : 0.5;
+          expected += model.stashedAt(s) * input + model.liveAt(s) * 0.5;
+        }
         std::snprintf(cell, sizeof cell, "%6.2f ", expected);
         theory += cell;
       }
@@ -492,8 +503,8 @@ nlohmann::json memoryBySchedule() {
     }
   }
   std::printf(
-      "(theory: never = micro-batches held x (stage input + stashed output); remat = held stage inputs + "
-      "the one micro-batch recomputed; the backward's workspace comes on top)\n");
+      "(prediction: from the schedule's simulation, per stage held micro-batches x stage input + live ones x "
+      "stashed output; the backward's workspace comes on top)\n");
   return rows;
 }
 
@@ -627,15 +638,17 @@ nlohmann::json zeroBubble() {
 // Every zero-bubble schedule against 1F1B, side by side (alternating), on a
 // balanced stack: step time, and the measured against the simulated step
 // (the schedule replayed with the measured mean instruction times).
-nlohmann::json scheduleTable() {
+nlohmann::json scheduleTableFor(int p) {
   torch::manual_seed(3);
   torch::nn::Sequential net = balancedStack(8, 512);
   const torch::Tensor x = torch::randn({256, 512});
   const torch::Tensor y = torch::randint(0, 512, {256}, torch::kLong);
-  const int p = 2;
   std::printf(
-      "\nschedules, %d stages x 4 x (Linear 512 + Tanh), batch 256, checkpoint never, 1 thread per stage\n",
-      p);
+      "\nschedules, %d devices over %d cores%s, 8 x (Linear 512 + Tanh), batch 256, checkpoint never, 1 thread "
+      "per device\n",
+      p,
+      kCores,
+      p > kCores ? " (oversubscribed)" : "");
   std::printf(
       "%-4s %-6s %10s %12s %14s %14s\n",
       "m",
@@ -673,7 +686,8 @@ nlohmann::json scheduleTable() {
           100 * median(bubble[schedule]),
           median(ratio[schedule]));
       rows.push_back(
-          {{"micro_batches", m},
+          {{"devices", p},
+           {"micro_batches", m},
            {"schedule", schedule},
            {"step_ms", step},
            {"over_1f1b", step / median(steps["1f1b"])},
@@ -681,6 +695,13 @@ nlohmann::json scheduleTable() {
            {"measured_over_simulated", median(ratio[schedule])}});
     }
   }
+  return rows;
+}
+
+nlohmann::json scheduleTable() {
+  nlohmann::json rows = scheduleTableFor(2);
+  for (auto& row : scheduleTableFor(4))
+    rows.push_back(row);
   return rows;
 }
 
