@@ -156,6 +156,28 @@ TEST_F(DistributedTest, TwoAndFourProcessesMatchTheThreadedRun) {
   expectNoOrphans();
 }
 
+// ZB-V places two stages on each rank in a V: the transport follows the
+// placement, and the losses equal the threaded run's.
+TEST_F(DistributedTest, AVShapedScheduleMatchesTheThreadedRun) {
+  const std::string v = " --set pipeline.schedule=zb-v";
+  ASSERT_EQ(
+      shell(
+          binary() + " train " + config_ + v + " --metrics " +
+          path("threaded.jsonl"))
+          .status,
+      0);
+  const Result r = shell(
+      binary() + " launch --nproc 2 " + config_ + v + " --metrics " +
+      path("two.jsonl"));
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(
+      r.output.find("4 stages on cpu:0 cpu:1 cpu:1 cpu:0"), std::string::npos)
+      << r.output;
+  expectSameLosses(
+      losses(path("threaded.jsonl")), losses(path("two.jsonl")), 1e-7);
+  expectNoOrphans();
+}
+
 TEST_F(
     DistributedTest,
     DataParallelTimesPipelineMatchesOneProcessOverTheGlobalBatch) {
