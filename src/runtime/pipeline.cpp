@@ -637,7 +637,7 @@ torch::Tensor Pipeline::forward(const torch::Tensor& input) {
       input.defined() && input.dim() >= 1 && input.size(0) >= 1,
       "forward: input must have a non-empty batch dimension");
   const int m = static_cast<int>(
-      std::min<int64_t>(impl_->options.microBatches, input.size(0)));
+      std::min<int64_t>(impl_->schedule.microBatches, input.size(0)));
   const Schedule inference = forwardOnlySchedule(
       impl_->schedule.ranks,
       impl_->schedule.virtualStages,

@@ -119,11 +119,8 @@ PipelineOptions pipelineOptions(
   options.devices.clear();
   for (const auto& device : p.devices)
     options.devices.push_back(device.name);
+  // The plan carries the schedule, micro-batches and checkpoint mode.
   options.plan = std::make_shared<const Plan>(plan);
-  options.microBatches = p.microBatches;
-  options.schedule = p.schedule;
-  options.virtualStages = p.virtualStages;
-  options.checkpoint = plan.checkpoint;
   options.threadsPerDevice = p.threadsPerDevice;
   options.seed = config.train.seed;
   options.layerOutputShapes.assign(
