@@ -40,17 +40,59 @@ struct LayerInput {
   void require(bool ok, const std::string& what) const;
 };
 
-struct BuiltLayer; // a module and its output shape (layers.cpp)
-using LayerBuildFn = BuiltLayer (*)(const LayerInput& input);
+// What a layer is, known from its parameters and input shape alone (no
+// module built): the output shape, and the counts that size and time it
+// where it cannot be measured (`tpipe tune --cluster`). Per sample; FLOPs
+// count a multiply-add as two.
+struct LayerFacts {
+  std::vector<int64_t> output;
+  int64_t parameters = 0;     // elements
+  double forwardFlops = 0.0;  // the backward is about twice this
+  double savedElements = 0.0; // kept by the forward for the backward
+};
+using LayerFactsFn = LayerFacts (*)(const LayerInput& input);
+
+struct BuiltLayer; // a module (layers.cpp)
+using LayerBuildFn =
+    BuiltLayer (*)(const LayerInput& input, const LayerFacts& facts);
 
 struct LayerType {
   const char* name;
   std::vector<ParamRule> params;
   const char* shapeRule; // "[..., in] -> [..., out_features]"
+  LayerFactsFn facts;    // checks the input shape, fails naming the layer
   LayerBuildFn build;
 };
 
 const std::vector<LayerType>& layerTypes();
 const LayerType* findLayerType(const std::string& name);
+
+struct LayerSpec;
+struct ModelConfig;
+
+// One layer's facts at an input shape, with the token-id checks; throws
+// ConfigError naming the layer ("model.layers[4] (linear): ...").
+LayerFacts layerFacts(
+    const LayerSpec& spec,
+    size_t index,
+    const std::vector<int64_t>& shape,
+    bool integer);
+// Every layer's facts, in order: shape inference without building anything.
+std::vector<LayerFacts> modelFacts(const ModelConfig& model);
+
+// The facts functions of the table (layer_facts.cpp, no LibTorch).
+namespace facts {
+LayerFacts linear(const LayerInput& in);
+LayerFacts conv2d(const LayerInput& in);
+LayerFacts pool2d(const LayerInput& in);
+LayerFacts flatten(const LayerInput& in);
+LayerFacts elementwise(const LayerInput& in);
+LayerFacts dropout(const LayerInput& in);
+LayerFacts layernorm(const LayerInput& in);
+LayerFacts batchnorm2d(const LayerInput& in);
+LayerFacts embedding(const LayerInput& in);
+LayerFacts transformerBlock(const LayerInput& in);
+std::string shapeText(const std::vector<int64_t>& shape);
+} // namespace facts
 
 } // namespace tpipe

@@ -21,21 +21,11 @@ namespace tpipe {
 
 struct BuiltLayer {
   torch::nn::AnyModule module;
-  std::vector<int64_t> output;
 };
 
 namespace {
 
 using Shape = std::vector<int64_t>;
-
-std::string shapeText(const Shape& shape) {
-  std::ostringstream out;
-  out << '[';
-  for (size_t i = 0; i < shape.size(); ++i)
-    out << (i ? ", " : "") << shape[i];
-  out << ']';
-  return out.str();
-}
 
 // Pre-LayerNorm GPT block: x + attn(ln1(x)), then x + mlp(ln2(x)), with a
 // causal mask. Input and output [batch, time, dim].
@@ -160,153 +150,79 @@ std::vector<int64_t> pair(const nlohmann::json& value) {
   return {value[0].get<int64_t>(), value[1].get<int64_t>()};
 }
 
-void requireImage(const LayerInput& in) {
-  in.require(
-      in.shape.size() == 3,
-      "expects [channels, height, width] per sample, got " +
-          shapeText(in.shape));
-}
+// Builders: the shape checks and the output shape are the facts' (see
+// layer_facts.cpp); these make the module.
 
-int64_t window(
-    const LayerInput& in,
-    int64_t size,
-    int64_t kernel,
-    int64_t stride,
-    int64_t padding) {
-  const int64_t out = (size + 2 * padding - kernel) / stride + 1;
-  in.require(
-      size + 2 * padding >= kernel && out >= 1,
-      "kernel " + std::to_string(kernel) + " does not fit an input of shape " +
-          shapeText(in.shape) + " with padding " + std::to_string(padding));
-  return out;
-}
-
-// Float layers that keep the shape.
 template <class Module>
-BuiltLayer elementwise(const LayerInput& in) {
-  return {torch::nn::AnyModule(Module()), in.shape};
+BuiltLayer elementwise(const LayerInput&, const LayerFacts&) {
+  return {torch::nn::AnyModule(Module())};
 }
 
-BuiltLayer embedding(const LayerInput& in) {
+BuiltLayer embedding(const LayerInput& in, const LayerFacts&) {
   const auto& p = in.params;
-  Shape out = in.shape;
-  out.push_back(p["embedding_dim"].get<int64_t>());
-  return {
-      torch::nn::AnyModule(torch::nn::Embedding(
-          p["num_embeddings"].get<int64_t>(),
-          p["embedding_dim"].get<int64_t>())),
-      out};
+  return {torch::nn::AnyModule(torch::nn::Embedding(
+      p["num_embeddings"].get<int64_t>(), p["embedding_dim"].get<int64_t>()))};
 }
 
-BuiltLayer linear(const LayerInput& in) {
-  Shape out = in.shape;
-  out.back() = in.params["out_features"].get<int64_t>();
-  return {
-      torch::nn::AnyModule(torch::nn::Linear(
-          torch::nn::LinearOptions(in.shape.back(), out.back())
-              .bias(in.params["bias"].get<bool>()))),
-      out};
+BuiltLayer linear(const LayerInput& in, const LayerFacts& facts) {
+  return {torch::nn::AnyModule(torch::nn::Linear(
+      torch::nn::LinearOptions(in.shape.back(), facts.output.back())
+          .bias(in.params["bias"].get<bool>())))};
 }
 
-BuiltLayer conv2d(const LayerInput& in) {
-  requireImage(in);
+BuiltLayer conv2d(const LayerInput& in, const LayerFacts& facts) {
   const auto& p = in.params;
   const auto kernel = pair(p["kernel_size"]), stride = pair(p["stride"]),
              padding = pair(p["padding"]);
-  const int64_t channels = p["out_channels"].get<int64_t>();
-  Shape out = {
-      channels,
-      window(in, in.shape[1], kernel[0], stride[0], padding[0]),
-      window(in, in.shape[2], kernel[1], stride[1], padding[1])};
-  return {
-      torch::nn::AnyModule(
-          torch::nn::Conv2d(torch::nn::Conv2dOptions(
-                                in.shape[0], channels, {kernel[0], kernel[1]})
-                                .stride({stride[0], stride[1]})
-                                .padding({padding[0], padding[1]})
-                                .bias(p["bias"].get<bool>()))),
-      out};
+  return {torch::nn::AnyModule(torch::nn::Conv2d(
+      torch::nn::Conv2dOptions(
+          in.shape[0], facts.output[0], {kernel[0], kernel[1]})
+          .stride({stride[0], stride[1]})
+          .padding({padding[0], padding[1]})
+          .bias(p["bias"].get<bool>())))};
 }
 
 template <class Pool, class Options>
-BuiltLayer pool2d(const LayerInput& in) {
-  requireImage(in);
+BuiltLayer pool2d(const LayerInput& in, const LayerFacts&) {
   const auto& p = in.params;
   const auto kernel = pair(p["kernel_size"]), stride = pair(p["stride"]),
              padding = pair(p["padding"]);
-  in.require(
-      padding[0] * 2 <= kernel[0] && padding[1] * 2 <= kernel[1],
-      "padding must be at most half the kernel size");
-  Shape out = {
+  return {torch::nn::AnyModule(Pool(Options({kernel[0], kernel[1]})
+                                        .stride({stride[0], stride[1]})
+                                        .padding({padding[0], padding[1]})))};
+}
+
+BuiltLayer flatten(const LayerInput&, const LayerFacts&) {
+  return {torch::nn::AnyModule(torch::nn::Flatten())};
+}
+
+BuiltLayer dropout(const LayerInput& in, const LayerFacts&) {
+  return {
+      torch::nn::AnyModule(torch::nn::Dropout(in.params["p"].get<double>()))};
+}
+
+BuiltLayer layernorm(const LayerInput& in, const LayerFacts&) {
+  return {torch::nn::AnyModule(
+      torch::nn::LayerNorm(torch::nn::LayerNormOptions({in.shape.back()})
+                               .eps(in.params["eps"].get<double>())))};
+}
+
+BuiltLayer batchnorm2d(const LayerInput& in, const LayerFacts&) {
+  return {torch::nn::AnyModule(DeferredBatchNorm2d(
       in.shape[0],
-      window(in, in.shape[1], kernel[0], stride[0], padding[0]),
-      window(in, in.shape[2], kernel[1], stride[1], padding[1])};
-  return {
-      torch::nn::AnyModule(Pool(Options({kernel[0], kernel[1]})
-                                    .stride({stride[0], stride[1]})
-                                    .padding({padding[0], padding[1]}))),
-      out};
+      in.params["eps"].get<double>(),
+      in.params["momentum"].get<double>()))};
 }
 
-BuiltLayer flatten(const LayerInput& in) {
-  int64_t size = 1;
-  for (int64_t d : in.shape)
-    size *= d;
-  return {torch::nn::AnyModule(torch::nn::Flatten()), {size}};
-}
-
-BuiltLayer dropout(const LayerInput& in) {
-  return {
-      torch::nn::AnyModule(torch::nn::Dropout(in.params["p"].get<double>())),
-      in.shape};
-}
-
-BuiltLayer layernorm(const LayerInput& in) {
-  return {
-      torch::nn::AnyModule(
-          torch::nn::LayerNorm(torch::nn::LayerNormOptions({in.shape.back()})
-                                   .eps(in.params["eps"].get<double>()))),
-      in.shape};
-}
-
-BuiltLayer batchnorm2d(const LayerInput& in) {
-  requireImage(in);
-  return {
-      torch::nn::AnyModule(DeferredBatchNorm2d(
-          in.shape[0],
-          in.params["eps"].get<double>(),
-          in.params["momentum"].get<double>())),
-      in.shape};
-}
-
-BuiltLayer transformerBlock(const LayerInput& in) {
-  in.require(
-      in.shape.size() == 2,
-      "expects [seq_len, dim] per sample, got " + shapeText(in.shape));
-  const int64_t heads = in.params["heads"].get<int64_t>();
-  in.require(
-      in.shape[1] % heads == 0,
-      "dim " + std::to_string(in.shape[1]) + " is not divisible by heads " +
-          std::to_string(heads));
-  return {
-      torch::nn::AnyModule(TransformerBlock(
-          in.shape[1],
-          heads,
-          in.params["mlp_ratio"].get<int64_t>(),
-          in.params["dropout"].get<double>())),
-      in.shape};
+BuiltLayer transformerBlock(const LayerInput& in, const LayerFacts&) {
+  return {torch::nn::AnyModule(TransformerBlock(
+      in.shape[1],
+      in.params["heads"].get<int64_t>(),
+      in.params["mlp_ratio"].get<int64_t>(),
+      in.params["dropout"].get<double>()))};
 }
 
 } // namespace
-
-void LayerInput::fail(const std::string& what) const {
-  throw ConfigError(where + ": " + what);
-}
-
-void LayerInput::require(bool ok, const std::string& what) const {
-  if (!ok)
-    fail(what);
-}
 
 const std::vector<LayerType>& layerTypes() {
   using K = ParamKind;
@@ -314,6 +230,7 @@ const std::vector<LayerType>& layerTypes() {
       {"linear",
        {{"out_features", K::kPositive, nullptr}, {"bias", K::kBool, true}},
        "[..., in] -> [..., out_features]",
+       facts::linear,
        linear},
       {"conv2d",
        {{"out_channels", K::kPositive, nullptr},
@@ -322,43 +239,58 @@ const std::vector<LayerType>& layerTypes() {
         {"padding", K::kSize2NonNegative, 0},
         {"bias", K::kBool, true}},
        "[c, h, w] -> [out_channels, h', w']",
+       facts::conv2d,
        conv2d},
       {"maxpool2d",
        {{"kernel_size", K::kSize2, nullptr},
         {"stride", K::kSize2, nullptr},
         {"padding", K::kSize2NonNegative, 0}},
        "[c, h, w] -> [c, h', w']",
+       facts::pool2d,
        pool2d<torch::nn::MaxPool2d, torch::nn::MaxPool2dOptions>},
       {"avgpool2d",
        {{"kernel_size", K::kSize2, nullptr},
         {"stride", K::kSize2, nullptr},
         {"padding", K::kSize2NonNegative, 0}},
        "[c, h, w] -> [c, h', w']",
+       facts::pool2d,
        pool2d<torch::nn::AvgPool2d, torch::nn::AvgPool2dOptions>},
-      {"flatten", {}, "[...] -> [product]", flatten},
-      {"relu", {}, "same", elementwise<torch::nn::ReLU>},
-      {"gelu", {}, "same", elementwise<torch::nn::GELU>},
-      {"tanh", {}, "same", elementwise<torch::nn::Tanh>},
-      {"sigmoid", {}, "same", elementwise<torch::nn::Sigmoid>},
-      {"dropout", {{"p", K::kProbability, 0.5}}, "same", dropout},
+      {"flatten", {}, "[...] -> [product]", facts::flatten, flatten},
+      {"relu", {}, "same", facts::elementwise, elementwise<torch::nn::ReLU>},
+      {"gelu", {}, "same", facts::elementwise, elementwise<torch::nn::GELU>},
+      {"tanh", {}, "same", facts::elementwise, elementwise<torch::nn::Tanh>},
+      {"sigmoid",
+       {},
+       "same",
+       facts::elementwise,
+       elementwise<torch::nn::Sigmoid>},
+      {"dropout",
+       {{"p", K::kProbability, 0.5}},
+       "same",
+       facts::dropout,
+       dropout},
       {"layernorm",
        {{"eps", K::kPositiveNumber, 1e-5}},
        "same (over the last dim)",
+       facts::layernorm,
        layernorm},
       {"batchnorm2d",
        {{"eps", K::kPositiveNumber, 1e-5}, {"momentum", K::kProbability, 0.1}},
        "[c, h, w] -> same",
+       facts::batchnorm2d,
        batchnorm2d},
       {"embedding",
        {{"num_embeddings", K::kPositive, nullptr},
         {"embedding_dim", K::kPositive, nullptr}},
        "token ids [...] -> [..., embedding_dim]",
+       facts::embedding,
        embedding},
       {"transformer_block",
        {{"heads", K::kPositive, nullptr},
         {"mlp_ratio", K::kPositive, 4},
         {"dropout", K::kProbability, 0.0}},
        "[seq_len, dim] -> same",
+       facts::transformerBlock,
        transformerBlock},
   };
   return types;
@@ -372,38 +304,6 @@ const LayerType* findLayerType(const std::string& name) {
   return nullptr;
 }
 
-namespace {
-
-BuiltLayer buildLayer(
-    const LayerSpec& spec,
-    size_t index,
-    const Shape& shape,
-    bool integer) {
-  const LayerInput input{
-      spec.params,
-      shape,
-      integer,
-      "model.layers[" + std::to_string(index) + "] (" + spec.type + ")"};
-  const LayerType* type = findLayerType(spec.type);
-  if (type == nullptr)
-    input.fail("unknown layer type");
-  const bool takesTokens = spec.type == "embedding";
-  if (takesTokens)
-    input.require(
-        integer,
-        "expects integer token ids, got a float input of shape " +
-            shapeText(shape));
-  if (!takesTokens) {
-    input.require(
-        !integer,
-        "expects a float input, got integer token ids of shape " +
-            shapeText(shape) + " (put an embedding first)");
-  }
-  return type->build(input);
-}
-
-} // namespace
-
 BuiltModel buildModel(const ModelConfig& model, uint64_t seed) {
   torch::manual_seed(seed);
   BuiltModel built;
@@ -412,14 +312,16 @@ BuiltModel buildModel(const ModelConfig& model, uint64_t seed) {
       !model.layers.empty() && model.layers.front().type == "embedding";
   bool integer = built.integerInput;
   for (size_t i = 0; i < model.layers.size(); ++i) {
-    BuiltLayer layer =
-        buildLayer(model.layers[i], i, built.shapes.back(), integer);
+    const LayerSpec& spec = model.layers[i];
+    LayerFacts facts = layerFacts(spec, i, built.shapes.back(), integer);
+    const LayerInput input{spec.params, built.shapes.back(), integer, ""};
+    BuiltLayer layer = findLayerType(spec.type)->build(input, facts);
     integer = false;
     for (const auto& parameter : layer.module.ptr()->parameters()) {
       built.parameterCount += parameter.numel();
     }
     built.layers.push_back({std::to_string(i), std::move(layer.module)});
-    built.shapes.push_back(std::move(layer.output));
+    built.shapes.push_back(std::move(facts.output));
   }
   return built;
 }
