@@ -1,3 +1,5 @@
+#include <cmath>
+
 #include <gtest/gtest.h>
 
 #include <nlohmann/json.hpp>
@@ -43,16 +45,30 @@ TEST(ProfileTest, RecordsBytesOfParametersOutputsAndStash) {
   EXPECT_EQ(profile.fitSizes, (std::vector<int64_t>{8, 16, 32}));
 }
 
-TEST(ProfileTest, TheLeastSquaresLineIsExactOnALineAndAveragesNoise) {
-  const LinearFit exact =
-      fitLine({8, 16, 32}, {0.5 + 0.1 * 8, 0.5 + 0.1 * 16, 0.5 + 0.1 * 32});
-  EXPECT_NEAR(exact.intercept, 0.5, 1e-12);
-  EXPECT_NEAR(exact.slope, 0.1, 1e-12);
-  EXPECT_NEAR(exact.at(48), 5.3, 1e-12); // a held-out size
-  // Symmetric noise around the line cancels in the fit.
-  const LinearFit noisy = fitLine({10, 10, 20, 20}, {1.9, 2.1, 2.9, 3.1});
-  EXPECT_NEAR(noisy.at(10), 2.0, 1e-12);
-  EXPECT_NEAR(noisy.at(30), 4.0, 1e-12);
+TEST(ProfileTest, TheSizeCurveIsExactOnAPowerLawAndBendsWithTheData) {
+  // t = 0.01 n^0.8: a straight line in log space.
+  std::vector<int64_t> sizes{8, 16, 32, 64};
+  std::vector<double> times;
+  for (int64_t n : sizes)
+    times.push_back(0.01 * std::pow(static_cast<double>(n), 0.8));
+  const SizeCurve power = fitSizeCurve(sizes, times);
+  EXPECT_NEAR(power.at(24), 0.01 * std::pow(24.0, 0.8), 1e-9);
+  EXPECT_NEAR(power.c2, 0.0, 1e-9);
+  EXPECT_LT(power.worstResidual, 1e-9);
+  // Past the measured sizes it goes on along the end slope.
+  EXPECT_NEAR(power.at(128), 0.01 * std::pow(128.0, 0.8), 1e-9);
+  // Small sizes inefficient: t = 1 + 0.1 n is not a power law, and the
+  // quadratic in log space follows it far closer than a line there would.
+  times.clear();
+  for (int64_t n : sizes)
+    times.push_back(1.0 + 0.1 * static_cast<double>(n));
+  const SizeCurve bent = fitSizeCurve(sizes, times);
+  EXPECT_GT(bent.c2, 0.0);
+  EXPECT_LT(bent.worstResidual, 0.02);
+  EXPECT_NEAR(bent.at(24), 3.4, 0.05);
+  // One size: proportional to n.
+  const SizeCurve one = fitSizeCurve({10}, {2.0});
+  EXPECT_NEAR(one.at(20), 4.0, 1e-9);
 }
 
 // Measured times are noisy (a shared CI machine): only a loose check here;
@@ -78,7 +94,8 @@ TEST(ProfileTest, TheFitPredictsAHeldOutMicroBatchSize) {
       << "predicted " << predicted << " ms, measured " << actual << " ms";
   EXPECT_LT(predicted / actual, 3.0)
       << "predicted " << predicted << " ms, measured " << actual << " ms";
-  EXPECT_GT(profile.layers[0].forward.slope, 0.0);
+  EXPECT_GT(
+      profile.layers[0].forward.at(128), profile.layers[0].forward.at(32));
 }
 
 TEST(ProfileTest, JsonRoundTripAndScaling) {
@@ -90,7 +107,7 @@ TEST(ProfileTest, JsonRoundTripAndScaling) {
   ASSERT_EQ(back.layers.size(), profile.layers.size());
   EXPECT_EQ(back.layers[0].cost.paramBytes, profile.layers[0].cost.paramBytes);
   EXPECT_DOUBLE_EQ(
-      back.layers[3].backward.slope, profile.layers[3].backward.slope);
+      back.layers[3].backward.at(7), profile.layers[3].backward.at(7));
   const auto doubled = back.costsAt(8);
   EXPECT_EQ(
       doubled[0].activationBytes, 2 * profile.layers[0].cost.activationBytes);

@@ -2,8 +2,10 @@
 //
 // profileLayers runs each layer forward and backward on sample micro-batches
 // on the device it will run on: warm-up, then the median of several runs, at
-// a few micro-batch sizes, with a least-squares fit t = a + b * n so plans
-// for other micro-batch counts need no new measurement. Memory comes from the
+// a few micro-batch sizes, with a least-squares fit of ln t against ln n (a
+// quadratic: small micro-batches run matrix products less efficiently, so
+// time is not linear in the size), so plans for other micro-batch counts
+// need no new measurement. Memory comes from the
 // device's own allocator statistics (the counting CPU allocator; CUDA's
 // caching allocator in CUDA builds): bytes the forward leaves alive for the
 // backward.
@@ -31,22 +33,25 @@
 
 namespace tpipe {
 
-struct LinearFit {
-  double intercept = 0.0; // ms
-  double slope = 0.0;     // ms per sample
-  double at(double samples) const {
-    return intercept + slope * samples;
-  }
+// Time against micro-batch size n: ln ms = c0 + c1 ln n + c2 (ln n)^2 over
+// the measured sizes [lo, hi]; past them it goes on along the end's slope
+// (held between 0 and 1.2, so a few points cannot extrapolate wildly). One
+// measured size gives time proportional to n; two, a power law.
+struct SizeCurve {
+  double c0 = 0.0, c1 = 1.0, c2 = 0.0;
+  double lo = 1.0, hi = 1.0;
+  double worstResidual = 0.0; // max |fit / measured - 1| at measured sizes
+  double at(double samples) const;
 };
 
-// Least-squares line through (size, time) points (Eigen, column-pivoting QR).
-LinearFit fitLine(
+// Least squares in log space (Eigen, column-pivoting QR).
+SizeCurve fitSizeCurve(
     const std::vector<int64_t>& sizes,
     const std::vector<double>& times);
 
 struct LayerProfile {
   LayerCost cost; // at the profile's micro-batch size
-  LinearFit forward, backward;
+  SizeCurve forward, backward;
 };
 
 struct Profile {
@@ -65,6 +70,11 @@ struct Profile {
 
 struct ProfileOptions {
   int64_t microBatchSize = 8;
+  // The sizes the curves are fitted over; empty: half, one and two times
+  // microBatchSize. microBatchSize itself is always measured.
+  std::vector<int64_t> fitSizes;
+  // Intra-op threads while measuring (restored after); 0: as the caller has.
+  int threads = 0;
   int warmup = 2;
   int repeats = 5;
   std::string device = "cpu";

@@ -174,18 +174,60 @@ int64_t stashBytes(torch::nn::AnyModule& layer, const at::Tensor& x, int slot) {
 
 } // namespace
 
-LinearFit fitLine(
+SizeCurve fitSizeCurve(
     const std::vector<int64_t>& sizes,
     const std::vector<double>& times) {
-  Eigen::MatrixXd a(static_cast<Eigen::Index>(sizes.size()), 2);
-  Eigen::VectorXd b(static_cast<Eigen::Index>(sizes.size()));
+  TORCH_CHECK(
+      !sizes.empty() && sizes.size() == times.size(),
+      "fitSizeCurve: needs as many times as sizes, and at least one");
+  std::vector<double> xs, ys;
   for (size_t i = 0; i < sizes.size(); ++i) {
-    a(static_cast<Eigen::Index>(i), 0) = 1.0;
-    a(static_cast<Eigen::Index>(i), 1) = static_cast<double>(sizes[i]);
-    b(static_cast<Eigen::Index>(i)) = times[i];
+    xs.push_back(std::log(static_cast<double>(sizes[i])));
+    ys.push_back(std::log(std::max(times[i], 1e-6)));
+  }
+  std::vector<double> distinct = xs;
+  std::sort(distinct.begin(), distinct.end());
+  distinct.erase(std::unique(distinct.begin(), distinct.end()), distinct.end());
+  const Eigen::Index terms =
+      static_cast<Eigen::Index>(std::min<size_t>(3, distinct.size()));
+  const Eigen::Index rows = static_cast<Eigen::Index>(xs.size());
+  Eigen::MatrixXd a(rows, terms);
+  Eigen::VectorXd b(rows);
+  for (Eigen::Index i = 0; i < rows; ++i) {
+    const double x = xs[static_cast<size_t>(i)];
+    // One size: time proportional to n (the slope is fixed at 1).
+    b(i) = ys[static_cast<size_t>(i)] - (terms == 1 ? x : 0.0);
+    for (Eigen::Index t = 0; t < terms; ++t)
+      a(i, t) = std::pow(x, static_cast<double>(t));
   }
   const Eigen::VectorXd solution = a.colPivHouseholderQr().solve(b);
-  return {solution(0), solution(1)};
+  SizeCurve curve;
+  curve.c0 = solution(0);
+  curve.c1 = terms >= 2 ? solution(1) : 1.0;
+  curve.c2 = terms >= 3 ? solution(2) : 0.0;
+  curve.lo = std::exp(distinct.front());
+  curve.hi = std::exp(distinct.back());
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    const double measured = std::max(times[i], 1e-6);
+    curve.worstResidual = std::max(
+        curve.worstResidual,
+        std::abs(curve.at(static_cast<double>(sizes[i])) / measured - 1.0));
+  }
+  return curve;
+}
+
+double SizeCurve::at(double samples) const {
+  const double x = std::log(std::max(samples, 1e-9));
+  const double low = std::log(lo), high = std::log(hi);
+  auto inside = [&](double v) { return c0 + c1 * v + c2 * v * v; };
+  auto slope = [&](double v) {
+    return std::clamp(c1 + 2.0 * c2 * v, 0.0, 1.2);
+  };
+  if (x < low)
+    return std::exp(inside(low) + slope(low) * (x - low));
+  if (x > high)
+    return std::exp(inside(high) + slope(high) * (x - high));
+  return std::exp(inside(x));
 }
 
 std::vector<LayerCost> Profile::costsAt(int64_t size) const {
@@ -274,8 +316,8 @@ void summarize(
     LayerProfile& layer = profile.layers[l];
     layer.cost.forwardMs = forwardMedians[at];
     layer.cost.backwardMs = backwardMedians[at];
-    layer.forward = fitLine(profile.fitSizes, forwardMedians);
-    layer.backward = fitLine(profile.fitSizes, backwardMedians);
+    layer.forward = fitSizeCurve(profile.fitSizes, forwardMedians);
+    layer.backward = fitSizeCurve(profile.fitSizes, backwardMedians);
     for (size_t run = 0; run < forward[l][at].size(); ++run) {
       total[l].push_back(forward[l][at][run] + backward[l][at][run]);
     }
@@ -300,12 +342,21 @@ Profile profileLayers(
   profile.device = options.device;
   profile.microBatchSize = options.microBatchSize;
   const int64_t n = options.microBatchSize;
-  profile.fitSizes = {std::max<int64_t>(1, n / 2), n, 2 * n};
+  profile.fitSizes = options.fitSizes;
+  if (profile.fitSizes.empty())
+    profile.fitSizes = {std::max<int64_t>(1, n / 2), n, 2 * n};
+  profile.fitSizes.push_back(n);
+  for (int64_t size : profile.fitSizes)
+    TORCH_CHECK(size >= 1, "profile: fit sizes must be >= 1, got ", size);
+  std::sort(profile.fitSizes.begin(), profile.fitSizes.end());
   profile.fitSizes.erase(
       std::unique(profile.fitSizes.begin(), profile.fitSizes.end()),
       profile.fitSizes.end());
   profile.layers.resize(layers.size());
   std::vector<std::vector<std::vector<double>>> forward, backward;
+  const int callerThreads = at::get_num_threads();
+  if (options.threads > 0)
+    at::set_num_threads(options.threads);
   try {
     at::AutoGradMode gradMode(true);
     for (profile.rounds = 1;; ++profile.rounds) {
@@ -316,15 +367,56 @@ Profile profileLayers(
         break;
     }
   } catch (...) {
+    at::set_num_threads(callerThreads);
     snapshot.restore(layers);
     memory::releaseSlot(slot);
     throw;
   }
+  at::set_num_threads(callerThreads);
   snapshot.restore(layers);
   memory::releaseSlot(slot);
   profile.noise = std::max(profile.noise, options.noiseFloor);
   return profile;
 }
+
+namespace {
+
+nlohmann::json curveToJson(const SizeCurve& curve) {
+  return {
+      {"ln_ms", {curve.c0, curve.c1, curve.c2}},
+      {"sizes", {curve.lo, curve.hi}},
+      {"worst_residual", curve.worstResidual}};
+}
+
+SizeCurve curveFromJson(const nlohmann::json& json, const std::string& path) {
+  auto numbers = [&](const char* key, size_t count) {
+    const nlohmann::json* value =
+        json.is_object() && json.contains(key) ? &json[key] : nullptr;
+    bool ok = value && value->is_array() && value->size() == count;
+    for (size_t i = 0; ok && i < count; ++i)
+      ok = (*value)[i].is_number();
+    if (!ok) {
+      throw ConfigError(
+          path + "." + key + ": expected " + std::to_string(count) +
+          " numbers");
+    }
+    return *value;
+  };
+  const auto ln = numbers("ln_ms", 3);
+  const auto sizes = numbers("sizes", 2);
+  SizeCurve curve;
+  curve.c0 = ln[0].get<double>();
+  curve.c1 = ln[1].get<double>();
+  curve.c2 = ln[2].get<double>();
+  curve.lo = sizes[0].get<double>();
+  curve.hi = sizes[1].get<double>();
+  if (!(curve.lo >= 1.0 && curve.hi >= curve.lo))
+    throw ConfigError(path + ".sizes: expected 1 <= lo <= hi");
+  curve.worstResidual = json.value("worst_residual", 0.0);
+  return curve;
+}
+
+} // namespace
 
 nlohmann::json profileToJson(const Profile& profile) {
   nlohmann::json layers = nlohmann::json::array();
@@ -336,9 +428,8 @@ nlohmann::json profileToJson(const Profile& profile) {
          {"param_bytes", layer.cost.paramBytes},
          {"activation_bytes", layer.cost.activationBytes},
          {"stash_bytes", layer.cost.stashBytes},
-         {"forward_fit_ms", {layer.forward.intercept, layer.forward.slope}},
-         {"backward_fit_ms",
-          {layer.backward.intercept, layer.backward.slope}}});
+         {"forward_fit", curveToJson(layer.forward)},
+         {"backward_fit", curveToJson(layer.backward)}});
   }
   return {
       {"device", profile.device},
@@ -347,7 +438,7 @@ nlohmann::json profileToJson(const Profile& profile) {
       {"rounds", profile.rounds},
       {"input_bytes", profile.inputBytes},
       {"fit_sizes", profile.fitSizes},
-      {"fit", "ms = intercept + slope * micro_batch_size"},
+      {"fit", "ln ms = c0 + c1 ln n + c2 (ln n)^2 for n in [lo, hi]"},
       {"layers", layers}};
 }
 
@@ -394,15 +485,14 @@ Profile profileFromJson(const nlohmann::json& json) {
     layer.cost.activationBytes =
         static_cast<int64_t>(number("activation_bytes", false));
     layer.cost.stashBytes = static_cast<int64_t>(number("stash_bytes", false));
-    layer.forward = {layer.cost.forwardMs, 0.0};
-    layer.backward = {layer.cost.backwardMs, 0.0};
-    if (item.contains("forward_fit_ms") && item.contains("backward_fit_ms")) {
-      layer.forward = {
-          item["forward_fit_ms"][0].get<double>(),
-          item["forward_fit_ms"][1].get<double>()};
-      layer.backward = {
-          item["backward_fit_ms"][0].get<double>(),
-          item["backward_fit_ms"][1].get<double>()};
+    layer.forward =
+        fitSizeCurve({profile.microBatchSize}, {layer.cost.forwardMs});
+    layer.backward =
+        fitSizeCurve({profile.microBatchSize}, {layer.cost.backwardMs});
+    if (item.contains("forward_fit") && item.contains("backward_fit")) {
+      layer.forward = curveFromJson(item["forward_fit"], path + ".forward_fit");
+      layer.backward =
+          curveFromJson(item["backward_fit"], path + ".backward_fit");
     }
     profile.layers.push_back(layer);
   }
