@@ -20,11 +20,23 @@ struct LayerCost {
   int64_t stashBytes = 0;
 };
 
+// Time against micro-batch size n: ln ms = c0 + c1 ln n + c2 (ln n)^2 over
+// the measured sizes [lo, hi]; past them it goes on along the end's slope
+// (held between 0 and 1.2, so a few points cannot extrapolate wildly). One
+// measured size gives time proportional to n; two, a power law.
+struct SizeCurve {
+  double c0 = 0.0, c1 = 1.0, c2 = 0.0;
+  double lo = 1.0, hi = 1.0;
+  double worstResidual = 0.0; // max |fit / measured - 1| at measured sizes
+  double at(double samples) const;
+};
+
 struct DeviceSpec {
   std::string name;
   double speed = 1.0;          // relative: a stage's time is divided by it
   int64_t memoryBytes = 0;     // capacity; 0: unlimited
   double linkBytesPerMs = 0.0; // to the next device; 0: transfers are free
+  double linkLatencyMs = 0.0;  // per transfer to the next device
 };
 
 // What one stage's instructions cost, for the simulator.

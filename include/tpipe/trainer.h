@@ -14,6 +14,7 @@
 #include "tpipe/config.h"
 #include "tpipe/pipeline.h"
 #include "tpipe/profile.h"
+#include "tpipe/tune.h"
 
 namespace tpipe {
 
@@ -142,6 +143,60 @@ struct TrainSummary {
 // finishes the current step (on every rank), checkpoints with --save, and
 // returns with stopSignal set; a second one exits at once.
 TrainSummary train(const Config& config, const TrainOptions& options);
+
+// ---- Tuning: `tpipe tune` and "pipeline": {"auto": true} ----------------
+
+struct TuneOptions {
+  int top = 10;                // candidates shown (and measured, with measure)
+  bool measure = false;        // run the top ones and rank them by measurement
+  int measureSteps = 4;        // timed steps per candidate and round (after 2)
+  int measureRounds = 2;       // rounds over the candidates, in turn
+  bool quick = false;          // fewer profiling repeats (for pipeline.auto)
+  std::ostream* log = nullptr; // progress lines; null: none
+};
+
+struct TuneOutcome {
+  CostModel model;
+  TuneResult result;
+  // The calibration, for the reader: fit residuals, runtime overheads.
+  std::vector<std::string> calibration;
+};
+
+// Calibrates a cost model on this machine for the config's job (profiles
+// every layer at the micro-batch sizes and thread counts the search needs,
+// then times a few real steps for the runtime's own costs) and searches.
+// With measure, the top candidates run side by side and the fastest
+// measured one becomes the choice. The config's devices are the devices a
+// plan may use; its pipeline settings are ignored.
+TuneOutcome tuneConfig(const Config& config, const TuneOptions& options);
+
+// Plans for a described cluster, nothing measured: per-layer FLOPs and
+// bytes from shape inference, device peak FLOP/s and efficiency, links and
+// memory from `cluster` (format in docs/tune.md). Throws ConfigError naming
+// a bad key. `source` names the file for messages.
+TuneOutcome tuneForCluster(
+    const Config& config,
+    const nlohmann::json& cluster,
+    const std::string& source);
+
+// Runs each candidate (one process, threads) for rounds x (2 warm-up + steps)
+// steps, in turn, from the same initial weights: the median ms per step
+// (batch, forward, backward, optimizer) of each.
+std::vector<double> measureCandidates(
+    const Config& config,
+    const std::vector<TuneCandidate>& candidates,
+    int steps,
+    int rounds,
+    std::ostream* log = nullptr);
+
+// The config with its pipeline section set to run `candidate`: the first
+// `ranks` devices, partition "balance" with its boundaries, its schedule,
+// micro-batches, checkpoint mode and threads. The JSON form keeps every
+// other key as written.
+Config configWithPlan(Config config, const TuneCandidate& candidate);
+nlohmann::json configWithPlan(
+    nlohmann::json config,
+    const TuneCandidate& candidate);
 
 // Called at the start of every training step with (rank, step), on the
 // training thread. For tests: a hook that exits or stops stands in for a

@@ -19,6 +19,7 @@
 #include "tpipe/pipeline.h"
 #include "tpipe/trainer.h"
 #include "tpipe/schedule.h"
+#include "tpipe/tune.h"
 
 namespace {
 
@@ -389,6 +390,8 @@ struct Arguments {
   bool json = false, csv = false;
   ScheduleRequest schedule;
   std::string checkpoint = "except_last";
+  tpipe::TuneOptions tune;
+  std::string clusterPath, writePath;
 };
 
 CLI::App* addTrain(CLI::App& app, Arguments& a) {
@@ -562,6 +565,82 @@ CLI::App* addSchedule(CLI::App& app, Arguments& a) {
   return schedule;
 }
 
+CLI::App* addTune(CLI::App& app, Arguments& a) {
+  auto* tune = app.add_subcommand(
+      "tune",
+      "choose stages, threads, micro-batches, schedule and checkpoint mode by a calibrated simulation");
+  tune->add_option(
+          "config",
+          a.configPath,
+          "JSON config file (default: the built-in one)")
+      ->check(CLI::ExistingFile);
+  tune->add_option(
+      "--set", a.overrides, "override a config value: key.path=value");
+  tune->add_option(
+          "--top", a.tune.top, "candidates shown and measured (default 10)")
+      ->check(CLI::Range(1, 1000));
+  tune->add_flag(
+      "--measure",
+      a.tune.measure,
+      "run the top candidates side by side; the fastest measured is chosen");
+  tune->add_flag(
+      "--json", a.json, "print the choice and every candidate as JSON");
+  tune->add_option(
+      "--write",
+      a.writePath,
+      "write the config with the chosen pipeline section");
+  tune->add_option(
+          "--cluster",
+          a.clusterPath,
+          "plan for a described cluster (docs/tune.md) from FLOPs, not measurement")
+      ->check(CLI::ExistingFile);
+  return tune;
+}
+
+int runTune(Arguments& a) {
+  const nlohmann::json json = configJson(a.configPath, a.overrides);
+  const tpipe::Config config = tpipe::parseConfig(json);
+  a.tune.log = &std::cerr;
+  tpipe::TuneOutcome outcome;
+  if (a.clusterPath.empty()) {
+    outcome = tpipe::tuneConfig(config, a.tune);
+  } else {
+    const nlohmann::json cluster =
+        tpipe::readJsonFile(a.clusterPath, "--cluster " + a.clusterPath);
+    outcome = tpipe::tuneForCluster(config, cluster, a.clusterPath);
+  }
+  const tpipe::TuneCandidate& choice =
+      outcome.result.candidates[outcome.result.choice];
+  if (!a.writePath.empty()) {
+    if (choice.dataParallel > 1)
+      throw tpipe::ConfigError(
+          "--write: the choice runs " + std::to_string(choice.dataParallel) +
+          " replicas; write it for a cluster run by hand");
+    const std::string text = tpipe::configWithPlan(json, choice).dump(2) + "\n";
+    std::ofstream out(a.writePath, std::ios::trunc);
+    out << text;
+    out.close();
+    if (!out)
+      throw tpipe::ConfigError("--write: cannot write " + a.writePath);
+  }
+  if (a.json) {
+    nlohmann::json out = tpipe::tuneResultToJson(outcome.result);
+    out["calibration"] = outcome.calibration;
+    std::cout << out.dump(1) << '\n';
+    return 0;
+  }
+  for (const auto& line : outcome.calibration)
+    std::cout << "calibration: " << line << "\n";
+  std::cout << "costs: " << outcome.result.costSource << "; "
+            << outcome.result.candidates.size() << " candidates ("
+            << outcome.result.feasible() << " feasible) searched in "
+            << static_cast<long long>(outcome.result.searchMs) << " ms\n";
+  tpipe::printTuneTable(std::cout, outcome.result, a.tune.top);
+  if (!a.writePath.empty())
+    std::cout << "wrote " << a.writePath << "\n";
+  return 0;
+}
+
 int runProfile(Arguments& a) {
   profileCommand(a.configPath, a.overrides, a.profileOut);
   if (a.profileSteps <= 0)
@@ -580,7 +659,7 @@ int runProfile(Arguments& a) {
 
 // The subcommands that parsed, run; their errors become exit codes here.
 struct Subcommands {
-  CLI::App *train, *launch, *validate, *plan, *profile, *schedule;
+  CLI::App *train, *launch, *validate, *plan, *profile, *schedule, *tune;
 };
 
 int dispatch(const Subcommands& c, Arguments& a) {
@@ -607,6 +686,8 @@ int dispatch(const Subcommands& c, Arguments& a) {
   }
   if (*c.profile)
     return runProfile(a);
+  if (*c.tune)
+    return runTune(a);
   a.schedule.spec.checkpoint = tpipe::parseCheckpointMode(a.checkpoint);
   return printSchedule(a.schedule, a.json, a.csv);
 }
@@ -623,7 +704,8 @@ int tpipe::runCommandLine(int argc, char** argv) {
       addValidate(app, arguments),
       addPlan(app, arguments),
       addProfile(app, arguments),
-      addSchedule(app, arguments)};
+      addSchedule(app, arguments),
+      addTune(app, arguments)};
   try {
     app.parse(argc, argv);
   } catch (const CLI::Success&) {

@@ -560,6 +560,28 @@ void checkPipeline(const Config& config) {
   }
 }
 
+// With "auto" the tuner chooses the plan: a hand-picked setting next to it
+// would be silently overridden, so it is an error.
+void checkAutoLeavesPlanOpen(const Json& pipeline) {
+  for (const char* key :
+       {"stages",
+        "micro_batches",
+        "schedule",
+        "virtual_stages",
+        "checkpoint",
+        "partition",
+        "balance",
+        "threads_per_device",
+        "data_parallel"}) {
+    if (pipeline.contains(key)) {
+      fail(
+          std::string("pipeline.") + key,
+          "is chosen by the tuner when pipeline.auto is true; remove one of "
+          "them (`tpipe tune CONFIG --write OUT` writes the choice out)");
+    }
+  }
+}
+
 void parsePipeline(const Json& json, Config& config) {
   ObjectReader pipeline(json, "pipeline");
   auto& p = config.pipeline;
@@ -585,7 +607,10 @@ void parsePipeline(const Json& json, Config& config) {
       pipeline.integer("data_parallel", 1, 1, "a positive integer", 65536));
   p.timeoutS = pipeline.number(
       "timeout_s", 60.0, 0.1, 86400.0, "a number of seconds in [0.1, 86400]");
+  p.autoTune = pipeline.boolean("auto", false);
   pipeline.finish();
+  if (p.autoTune)
+    checkAutoLeavesPlanOpen(json);
   checkPipeline(config);
 }
 
@@ -784,7 +809,8 @@ nlohmann::json describeConfig(const Config& config) {
         {"balance", p.balance},
         {"threads_per_device", p.threadsPerDevice},
         {"data_parallel", p.dataParallel},
-        {"timeout_s", p.timeoutS}}},
+        {"timeout_s", p.timeoutS},
+        {"auto", p.autoTune}}},
       {"train",
        {{"batch_size", t.batchSize},
         {"steps", t.steps},

@@ -216,10 +216,14 @@ class Costs {
   }
 
   double transfer(int end, int stage) const {
-    if (stage == stages_ - 1 || device(stage).linkBytesPerMs <= 0.0)
+    if (stage == stages_ - 1)
       return 0.0;
-    return static_cast<double>(problem_.layers[end - 1].activationBytes) /
-        device(stage).linkBytesPerMs;
+    const DeviceSpec& link = device(stage);
+    return link.linkLatencyMs +
+        (link.linkBytesPerMs > 0.0
+             ? static_cast<double>(problem_.layers[end - 1].activationBytes) /
+                 link.linkBytesPerMs
+             : 0.0);
   }
 
   int64_t inputBytes(int first) const {
@@ -288,7 +292,7 @@ class Costs {
 
   bool hasLinks() const {
     for (int k = 0; k < stages_; ++k) {
-      if (device(k).linkBytesPerMs > 0.0)
+      if (device(k).linkBytesPerMs > 0.0 || device(k).linkLatencyMs > 0.0)
         return true;
     }
     return false;
@@ -440,8 +444,10 @@ int devicesThatFit(const PartitionProblem& problem, int stages) {
     more.devices.assign(count, problem.devices[0]);
     more.memory.stashed.assign(count, stashed);
     more.memory.live.assign(count, live);
-    for (auto& device : more.devices)
+    for (auto& device : more.devices) {
       device.linkBytesPerMs = 0.0;
+      device.linkLatencyMs = 0.0;
+    }
     const Costs moreCosts(more, count);
     std::vector<std::vector<int>> memoryEnd(count, std::vector<int>(layers));
     for (int k = 0; k < count; ++k) {

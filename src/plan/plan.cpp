@@ -338,10 +338,11 @@ std::vector<StageCosts> stageCostsOf(
     c.backwardWeight = c.backward / 2;
     c.recompute = c.forward;
     const bool last = k + 2 == boundaries.size();
-    c.transfer = last || device.linkBytesPerMs <= 0.0
-        ? 0.0
-        : static_cast<double>(layers[boundaries[k + 1] - 1].activationBytes) /
-            device.linkBytesPerMs;
+    const double bytes =
+        static_cast<double>(layers[boundaries[k + 1] - 1].activationBytes);
+    c.transfer = last ? 0.0
+                      : device.linkLatencyMs +
+            (device.linkBytesPerMs > 0.0 ? bytes / device.linkBytesPerMs : 0.0);
     costs.push_back(c);
   }
   return costs;

@@ -216,19 +216,6 @@ SizeCurve fitSizeCurve(
   return curve;
 }
 
-double SizeCurve::at(double samples) const {
-  const double x = std::log(std::max(samples, 1e-9));
-  const double low = std::log(lo), high = std::log(hi);
-  auto inside = [&](double v) { return c0 + c1 * v + c2 * v * v; };
-  auto slope = [&](double v) {
-    return std::clamp(c1 + 2.0 * c2 * v, 0.0, 1.2);
-  };
-  if (x < low)
-    return std::exp(inside(low) + slope(low) * (x - low));
-  if (x > high)
-    return std::exp(inside(high) + slope(high) * (x - high));
-  return std::exp(inside(x));
-}
 
 std::vector<LayerCost> Profile::costsAt(int64_t size) const {
   std::vector<LayerCost> costs;

@@ -53,6 +53,13 @@ class BatchSource {
 // rendezvous has compared every rank's config.
 std::shared_ptr<Communicator> joinWorld(const Config& config);
 
+// Profiles the config's model on its first device's type with these
+// options (sizes, threads, repeats); inputs drawn from the config's seed.
+Profile profileModelWith(
+    const Config& config,
+    const BuiltModel& model,
+    ProfileOptions options);
+
 // The plan this run trains with: costs measured (or read) once, on rank 0,
 // and shared, so every process resolves the same plan.
 Plan planTraining(

@@ -93,9 +93,10 @@ TrainingCosts sharedCosts(const TrainingCosts& mine, Communicator& world) {
 
 } // namespace
 
-Profile profileModel(const Config& config, const BuiltModel& model) {
-  ProfileOptions options;
-  options.microBatchSize = microBatchSize(config);
+Profile profileModelWith(
+    const Config& config,
+    const BuiltModel& model,
+    ProfileOptions options) {
   const std::string& first = config.pipeline.devices.front().name;
   options.device = first.rfind("cuda", 0) == 0 ? first : "cpu";
   // The sample inputs draw from their own generator: the caller's stream of
@@ -113,6 +114,12 @@ Profile profileModel(const Config& config, const BuiltModel& model) {
     return torch::randint(vocab, sizes, generator, torch::kLong);
   };
   return profileLayers(model.layers, sample, options);
+}
+
+Profile profileModel(const Config& config, const BuiltModel& model) {
+  ProfileOptions options;
+  options.microBatchSize = microBatchSize(config);
+  return profileModelWith(config, model, options);
 }
 
 bool needsMeasuredCosts(const Config& config) {

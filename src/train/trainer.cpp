@@ -129,10 +129,36 @@ PipelineOptions pipelineOptions(
   return options;
 }
 
+// pipeline.auto: tune briefly (prediction only) and train with the choice.
+Config tunedIfAuto(const Config& config, const TrainOptions& options) {
+  if (!config.pipeline.autoTune)
+    return config;
+  if (worldFromEnvironment().worldSize > 1) {
+    throw ConfigError(
+        "pipeline.auto tunes within one process; for a multi-process run, "
+        "write the choice with `tpipe tune CONFIG --write OUT` and launch OUT");
+  }
+  std::ostream& log = options.log ? *options.log : std::cout;
+  TuneOptions tune;
+  tune.quick = true;
+  tune.log = &log;
+  const TuneOutcome outcome = tuneConfig(config, tune);
+  const TuneCandidate& choice =
+      outcome.result.candidates[outcome.result.choice];
+  log << "tune: chose " << choice.label() << " of " << outcome.result.feasible()
+      << " feasible plans; predicted " << std::fixed << std::setprecision(2)
+      << choice.predictedStepMs << " ms per step" << std::defaultfloat << "\n";
+  for (const auto& note : outcome.result.notes)
+    log << "tune: " << note << "\n";
+  return configWithPlan(config, choice);
+}
+
 class TrainingRun {
  public:
   TrainingRun(const Config& config, const TrainOptions& options)
-      : config_(config), options_(options), world_(joinWorld(config)) {
+      : config_(tunedIfAuto(config, options)),
+        options_(options),
+        world_(joinWorld(config_)) {
     if (world_) {
       // Rank 0 speaks for the world; the bubble and memory reports are local
       // to one process and stay off.
@@ -145,7 +171,7 @@ class TrainingRun {
     }
     log_ = options_.log ? options_.log : &std::cout;
     live_ = options_.log == nullptr && ::isatty(STDOUT_FILENO);
-    identity_ = {runFingerprint(config), config.train.optimizer.type};
+    identity_ = {runFingerprint(config_), config_.train.optimizer.type};
   }
 
   TrainSummary run() {
@@ -488,7 +514,7 @@ class TrainingRun {
     log << std::defaultfloat << std::endl;
   }
 
-  const Config& config_;
+  const Config config_;
   TrainOptions options_;
   std::shared_ptr<Communicator> world_;
   std::ostringstream silent_;

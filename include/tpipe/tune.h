@@ -1,0 +1,147 @@
+// The tuner: which plan to run. It enumerates candidate plans (stage count,
+// intra-op threads per stage, data-parallel width, micro-batches, schedule,
+// checkpoint mode), asks the plan resolver for each one's time-optimal
+// partition within the memory caps, predicts each step with the simulator
+// under a calibrated cost model, and ranks them. Pure: no LibTorch, no
+// threads. Measuring the cost model is the caller's job (`tpipe tune`
+// profiles the job; `--cluster` derives it from FLOPs and bandwidths).
+//
+//   tpipe::CostModel model = ...;          // calibrated per job
+//   tpipe::TuneRequest request;
+//   request.batchSize = 256;
+//   request.devices = {{"cpu:0"}, {"cpu:1"}};
+//   request.cores = 2;
+//   tpipe::TuneResult result = tpipe::tunePlans(model, request);
+//   tpipe::printTuneTable(std::cout, result, 10);
+//
+// The prediction of one candidate: the simulated makespan of its schedule,
+// where each stage's forward and backward are the sums of its layers' curves
+// at the candidate's micro-batch size and threads, plus the runtime's cost
+// per compute instruction, with the split backward of zero-bubble schedules
+// scaled by the measured split overhead; plus the fixed cost per step
+// (optimizer, loss, batch) and, with replicas, the gradient all-reduce after
+// the flush (not overlapped). docs/tune.md states what this leaves out.
+#pragma once
+
+#include <cstdint>
+#include <iosfwd>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json_fwd.hpp>
+
+#include "tpipe/costs.h"
+#include "tpipe/schedule.h"
+
+namespace tpipe {
+
+struct LayerModel {
+  std::string name;
+  // One curve per entry of CostModel::threads: ms against micro-batch size.
+  std::vector<SizeCurve> forward, backward;
+  int64_t paramBytes = 0;
+  double activationBytesPerSample = 0.0; // the output, what crosses a link
+  double stashBytesPerSample = 0.0;      // kept for the backward
+};
+
+struct Link {
+  double latencyMs = 0.0;
+  double bytesPerMs = 0.0; // 0: free
+  double msFor(double bytes) const {
+    return bytesPerMs > 0.0 ? latencyMs + bytes / bytesPerMs : latencyMs;
+  }
+};
+
+struct CostModel {
+  std::vector<LayerModel> layers;
+  std::vector<int> threads{1}; // the intra-op thread counts the curves cover
+  double inputBytesPerSample = 0.0;
+  double instructionMs = 0.0; // runtime cost of one compute instruction
+  double stepMs = 0.0;        // per step: optimizer, loss, batch assembly
+  double splitBackward = 1.0; // (input + weight pass) / fused backward
+  // Stages of one process run at once on shared memory bandwidth: their
+  // compute is this much slower than the layers measured alone.
+  double concurrentSlowdown = 1.0;
+  double noise = 0.0; // relative; plans closer than it are equal
+  std::string source; // "measured now", "cluster.json", ...
+
+  // Per-layer costs at a micro-batch size and thread count (one of threads).
+  std::vector<LayerCost> costsAt(int64_t microBatchSize, int threads) const;
+};
+
+// How devices are connected: a replica's ranks are consecutive devices;
+// devices [k * devicesPerNode, (k + 1) * devicesPerNode) share a node.
+struct Topology {
+  int devicesPerNode = 0; // 0: all on one node
+  Link intraNode, interNode;
+};
+
+struct TuneRequest {
+  int64_t batchSize = 1;
+  // The devices a plan may use, in rank order (capacity, speed).
+  std::vector<DeviceSpec> devices;
+  // CPU cores the stage workers share (each takes `threads` of them);
+  // 0: every device computes on its own (GPUs, a cluster).
+  int cores = 0;
+  Topology topology;
+  // Empty: every stage count from 1 to min(devices, layers).
+  std::vector<int> stageCounts;
+  // Empty: powers of two up to the batch (per replica).
+  std::vector<int> microBatches;
+  // Empty: every built-in schedule.
+  std::vector<ScheduleKind> schedules;
+  // Empty: never, except_last, always.
+  std::vector<CheckpointMode> checkpoints;
+  // Data parallel: false keeps one replica; true fills the devices with
+  // devices / stages replicas (stage counts that divide the devices).
+  bool replicate = false;
+  double optimizerFactor = 0.0;
+};
+
+struct TuneCandidate {
+  int stages = 1; // pipeline stages (virtual included)
+  int ranks = 1;  // devices per replica
+  int virtualStages = 1;
+  int microBatches = 1;
+  int threadsPerStage = 1;
+  int dataParallel = 1;
+  ScheduleKind schedule = ScheduleKind::kGpipe;
+  CheckpointMode checkpoint = CheckpointMode::kNever;
+  std::vector<int> boundaries;
+  double predictedStepMs = 0.0;
+  double bubble = 0.0; // simulated idle share of the pipeline
+  double allReduceMs = 0.0;
+  std::vector<int64_t> peakBytes; // per device of a replica
+  double samplesPerSecond = 0.0;
+  std::string infeasible;       // why it cannot run; empty: it can
+  double measuredStepMs = -1.0; // set by the caller; < 0: not measured
+  std::string label() const;    // "2 x 1 thr, 8 mb, 1f1b, never"
+};
+
+struct TuneResult {
+  // Feasible ones first, fastest first; then the infeasible with reasons.
+  std::vector<TuneCandidate> candidates;
+  size_t choice = 0;
+  std::vector<std::string> notes; // the choice's reasons, what was skipped
+  std::string costSource;
+  double searchMs = 0.0; // wall time of the search itself
+  int feasible() const;
+};
+
+// Throws UserError when nothing can run, naming the reasons seen.
+TuneResult tunePlans(const CostModel& model, const TuneRequest& request);
+
+// One candidate's prediction: `shape` gives ranks, dataParallel,
+// threadsPerStage, microBatches, schedule and checkpoint; the rest is filled
+// in (infeasible set when it cannot run).
+TuneCandidate predictCandidate(
+    const CostModel& model,
+    const TuneRequest& request,
+    const TuneCandidate& shape);
+
+nlohmann::json tuneResultToJson(const TuneResult& result);
+nlohmann::json tuneCandidateToJson(const TuneCandidate& candidate);
+// The ranked table: top K feasible, a line per infeasible group, the choice.
+void printTuneTable(std::ostream& out, const TuneResult& result, int top);
+
+} // namespace tpipe

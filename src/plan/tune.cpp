@@ -1,0 +1,609 @@
+// The tuner's search (see tpipe/tune.h): candidates, the resolver's
+// partition for each, the calibrated simulation, the ranking.
+#include "tpipe/tune.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <map>
+#include <ostream>
+
+#include <nlohmann/json.hpp>
+
+#include "tpipe/plan.h"
+
+namespace tpipe {
+
+double SizeCurve::at(double samples) const {
+  const double x = std::log(std::max(samples, 1e-9));
+  const double low = std::log(lo), high = std::log(hi);
+  auto inside = [&](double v) { return c0 + c1 * v + c2 * v * v; };
+  auto slope = [&](double v) {
+    return std::clamp(c1 + 2.0 * c2 * v, 0.0, 1.2);
+  };
+  if (x < low)
+    return std::exp(inside(low) + slope(low) * (x - low));
+  if (x > high)
+    return std::exp(inside(high) + slope(high) * (x - high));
+  return std::exp(inside(x));
+}
+
+std::vector<LayerCost> CostModel::costsAt(int64_t size, int threadCount) const {
+  const auto found = std::find(threads.begin(), threads.end(), threadCount);
+  if (found == threads.end()) {
+    throw UserError(
+        "the cost model has no times at " + std::to_string(threadCount) +
+        " threads");
+  }
+  const size_t t = static_cast<size_t>(found - threads.begin());
+  const double n = static_cast<double>(size);
+  std::vector<LayerCost> costs;
+  for (const auto& layer : layers) {
+    LayerCost cost;
+    cost.name = layer.name;
+    cost.forwardMs = layer.forward[t].at(n);
+    cost.backwardMs = layer.backward[t].at(n);
+    cost.paramBytes = layer.paramBytes;
+    cost.activationBytes =
+        static_cast<int64_t>(std::llround(layer.activationBytesPerSample * n));
+    cost.stashBytes =
+        static_cast<int64_t>(std::llround(layer.stashBytesPerSample * n));
+    costs.push_back(cost);
+  }
+  return costs;
+}
+
+std::string TuneCandidate::label() const {
+  std::string text =
+      std::to_string(ranks) + (ranks == 1 ? " stage" : " stages");
+  if (virtualStages > 1)
+    text += " (x" + std::to_string(virtualStages) + ")";
+  if (dataParallel > 1)
+    text += " x " + std::to_string(dataParallel) + " dp";
+  text += ", " + std::to_string(threadsPerStage) + " thr, " +
+      std::to_string(microBatches) + " mb, " + scheduleKindName(schedule) +
+      ", " + checkpointModeName(checkpoint);
+  return text;
+}
+
+int TuneResult::feasible() const {
+  int count = 0;
+  for (const auto& candidate : candidates)
+    count += candidate.infeasible.empty() ? 1 : 0;
+  return count;
+}
+
+namespace {
+
+const std::vector<ScheduleKind>& allSchedules() {
+  static const std::vector<ScheduleKind> kinds{
+      ScheduleKind::kGpipe,
+      ScheduleKind::kOneFOneB,
+      ScheduleKind::kInterleaved,
+      ScheduleKind::kZeroBubbleH1,
+      ScheduleKind::kZeroBubbleH2,
+      ScheduleKind::kZeroBubbleV,
+      ScheduleKind::kAuto};
+  return kinds;
+}
+
+int virtualStagesOf(ScheduleKind kind) {
+  return kind == ScheduleKind::kInterleaved ||
+          kind == ScheduleKind::kZeroBubbleV
+      ? 2
+      : 1;
+}
+
+bool splitsBackward(ScheduleKind kind) {
+  return kind == ScheduleKind::kZeroBubbleH1 ||
+      kind == ScheduleKind::kZeroBubbleH2 ||
+      kind == ScheduleKind::kZeroBubbleV || kind == ScheduleKind::kAuto;
+}
+
+// Simplest first: what the choice prefers among plans within the noise.
+int scheduleRank(ScheduleKind kind) {
+  const auto& kinds = allSchedules();
+  return static_cast<int>(
+      std::find(kinds.begin(), kinds.end(), kind) - kinds.begin());
+}
+
+int checkpointRank(CheckpointMode mode) {
+  switch (mode) {
+    case CheckpointMode::kNever:
+      return 0;
+    case CheckpointMode::kExceptLast:
+      return 1;
+    case CheckpointMode::kAlways:
+      return 2;
+  }
+  return 3;
+}
+
+bool simpler(const TuneCandidate& a, const TuneCandidate& b) {
+  auto key = [](const TuneCandidate& c) {
+    return std::make_tuple(
+        c.ranks * c.dataParallel,
+        c.virtualStages,
+        scheduleRank(c.schedule),
+        checkpointRank(c.checkpoint),
+        c.microBatches);
+  };
+  return key(a) < key(b);
+}
+
+// What the search spans, with the request's defaults filled in.
+struct Space {
+  std::vector<int> stageCounts;
+  std::vector<ScheduleKind> schedules;
+  std::vector<CheckpointMode> checkpoints;
+};
+
+Space spaceOf(const CostModel& model, const TuneRequest& request) {
+  Space space;
+  space.stageCounts = request.stageCounts;
+  if (space.stageCounts.empty()) {
+    const int most = std::min(
+        static_cast<int>(request.devices.size()),
+        static_cast<int>(model.layers.size()));
+    for (int p = 1; p <= most; ++p)
+      space.stageCounts.push_back(p);
+  }
+  space.schedules =
+      request.schedules.empty() ? allSchedules() : request.schedules;
+  space.checkpoints = request.checkpoints;
+  if (space.checkpoints.empty()) {
+    space.checkpoints = {
+        CheckpointMode::kNever,
+        CheckpointMode::kExceptLast,
+        CheckpointMode::kAlways};
+  }
+  return space;
+}
+
+std::vector<int> microBatchCounts(const TuneRequest& request, int64_t batch) {
+  std::vector<int> counts;
+  for (int m : request.microBatches) {
+    if (m >= 1 && m <= batch)
+      counts.push_back(m);
+  }
+  if (request.microBatches.empty()) {
+    for (int64_t m = 1; m <= batch && m <= 256; m *= 2)
+      counts.push_back(static_cast<int>(m));
+  }
+  return counts;
+}
+
+// The link after global device `device` (to device + 1).
+Link linkAfter(const Topology& topology, int device) {
+  if (topology.devicesPerNode <= 0)
+    return topology.intraNode;
+  const bool crosses = (device + 1) % topology.devicesPerNode == 0;
+  return crosses ? topology.interNode : topology.intraNode;
+}
+
+// The ring all-reduce of every stage's gradients across replicas, after the
+// flush: 2 (d - 1) / d of the bytes each way, 2 (d - 1) latencies.
+double allReduceMs(
+    const TuneRequest& request,
+    const std::vector<LayerCost>& layers,
+    const std::vector<int>& boundaries,
+    int ranks,
+    int replicas) {
+  if (replicas <= 1)
+    return 0.0;
+  const Topology& topology = request.topology;
+  const bool acrossNodes =
+      topology.devicesPerNode > 0 && ranks * replicas > topology.devicesPerNode;
+  const Link& link = acrossNodes ? topology.interNode : topology.intraNode;
+  const double d = static_cast<double>(replicas);
+  double worst = 0.0;
+  for (size_t k = 0; k + 1 < boundaries.size(); ++k) {
+    double bytes = 0.0;
+    for (int l = boundaries[k]; l < boundaries[k + 1]; ++l)
+      bytes += static_cast<double>(layers[l].paramBytes);
+    const double ms = 2.0 * (d - 1.0) * link.latencyMs +
+        (link.bytesPerMs > 0.0 ? 2.0 * (d - 1.0) / d * bytes / link.bytesPerMs
+                               : 0.0);
+    worst = std::max(worst, ms);
+  }
+  return worst;
+}
+
+// A candidate's settings before it is evaluated.
+struct Setting {
+  int ranks, replicas, threads, microBatches;
+  int64_t batch; // per replica
+  ScheduleKind schedule;
+  CheckpointMode checkpoint;
+};
+
+PlanRequest planRequestFor(
+    const CostModel& model,
+    const TuneRequest& request,
+    const Setting& s,
+    int64_t microBatchSize) {
+  PlanRequest plan;
+  plan.layers = model.costsAt(microBatchSize, s.threads);
+  if (s.ranks > 1 && model.concurrentSlowdown != 1.0) {
+    for (auto& layer : plan.layers) {
+      layer.forwardMs *= model.concurrentSlowdown;
+      layer.backwardMs *= model.concurrentSlowdown;
+    }
+  }
+  plan.costSource = model.source;
+  plan.costNoise = model.noise;
+  for (int r = 0; r < s.ranks; ++r) {
+    DeviceSpec device = request.devices[static_cast<size_t>(r)];
+    const Link link = linkAfter(request.topology, r);
+    device.linkBytesPerMs = link.bytesPerMs;
+    device.linkLatencyMs = link.latencyMs;
+    plan.devices.push_back(device);
+  }
+  plan.virtualStages = virtualStagesOf(s.schedule);
+  plan.stages = s.ranks * plan.virtualStages;
+  plan.partition = PartitionMethod::kTime;
+  plan.schedule = s.schedule;
+  plan.microBatches = s.microBatches;
+  plan.checkpoint = s.checkpoint;
+  plan.optimizerFactor = request.optimizerFactor;
+  plan.inputBytes = static_cast<int64_t>(
+      std::llround(model.inputBytesPerSample * microBatchSize));
+  return plan;
+}
+
+// The runtime's costs on top of the layers': per compute instruction, and
+// the split backward's overhead.
+std::vector<StageCosts> runtimeCosts(
+    const CostModel& model,
+    const PlanRequest& plan,
+    const Schedule& schedule,
+    const std::vector<int>& boundaries) {
+  std::vector<DeviceSpec> devices;
+  for (int k = 0; k < schedule.stages(); ++k)
+    devices.push_back(plan.devices[schedule.rankOfStage(k)]);
+  std::vector<StageCosts> costs =
+      stageCostsOf(plan.layers, devices, boundaries);
+  const double o = model.instructionMs;
+  for (auto& c : costs) {
+    c.forward += o;
+    c.recompute += o;
+    c.backward += o;
+    c.backwardInput = c.backwardInput * model.splitBackward + o;
+    c.backwardWeight = c.backwardWeight * model.splitBackward + o;
+  }
+  return costs;
+}
+
+TuneCandidate evaluate(
+    const CostModel& model,
+    const TuneRequest& request,
+    const Setting& s) {
+  TuneCandidate c;
+  c.ranks = s.ranks;
+  c.dataParallel = s.replicas;
+  c.threadsPerStage = s.threads;
+  c.microBatches = s.microBatches;
+  c.schedule = s.schedule;
+  c.checkpoint = s.checkpoint;
+  c.virtualStages = virtualStagesOf(s.schedule);
+  c.stages = s.ranks * c.virtualStages;
+  const int64_t size = (s.batch + s.microBatches - 1) / s.microBatches;
+  const PlanRequest planRequest = planRequestFor(model, request, s, size);
+  Plan plan;
+  try {
+    plan = resolvePlan(planRequest);
+  } catch (const UserError& error) {
+    c.infeasible = error.what();
+    return c;
+  }
+  c.boundaries = plan.boundaries;
+  const std::vector<StageCosts> costs =
+      runtimeCosts(model, planRequest, plan.schedule, plan.boundaries);
+  Schedule schedule = plan.schedule;
+  if (s.schedule == ScheduleKind::kAuto) {
+    schedule = autoSchedule(
+        s.ranks,
+        s.microBatches,
+        s.checkpoint,
+        costs,
+        std::vector<int>(static_cast<size_t>(s.ranks), s.ranks));
+  }
+  const Simulation simulation = simulate(schedule, costs);
+  c.bubble = simulation.bubbleFraction;
+  c.allReduceMs = allReduceMs(
+      request, planRequest.layers, plan.boundaries, s.ranks, s.replicas);
+  c.predictedStepMs = simulation.makespan + model.stepMs + c.allReduceMs;
+  c.peakBytes.assign(static_cast<size_t>(s.ranks), 0);
+  for (int k = 0; k < plan.stageCount(); ++k)
+    c.peakBytes[plan.schedule.rankOfStage(k)] += plan.stages[k].memoryBytes;
+  c.samplesPerSecond =
+      static_cast<double>(request.batchSize) * 1000.0 / c.predictedStepMs;
+  return c;
+}
+
+// Threads per stage worker: the cores shared fairly, rounded down to a
+// count the model has times for. 0: the stages need more cores than exist.
+int threadsFor(const CostModel& model, const TuneRequest& request, int ranks) {
+  if (request.cores <= 0)
+    return model.threads.front();
+  const int fair = request.cores / ranks;
+  int best = 0;
+  for (int t : model.threads) {
+    if (t <= fair)
+      best = std::max(best, t);
+  }
+  return best;
+}
+
+TuneCandidate unrunnable(int ranks, int replicas, std::string why) {
+  TuneCandidate c;
+  c.ranks = c.stages = ranks;
+  c.dataParallel = replicas;
+  c.infeasible = std::move(why);
+  return c;
+}
+
+void searchStageCount(
+    const CostModel& model,
+    const TuneRequest& request,
+    const Space& space,
+    int ranks,
+    std::vector<TuneCandidate>& out) {
+  const int devices = static_cast<int>(request.devices.size());
+  const int replicas = request.replicate ? devices / ranks : 1;
+  if (request.replicate && devices % ranks != 0)
+    return; // every device is used: only stage counts that divide them
+  if (request.batchSize % replicas != 0) {
+    out.push_back(unrunnable(
+        ranks,
+        replicas,
+        "the batch (" + std::to_string(request.batchSize) +
+            ") does not split evenly over " + std::to_string(replicas) +
+            " replicas"));
+    return;
+  }
+  const int threads = threadsFor(model, request, ranks * replicas);
+  if (threads == 0) {
+    out.push_back(unrunnable(
+        ranks,
+        replicas,
+        std::to_string(ranks * replicas) + " stage workers need " +
+            std::to_string(ranks * replicas) + " cores; this machine has " +
+            std::to_string(request.cores)));
+    return;
+  }
+  const int64_t batch = request.batchSize / replicas;
+  for (int m : microBatchCounts(request, batch)) {
+    for (ScheduleKind kind : space.schedules) {
+      // One stage: every schedule is fill-drain or 1F1B.
+      if (ranks == 1 && scheduleRank(kind) > 1)
+        continue;
+      for (CheckpointMode mode : space.checkpoints) {
+        out.push_back(evaluate(
+            model, request, {ranks, replicas, threads, m, batch, kind, mode}));
+      }
+    }
+  }
+}
+
+void checkRequest(const CostModel& model, const TuneRequest& request) {
+  if (model.layers.empty())
+    throw UserError("tune: the cost model has no layers");
+  if (model.threads.empty())
+    throw UserError("tune: the cost model has no thread counts");
+  for (const auto& layer : model.layers) {
+    if (layer.forward.size() != model.threads.size() ||
+        layer.backward.size() != model.threads.size()) {
+      throw UserError(
+          "tune: layer " + layer.name + " lacks times for some thread count");
+    }
+  }
+  if (request.devices.empty())
+    throw UserError("tune: no devices given");
+  if (request.batchSize < 1)
+    throw UserError("tune: the batch size must be >= 1");
+}
+
+// The fastest first, the infeasible last; the simplest within the noise of
+// the fastest is chosen.
+void rank(const CostModel& model, TuneResult& result) {
+  auto& all = result.candidates;
+  std::stable_sort(all.begin(), all.end(), [](const auto& a, const auto& b) {
+    if (a.infeasible.empty() != b.infeasible.empty())
+      return a.infeasible.empty();
+    return a.infeasible.empty() && a.predictedStepMs < b.predictedStepMs;
+  });
+  const double bound = all.front().predictedStepMs * (1.0 + model.noise);
+  result.choice = 0;
+  for (size_t i = 1; i < all.size(); ++i) {
+    if (!all[i].infeasible.empty() || all[i].predictedStepMs > bound)
+      break;
+    if (simpler(all[i], all[result.choice]))
+      result.choice = i;
+  }
+}
+
+std::string percent(double fraction) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%.1f%%", 100.0 * fraction);
+  return text;
+}
+
+void explain(const TuneRequest& request, TuneResult& result) {
+  const TuneCandidate& choice = result.candidates[result.choice];
+  const TuneCandidate& fastest = result.candidates.front();
+  if (result.choice != 0) {
+    result.notes.push_back(
+        "chose the simpler " + choice.label() + ": the fastest (" +
+        fastest.label() + ") predicts " +
+        percent(1.0 - fastest.predictedStepMs / choice.predictedStepMs) +
+        " less, within the cost noise");
+  }
+  bool oneFits = false;
+  for (const auto& c : result.candidates)
+    oneFits = oneFits ||
+        (c.ranks == 1 && c.dataParallel == 1 && c.infeasible.empty());
+  if (choice.ranks == 1 && choice.dataParallel == 1 &&
+      request.devices.size() > 1) {
+    result.notes.push_back(
+        "pipelining does not pay here: one stage with " +
+        std::to_string(choice.threadsPerStage) +
+        " thread(s) is predicted fastest");
+  } else if (!oneFits) {
+    result.notes.push_back(
+        "the model does not fit one device: the fastest plan that fits is "
+        "chosen");
+  }
+}
+
+} // namespace
+
+TuneResult tunePlans(const CostModel& model, const TuneRequest& request) {
+  const auto start = std::chrono::steady_clock::now();
+  checkRequest(model, request);
+  const Space space = spaceOf(model, request);
+  TuneResult result;
+  result.costSource = model.source;
+  for (int ranks : space.stageCounts) {
+    if (ranks >= 1 && ranks <= static_cast<int>(request.devices.size()))
+      searchStageCount(model, request, space, ranks, result.candidates);
+  }
+  if (result.feasible() == 0) {
+    std::map<std::string, int> reasons;
+    for (const auto& c : result.candidates)
+      ++reasons[c.infeasible];
+    std::string text = "tune: no plan can run:";
+    for (const auto& [why, count] : reasons)
+      text += "\n  " + why + " (" + std::to_string(count) + " candidates)";
+    throw UserError(text);
+  }
+  rank(model, result);
+  explain(request, result);
+  result.searchMs = std::chrono::duration<double, std::milli>(
+                        std::chrono::steady_clock::now() - start)
+                        .count();
+  return result;
+}
+
+TuneCandidate predictCandidate(
+    const CostModel& model,
+    const TuneRequest& request,
+    const TuneCandidate& shape) {
+  checkRequest(model, request);
+  return evaluate(
+      model,
+      request,
+      {shape.ranks,
+       shape.dataParallel,
+       shape.threadsPerStage,
+       shape.microBatches,
+       request.batchSize / shape.dataParallel,
+       shape.schedule,
+       shape.checkpoint});
+}
+
+nlohmann::json tuneCandidateToJson(const TuneCandidate& c) {
+  nlohmann::json json = {
+      {"stages", c.stages},
+      {"ranks", c.ranks},
+      {"micro_batches", c.microBatches},
+      {"schedule", scheduleKindName(c.schedule)},
+      {"checkpoint", checkpointModeName(c.checkpoint)},
+      {"virtual_stages", c.virtualStages},
+      {"threads_per_stage", c.threadsPerStage},
+      {"data_parallel", c.dataParallel},
+      {"boundaries", c.boundaries}};
+  if (!c.infeasible.empty()) {
+    json["infeasible"] = c.infeasible;
+    return json;
+  }
+  json["predicted_step_ms"] = c.predictedStepMs;
+  json["samples_per_s"] = c.samplesPerSecond;
+  json["bubble"] = c.bubble;
+  json["all_reduce_ms"] = c.allReduceMs;
+  json["peak_bytes"] = c.peakBytes;
+  if (c.measuredStepMs >= 0)
+    json["measured_step_ms"] = c.measuredStepMs;
+  return json;
+}
+
+nlohmann::json tuneResultToJson(const TuneResult& result) {
+  nlohmann::json candidates = nlohmann::json::array();
+  for (const auto& c : result.candidates)
+    candidates.push_back(tuneCandidateToJson(c));
+  return {
+      {"choice", tuneCandidateToJson(result.candidates[result.choice])},
+      {"candidates", candidates},
+      {"notes", result.notes},
+      {"cost_source", result.costSource},
+      {"search_ms", result.searchMs}};
+}
+
+void printTuneTable(std::ostream& out, const TuneResult& result, int top) {
+  char line[256];
+  std::snprintf(
+      line,
+      sizeof line,
+      "%-4s %-50s %12s %12s %10s %8s  %s\n",
+      "rank",
+      "plan",
+      "pred ms",
+      "measured ms",
+      "samples/s",
+      "bubble",
+      "peak memory per device");
+  out << line;
+  const int shown = std::min(top, result.feasible());
+  for (int i = 0; i < shown; ++i) {
+    const TuneCandidate& c = result.candidates[static_cast<size_t>(i)];
+    std::string memory;
+    for (int64_t bytes : c.peakBytes)
+      memory += (memory.empty() ? "" : " ") + formatBytes(bytes);
+    char measured[32] = "-";
+    if (c.measuredStepMs >= 0)
+      std::snprintf(measured, sizeof measured, "%.2f", c.measuredStepMs);
+    std::snprintf(
+        line,
+        sizeof line,
+        "%-4d %-50s %12.2f %12s %10.0f %7.1f%%  %s%s\n",
+        i + 1,
+        c.label().c_str(),
+        c.predictedStepMs,
+        measured,
+        c.samplesPerSecond,
+        100.0 * c.bubble,
+        memory.c_str(),
+        static_cast<size_t>(i) == result.choice ? "  <- chosen" : "");
+    out << line;
+  }
+  std::map<std::string, int> reasons;
+  for (const auto& c : result.candidates) {
+    if (!c.infeasible.empty())
+      ++reasons[c.infeasible.substr(0, c.infeasible.find('\n'))];
+  }
+  int listed = 0;
+  for (const auto& [why, count] : reasons) {
+    if (++listed > 6) {
+      out << "infeasible: " << reasons.size() - 6
+          << " more reasons (--json lists them)\n";
+      break;
+    }
+    out << "infeasible (" << count << "): " << why << "\n";
+  }
+  const TuneCandidate& choice = result.candidates[result.choice];
+  out << "choice: " << choice.label() << ", boundaries";
+  for (int b : choice.boundaries)
+    out << ' ' << b;
+  std::snprintf(
+      line,
+      sizeof line,
+      "; predicted %.2f ms per step, %.0f samples/s\n",
+      choice.predictedStepMs,
+      choice.samplesPerSecond);
+  out << line;
+  for (const auto& note : result.notes)
+    out << "note: " << note << "\n";
+}
+
+} // namespace tpipe

@@ -1,0 +1,200 @@
+// `tpipe tune --cluster`: a cost model from shape inference and a cluster
+// description, for machines we do not have. Nothing is built or run, so a
+// 175-billion-parameter stack plans in a second. Assumptions: docs/tune.md.
+#include <cmath>
+
+#include <nlohmann/json.hpp>
+
+#include "model/layer_types.h"
+#include "tpipe/trainer.h"
+
+namespace tpipe {
+namespace {
+
+using Json = nlohmann::json;
+
+[[noreturn]] void bad(const std::string& where, const std::string& what) {
+  throw ConfigError(where + ": " + what);
+}
+
+// A number at `key` of `object` in [min, max]; `fallback` when absent
+// (NaN: required).
+double numberAt(
+    const Json& object,
+    const std::string& path,
+    const char* key,
+    double fallback,
+    double min,
+    double max) {
+  const std::string where = path.empty() ? key : path + "." + key;
+  if (!object.is_object())
+    bad(path, "expected an object, got " + object.dump());
+  if (!object.contains(key)) {
+    if (std::isnan(fallback))
+      bad(where, "missing (required)");
+    return fallback;
+  }
+  const Json& value = object[key];
+  if (!value.is_number() || !(value.get<double>() >= min) ||
+      !(value.get<double>() <= max)) {
+    bad(where,
+        "expected a number in [" + Json(min).dump() + ", " + Json(max).dump() +
+            "], got " + value.dump());
+  }
+  return value.get<double>();
+}
+
+const Json& objectAt(const Json& root, const std::string& key) {
+  if (!root.contains(key))
+    bad("cluster." + key, "missing (required)");
+  if (!root[key].is_object())
+    bad("cluster." + key, "expected an object, got " + root[key].dump());
+  return root[key];
+}
+
+Link linkFrom(const Json& root, const std::string& key) {
+  const Json& link = objectAt(root, key);
+  const std::string path = "cluster." + key;
+  const double gbPerS = numberAt(link, path, "bandwidth_gb_s", NAN, 1e-6, 1e9);
+  const double latencyUs = numberAt(link, path, "latency_us", 0.0, 0.0, 1e9);
+  return {latencyUs / 1000.0, gbPerS * 1e6};
+}
+
+int64_t memoryOf(const Json& device) {
+  if (!device.contains("memory"))
+    bad("cluster.device.memory", "missing (required), e.g. \"80GiB\"");
+  return parseBytes(device["memory"], "cluster.device.memory");
+}
+
+void checkKeys(
+    const Json& object,
+    const std::string& path,
+    std::initializer_list<const char*> known) {
+  for (auto it = object.begin(); it != object.end(); ++it) {
+    bool ok = false;
+    for (const char* key : known)
+      ok = ok || it.key() == key;
+    if (!ok)
+      bad(path + "." + it.key(), "unknown key");
+  }
+}
+
+struct Cluster {
+  int devices = 1;
+  Topology topology;
+  DeviceSpec device;
+  double flopsPerMs = 0.0; // peak x efficiency
+  double bytesPerValue = 2.0;
+  double optimizerBytesPerParameter = -1.0; // < 0: from the config
+  double instructionMs = 0.0;
+};
+
+Cluster parseCluster(const Json& root) {
+  if (!root.is_object())
+    bad("cluster", "expected an object");
+  checkKeys(
+      root,
+      "cluster",
+      {"nodes",
+       "devices_per_node",
+       "device",
+       "intra_node",
+       "inter_node",
+       "bytes_per_value",
+       "optimizer_bytes_per_parameter",
+       "instruction_us"});
+  Cluster c;
+  const double nodes = numberAt(root, "cluster", "nodes", NAN, 1, 1 << 20);
+  const double perNode =
+      numberAt(root, "cluster", "devices_per_node", NAN, 1, 1024);
+  c.devices = static_cast<int>(nodes * perNode);
+  c.topology.devicesPerNode = static_cast<int>(perNode);
+  c.topology.intraNode = linkFrom(root, "intra_node");
+  c.topology.interNode = root.contains("inter_node")
+      ? linkFrom(root, "inter_node")
+      : c.topology.intraNode;
+  const Json& device = objectAt(root, "device");
+  checkKeys(
+      device,
+      "cluster.device",
+      {"name", "peak_tflops", "efficiency", "memory"});
+  c.device.name = device.value("name", std::string("device"));
+  c.device.memoryBytes = memoryOf(device);
+  const double tflops =
+      numberAt(device, "cluster.device", "peak_tflops", NAN, 1e-6, 1e9);
+  const double efficiency =
+      numberAt(device, "cluster.device", "efficiency", 0.5, 1e-3, 1.0);
+  c.flopsPerMs = tflops * 1e12 / 1e3 * efficiency;
+  c.bytesPerValue = numberAt(root, "cluster", "bytes_per_value", 2.0, 1.0, 8.0);
+  c.optimizerBytesPerParameter = numberAt(
+      root, "cluster", "optimizer_bytes_per_parameter", -1.0, 0.0, 64.0);
+  c.instructionMs =
+      numberAt(root, "cluster", "instruction_us", 0.0, 0.0, 1e6) / 1000.0;
+  return c;
+}
+
+// Time proportional to the micro-batch size: ms = perSample * n.
+SizeCurve proportional(double perSampleMs) {
+  SizeCurve curve;
+  curve.c0 = std::log(std::max(perSampleMs, 1e-12));
+  curve.c1 = 1.0;
+  return curve;
+}
+
+CostModel analyticModel(const Config& config, const Cluster& cluster) {
+  CostModel model;
+  model.threads = {1};
+  model.instructionMs = cluster.instructionMs;
+  const std::vector<LayerFacts> facts = modelFacts(config.model);
+  double input = cluster.bytesPerValue;
+  for (int64_t d : config.model.inputShape)
+    input *= static_cast<double>(d);
+  model.inputBytesPerSample = input;
+  for (size_t l = 0; l < facts.size(); ++l) {
+    const LayerFacts& f = facts[l];
+    LayerModel layer;
+    layer.name = std::to_string(l) + " " + config.model.layers[l].type;
+    const double forwardMs = f.forwardFlops / cluster.flopsPerMs;
+    layer.forward = {proportional(forwardMs)};
+    layer.backward = {proportional(2.0 * forwardMs)};
+    layer.paramBytes = static_cast<int64_t>(
+        static_cast<double>(f.parameters) * cluster.bytesPerValue);
+    double output = cluster.bytesPerValue;
+    for (int64_t d : f.output)
+      output *= static_cast<double>(d);
+    layer.activationBytesPerSample = output;
+    layer.stashBytesPerSample = f.savedElements * cluster.bytesPerValue;
+    model.layers.push_back(layer);
+  }
+  return model;
+}
+
+} // namespace
+
+TuneOutcome tuneForCluster(
+    const Config& config,
+    const nlohmann::json& json,
+    const std::string& source) {
+  const Cluster cluster = parseCluster(json);
+  TuneOutcome outcome;
+  outcome.model = analyticModel(config, cluster);
+  outcome.model.source = source + " (FLOPs and bytes from shape inference)";
+  TuneRequest request;
+  request.batchSize = config.train.batchSize;
+  request.devices.assign(static_cast<size_t>(cluster.devices), cluster.device);
+  request.topology = cluster.topology;
+  request.replicate = true;
+  const auto& o = config.train.optimizer;
+  request.optimizerFactor = cluster.optimizerBytesPerParameter >= 0
+      ? cluster.optimizerBytesPerParameter / cluster.bytesPerValue
+      : optimizerStateFactor(o.type, o.momentum);
+  outcome.calibration.push_back(
+      std::to_string(cluster.devices) + " devices (" +
+      std::to_string(cluster.topology.devicesPerNode) + " per node), " +
+      formatBytes(cluster.device.memoryBytes) + " each, " +
+      std::to_string(cluster.flopsPerMs / 1e9) + " effective TFLOP/s");
+  outcome.result = tunePlans(outcome.model, request);
+  return outcome;
+}
+
+} // namespace tpipe
