@@ -440,7 +440,9 @@ int devicesThatFit(const PartitionProblem& problem, int stages) {
             live = fullest(problem.memory.live);
   const int layers = static_cast<int>(problem.layers.size());
   PartitionProblem more = problem;
-  for (int count = stages + 1; count <= layers; ++count) {
+  // Every stage alike: where a stage starting at layer i must end to fit is
+  // the same for every stage and every count, so it is found once.
+  auto alike = [&](int count) {
     more.devices.assign(count, problem.devices[0]);
     more.memory.stashed.assign(count, stashed);
     more.memory.live.assign(count, live);
@@ -448,12 +450,18 @@ int devicesThatFit(const PartitionProblem& problem, int stages) {
       device.linkBytesPerMs = 0.0;
       device.linkLatencyMs = 0.0;
     }
+  };
+  alike(stages + 1);
+  std::vector<int> ends(layers);
+  {
+    const Costs first(more, stages + 1);
+    for (int i = 0; i < layers; ++i)
+      ends[i] = first.memoryEnd(i, 0);
+  }
+  for (int count = stages + 1; count <= layers; ++count) {
+    alike(count);
     const Costs moreCosts(more, count);
-    std::vector<std::vector<int>> memoryEnd(count, std::vector<int>(layers));
-    for (int k = 0; k < count; ++k) {
-      for (int i = 0; i < layers; ++i)
-        memoryEnd[k][i] = moreCosts.memoryEnd(i, k);
-    }
+    const std::vector<std::vector<int>> memoryEnd(count, ends);
     std::vector<std::vector<char>> reach;
     if (feasible(
             moreCosts,
@@ -511,8 +519,7 @@ PartitionPlan optimalForStages(const PartitionProblem& problem, int stages) {
     throw PartitionError(explainInfeasible(problem, stages));
   double lo = 0.0;
   const bool greedy = costs.greedyExact();
-  for (int iteration = 0;
-       iteration < 200 && hi - lo > 1e-13 * std::max(1.0, hi);
+  for (int iteration = 0; iteration < 200 && hi - lo > 1e-9 * std::max(1.0, hi);
        ++iteration) {
     const double mid = 0.5 * (lo + hi);
     const bool ok = greedy ? greedyFeasible(costs, stages, mid, memoryEnd)

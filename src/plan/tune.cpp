@@ -61,9 +61,10 @@ std::string TuneCandidate::label() const {
     text += " (x" + std::to_string(virtualStages) + ")";
   if (dataParallel > 1)
     text += " x " + std::to_string(dataParallel) + " dp";
-  text += ", " + std::to_string(threadsPerStage) + " thr, " +
-      std::to_string(microBatches) + " mb, " + scheduleKindName(schedule) +
-      ", " + checkpointModeName(checkpoint);
+  if (threadsPerStage > 0)
+    text += ", " + std::to_string(threadsPerStage) + " thr";
+  text += ", " + std::to_string(microBatches) + " mb, " +
+      scheduleKindName(schedule) + ", " + checkpointModeName(checkpoint);
   return text;
 }
 
@@ -170,6 +171,8 @@ std::vector<int> microBatchCounts(const TuneRequest& request, int64_t batch) {
   if (request.microBatches.empty()) {
     for (int64_t m = 1; m <= batch && m <= 256; m *= 2)
       counts.push_back(static_cast<int>(m));
+    if (batch <= 256 && counts.back() != batch)
+      counts.push_back(static_cast<int>(batch)); // one sample each
   }
   return counts;
 }
@@ -275,6 +278,27 @@ std::vector<StageCosts> runtimeCosts(
   return costs;
 }
 
+// Peak bytes per device (a device holding several stages holds them all);
+// false, with the reason set, when one exceeds its capacity.
+bool fitsDevices(
+    const Plan& plan,
+    const PlanRequest& request,
+    TuneCandidate& c) {
+  c.peakBytes.assign(static_cast<size_t>(c.ranks), 0);
+  for (int k = 0; k < plan.stageCount(); ++k)
+    c.peakBytes[plan.schedule.rankOfStage(k)] += plan.stages[k].memoryBytes;
+  for (int r = 0; r < c.ranks; ++r) {
+    const int64_t capacity = request.devices[r].memoryBytes;
+    if (capacity > 0 && c.peakBytes[r] > capacity) {
+      c.infeasible = "device " + std::to_string(r) + " would hold " +
+          formatBytes(c.peakBytes[r]) + " of its " + formatBytes(capacity) +
+          " with " + std::to_string(c.virtualStages) + " stages on it";
+      return false;
+    }
+  }
+  return true;
+}
+
 TuneCandidate evaluate(
     const CostModel& model,
     const TuneRequest& request,
@@ -282,7 +306,7 @@ TuneCandidate evaluate(
   TuneCandidate c;
   c.ranks = s.ranks;
   c.dataParallel = s.replicas;
-  c.threadsPerStage = s.threads;
+  c.threadsPerStage = request.cores > 0 ? s.threads : 0;
   c.microBatches = s.microBatches;
   c.schedule = s.schedule;
   c.checkpoint = s.checkpoint;
@@ -298,6 +322,8 @@ TuneCandidate evaluate(
     return c;
   }
   c.boundaries = plan.boundaries;
+  if (!fitsDevices(plan, planRequest, c))
+    return c;
   const std::vector<StageCosts> costs =
       runtimeCosts(model, planRequest, plan.schedule, plan.boundaries);
   Schedule schedule = plan.schedule;
@@ -314,9 +340,6 @@ TuneCandidate evaluate(
   c.allReduceMs = allReduceMs(
       request, planRequest.layers, plan.boundaries, s.ranks, s.replicas);
   c.predictedStepMs = simulation.makespan + model.stepMs + c.allReduceMs;
-  c.peakBytes.assign(static_cast<size_t>(s.ranks), 0);
-  for (int k = 0; k < plan.stageCount(); ++k)
-    c.peakBytes[plan.schedule.rankOfStage(k)] += plan.stages[k].memoryBytes;
   c.samplesPerSecond =
       static_cast<double>(request.batchSize) * 1000.0 / c.predictedStepMs;
   return c;
@@ -375,6 +398,10 @@ void searchStageCount(
   }
   const int64_t batch = request.batchSize / replicas;
   for (int m : microBatchCounts(request, batch)) {
+    // Fewer micro-batches than stages leaves most stages idle most of the
+    // step: never the fastest way to fill the devices, so not searched.
+    if (m < ranks)
+      continue;
     for (ScheduleKind kind : space.schedules) {
       // One stage: every schedule is fill-drain or 1F1B.
       if (ranks == 1 && scheduleRank(kind) > 1)
@@ -496,7 +523,7 @@ TuneCandidate predictCandidate(
       request,
       {shape.ranks,
        shape.dataParallel,
-       shape.threadsPerStage,
+       request.cores > 0 ? shape.threadsPerStage : model.threads.front(),
        shape.microBatches,
        request.batchSize / shape.dataParallel,
        shape.schedule,
@@ -545,7 +572,7 @@ void printTuneTable(std::ostream& out, const TuneResult& result, int top) {
   std::snprintf(
       line,
       sizeof line,
-      "%-4s %-50s %12s %12s %10s %8s  %s\n",
+      "%-4s %-56s %12s %12s %10s %8s  %s\n",
       "rank",
       "plan",
       "pred ms",
@@ -558,15 +585,22 @@ void printTuneTable(std::ostream& out, const TuneResult& result, int top) {
   for (int i = 0; i < shown; ++i) {
     const TuneCandidate& c = result.candidates[static_cast<size_t>(i)];
     std::string memory;
-    for (int64_t bytes : c.peakBytes)
-      memory += (memory.empty() ? "" : " ") + formatBytes(bytes);
+    if (c.peakBytes.size() <= 4) {
+      for (int64_t bytes : c.peakBytes)
+        memory += (memory.empty() ? "" : " ") + formatBytes(bytes);
+    } else {
+      memory = "max " +
+          formatBytes(
+                   *std::max_element(c.peakBytes.begin(), c.peakBytes.end())) +
+          " over " + std::to_string(c.peakBytes.size()) + " devices";
+    }
     char measured[32] = "-";
     if (c.measuredStepMs >= 0)
       std::snprintf(measured, sizeof measured, "%.2f", c.measuredStepMs);
     std::snprintf(
         line,
         sizeof line,
-        "%-4d %-50s %12.2f %12s %10.0f %7.1f%%  %s%s\n",
+        "%-4d %-56s %12.2f %12s %10.0f %7.1f%%  %s%s\n",
         i + 1,
         c.label().c_str(),
         c.predictedStepMs,
@@ -584,8 +618,8 @@ void printTuneTable(std::ostream& out, const TuneResult& result, int top) {
   }
   int listed = 0;
   for (const auto& [why, count] : reasons) {
-    if (++listed > 6) {
-      out << "infeasible: " << reasons.size() - 6
+    if (++listed > 4) {
+      out << "infeasible: " << reasons.size() - 4
           << " more reasons (--json lists them)\n";
       break;
     }
