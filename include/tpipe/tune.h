@@ -66,7 +66,7 @@ struct CostModel {
   std::string source; // "measured now", "cluster.json", ...
 
   // Per-layer costs at a micro-batch size and thread count (one of threads).
-  std::vector<LayerCost> costsAt(int64_t microBatchSize, int threads) const;
+  std::vector<LayerCost> costsAt(double microBatchSize, int threads) const;
 };
 
 // How devices are connected: a replica's ranks are consecutive devices;

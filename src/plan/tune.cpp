@@ -29,7 +29,7 @@ double SizeCurve::at(double samples) const {
   return std::exp(inside(x));
 }
 
-std::vector<LayerCost> CostModel::costsAt(int64_t size, int threadCount) const {
+std::vector<LayerCost> CostModel::costsAt(double size, int threadCount) const {
   const auto found = std::find(threads.begin(), threads.end(), threadCount);
   if (found == threads.end()) {
     throw UserError(
@@ -37,7 +37,7 @@ std::vector<LayerCost> CostModel::costsAt(int64_t size, int threadCount) const {
         " threads");
   }
   const size_t t = static_cast<size_t>(found - threads.begin());
-  const double n = static_cast<double>(size);
+  const double n = size;
   std::vector<LayerCost> costs;
   for (const auto& layer : layers) {
     LayerCost cost;
@@ -225,7 +225,7 @@ PlanRequest planRequestFor(
     const CostModel& model,
     const TuneRequest& request,
     const Setting& s,
-    int64_t microBatchSize) {
+    double microBatchSize) {
   PlanRequest plan;
   plan.layers = model.costsAt(microBatchSize, s.threads);
   if (s.ranks > 1 && model.concurrentSlowdown != 1.0) {
@@ -312,7 +312,8 @@ TuneCandidate evaluate(
   c.checkpoint = s.checkpoint;
   c.virtualStages = virtualStagesOf(s.schedule);
   c.stages = s.ranks * c.virtualStages;
-  const int64_t size = (s.batch + s.microBatches - 1) / s.microBatches;
+  // Uneven splits differ by one sample: the mean size stands for them.
+  const double size = static_cast<double>(s.batch) / s.microBatches;
   const PlanRequest planRequest = planRequestFor(model, request, s, size);
   Plan plan;
   try {

@@ -251,7 +251,7 @@ double layerSum(
     bool backwardOnly) {
   double total = 0.0;
   for (const auto& cost :
-       model.costsAt(sizeFor(batch, microBatches), threads)) {
+       model.costsAt(static_cast<double>(batch) / microBatches, threads)) {
     total += backwardOnly ? cost.backwardMs : cost.forwardMs + cost.backwardMs;
   }
   return total * microBatches;

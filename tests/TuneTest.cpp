@@ -1,0 +1,211 @@
+// The tuner: its search over a cost model with known answers, and the
+// cluster planner on a GPT-3-sized stack.
+#include <cmath>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "model/layer_types.h"
+#include "tpipe/config.h"
+#include "tpipe/trainer.h"
+#include "tpipe/tune.h"
+
+using namespace tpipe;
+
+namespace {
+
+// ms = perSample * n^power.
+SizeCurve powerCurve(double perSample, double power = 1.0) {
+  SizeCurve curve;
+  curve.c0 = std::log(perSample);
+  curve.c1 = power;
+  return curve;
+}
+
+// `layers` equal layers; one thread: forward 1 ms per sample (backward 2);
+// two threads `speedup` times faster.
+CostModel equalLayers(int layers, double speedup) {
+  CostModel model;
+  model.threads = {2, 1};
+  for (int l = 0; l < layers; ++l) {
+    LayerModel layer;
+    layer.name = std::to_string(l);
+    layer.forward = {powerCurve(1.0 / speedup), powerCurve(1.0)};
+    layer.backward = {powerCurve(2.0 / speedup), powerCurve(2.0)};
+    layer.paramBytes = 1000;
+    layer.activationBytesPerSample = 100;
+    layer.stashBytesPerSample = 100;
+    model.layers.push_back(layer);
+  }
+  return model;
+}
+
+TuneRequest twoCores(int devices = 2) {
+  TuneRequest request;
+  request.batchSize = 16;
+  for (int d = 0; d < devices; ++d)
+    request.devices.push_back({"cpu:" + std::to_string(d)});
+  request.cores = 2;
+  return request;
+}
+
+const TuneCandidate& choiceOf(const TuneResult& result) {
+  return result.candidates[result.choice];
+}
+
+} // namespace
+
+TEST(TuneTest, OneStageWithAllThreadsWinsWhenThreadsScalePerfectly) {
+  const TuneResult result = tunePlans(equalLayers(4, 2.0), twoCores());
+  const TuneCandidate& choice = choiceOf(result);
+  EXPECT_EQ(choice.ranks, 1);
+  EXPECT_EQ(choice.threadsPerStage, 2);
+  // 16 samples x 4 layers x 3 ms per sample, on two perfectly used threads.
+  EXPECT_NEAR(choice.predictedStepMs, 16 * 4 * 3 / 2.0, 1e-6);
+  bool said = false;
+  for (const auto& note : result.notes)
+    said = said || note.find("pipelining does not pay") != std::string::npos;
+  EXPECT_TRUE(said);
+}
+
+TEST(TuneTest, PipeliningWinsWhenThreadsDoNotScale) {
+  const TuneResult result = tunePlans(equalLayers(4, 1.0), twoCores());
+  const TuneCandidate& choice = choiceOf(result);
+  EXPECT_EQ(choice.ranks, 2);
+  EXPECT_EQ(choice.threadsPerStage, 1);
+  EXPECT_GT(choice.microBatches, 1);
+  // Never slower than one stage, and the ranking is by prediction.
+  for (size_t i = 1; i < result.candidates.size(); ++i) {
+    if (!result.candidates[i].infeasible.empty())
+      break;
+    EXPECT_LE(
+        result.candidates[i - 1].predictedStepMs,
+        result.candidates[i].predictedStepMs);
+  }
+}
+
+TEST(TuneTest, SmallMicroBatchesPayTheirFixedCost) {
+  CostModel model = equalLayers(4, 1.0);
+  model.instructionMs = 5.0; // dispatch dominates tiny micro-batches
+  const TuneResult result = tunePlans(model, twoCores());
+  EXPECT_LT(choiceOf(result).microBatches, 16);
+  // The prediction adds the per-instruction cost: one stage, one
+  // micro-batch, both threads: 16 x 4 x 3 + F + B dispatch.
+  TuneCandidate shape;
+  shape.threadsPerStage = 2;
+  const TuneCandidate one = predictCandidate(model, twoCores(), shape);
+  EXPECT_NEAR(one.predictedStepMs, 16 * 4 * 3 + 2 * 5.0, 1e-6);
+}
+
+TEST(TuneTest, StagesBeyondTheCoresAreInfeasibleAndSayWhy) {
+  const TuneResult result = tunePlans(equalLayers(4, 1.0), twoCores(4));
+  int beyond = 0;
+  for (const auto& c : result.candidates) {
+    if (c.ranks > 2) {
+      ++beyond;
+      EXPECT_NE(c.infeasible.find("cores"), std::string::npos) << c.infeasible;
+    }
+  }
+  EXPECT_EQ(beyond, 2); // 3 and 4 stages
+  EXPECT_LE(choiceOf(result).ranks, 2);
+}
+
+TEST(TuneTest, MemoryCapsAreHardAndTheFastestPlanThatFitsIsChosen) {
+  CostModel model = equalLayers(4, 2.0);
+  for (auto& layer : model.layers)
+    layer.paramBytes = 1 << 20; // 4 MiB of weights in all
+  TuneRequest request = twoCores();
+  for (auto& device : request.devices)
+    device.memoryBytes = 6 << 20; // the whole needs 9 MiB, half of it 5
+  const TuneResult result = tunePlans(model, request);
+  const TuneCandidate& choice = choiceOf(result);
+  EXPECT_EQ(choice.ranks, 2);
+  for (int64_t bytes : choice.peakBytes)
+    EXPECT_LE(bytes, 6 << 20);
+  bool oneStageRefused = false;
+  for (const auto& c : result.candidates) {
+    if (c.ranks == 1) {
+      EXPECT_FALSE(c.infeasible.empty());
+      oneStageRefused = true;
+    }
+  }
+  EXPECT_TRUE(oneStageRefused);
+  bool said = false;
+  for (const auto& note : result.notes)
+    said = said || note.find("does not fit one device") != std::string::npos;
+  EXPECT_TRUE(said);
+  // Nothing fits at all: an error listing the reasons.
+  for (auto& device : request.devices)
+    device.memoryBytes = 1 << 20;
+  EXPECT_THROW(tunePlans(model, request), UserError);
+}
+
+TEST(TuneTest, JsonCarriesEveryFieldOfTheChoiceAndCandidates) {
+  TuneResult result = tunePlans(equalLayers(4, 1.0), twoCores());
+  result.candidates[0].measuredStepMs = 12.5;
+  const nlohmann::json json = tuneResultToJson(result);
+  for (const char* key :
+       {"stages",
+        "micro_batches",
+        "schedule",
+        "checkpoint",
+        "virtual_stages",
+        "threads_per_stage",
+        "boundaries",
+        "predicted_step_ms",
+        "peak_bytes"})
+    EXPECT_TRUE(json["choice"].contains(key)) << key;
+  EXPECT_EQ(json["candidates"][0]["measured_step_ms"], 12.5);
+  EXPECT_EQ(
+      json["candidates"].size(), static_cast<size_t>(result.candidates.size()));
+}
+
+TEST(TuneTest, ShapeInferenceCountsWhatTheBuilderBuilds) {
+  for (const char* name :
+       {"mlp_synthetic.json",
+        "char_transformer.json",
+        "fashion_mnist_cnn.json",
+        "reference_mlp.json"}) {
+    const Config config =
+        loadConfig(std::string(TPIPE_SOURCE_DIR) + "/configs/" + name);
+    const BuiltModel built = buildModel(config.model, 0);
+    const std::vector<LayerFacts> facts = modelFacts(config.model);
+    int64_t parameters = 0;
+    for (size_t l = 0; l < facts.size(); ++l) {
+      parameters += facts[l].parameters;
+      EXPECT_EQ(facts[l].output, built.shapes[l + 1]) << name << " layer " << l;
+    }
+    EXPECT_EQ(parameters, built.parameterCount) << name;
+  }
+}
+
+TEST(TuneTest, PlansGpt3On1024DevicesWithinTheirMemory) {
+  const std::string dir = std::string(TPIPE_SOURCE_DIR) + "/configs/";
+  const Config config = loadConfig(dir + "gpt3_175b.json");
+  int64_t parameters = 0;
+  for (const auto& f : modelFacts(config.model))
+    parameters += f.parameters;
+  EXPECT_NEAR(static_cast<double>(parameters) / 1e9, 175.0, 1.0);
+  const TuneOutcome outcome = tuneForCluster(
+      config, nlohmann::json::parse(R"({
+        "nodes": 128, "devices_per_node": 8,
+        "device": {"peak_tflops": 312, "efficiency": 0.5, "memory": "80GiB"},
+        "intra_node": {"bandwidth_gb_s": 300, "latency_us": 5},
+        "inter_node": {"bandwidth_gb_s": 25, "latency_us": 10},
+        "optimizer_bytes_per_parameter": 12})"),
+      "test");
+  const TuneCandidate& choice = choiceOf(outcome.result);
+  EXPECT_EQ(choice.ranks * choice.dataParallel, 1024);
+  for (int64_t bytes : choice.peakBytes)
+    EXPECT_LE(bytes, int64_t{80} << 30);
+  // The ideal: 6 x parameters x tokens FLOPs over every device's effective
+  // rate; pipelining can only add to it.
+  const double ideal =
+      6.0 * parameters * 1536.0 * 2048.0 / (1024 * 156e12) * 1000.0;
+  EXPECT_GT(choice.predictedStepMs, ideal);
+  EXPECT_LT(choice.predictedStepMs, 4 * ideal);
+  EXPECT_THROW(
+      tuneForCluster(
+          config, nlohmann::json::parse(R"({"nodes": 1})"), "bad.json"),
+      ConfigError);
+}
