@@ -228,10 +228,17 @@ PlanRequest planRequestFor(
     double microBatchSize) {
   PlanRequest plan;
   plan.layers = model.costsAt(microBatchSize, s.threads);
-  if (s.ranks > 1 && model.concurrentSlowdown != 1.0) {
+  // More stage workers than cores: they share them (at worst evenly).
+  const int workers = s.ranks * s.replicas;
+  const double shared = request.cores > 0 && workers > request.cores
+      ? static_cast<double>(workers) / request.cores
+      : 1.0;
+  const double slowdown =
+      (s.ranks > 1 ? model.concurrentSlowdown : 1.0) * shared;
+  if (slowdown != 1.0) {
     for (auto& layer : plan.layers) {
-      layer.forwardMs *= model.concurrentSlowdown;
-      layer.backwardMs *= model.concurrentSlowdown;
+      layer.forwardMs *= slowdown;
+      layer.backwardMs *= slowdown;
     }
   }
   plan.costSource = model.source;
@@ -387,16 +394,11 @@ void searchStageCount(
             " replicas"));
     return;
   }
-  const int threads = threadsFor(model, request, ranks * replicas);
-  if (threads == 0) {
-    out.push_back(unrunnable(
-        ranks,
-        replicas,
-        std::to_string(ranks * replicas) + " stage workers need " +
-            std::to_string(ranks * replicas) + " cores; this machine has " +
-            std::to_string(request.cores)));
-    return;
-  }
+  // More stage workers than cores share them with their fewest threads:
+  // slower, but the way to fit a model that fewer devices cannot hold.
+  int threads = threadsFor(model, request, ranks * replicas);
+  if (threads == 0)
+    threads = *std::min_element(model.threads.begin(), model.threads.end());
   const int64_t batch = request.batchSize / replicas;
   for (int m : microBatchCounts(request, batch)) {
     // Fewer micro-batches than stages leaves most stages idle most of the
@@ -502,8 +504,15 @@ TuneResult tunePlans(const CostModel& model, const TuneRequest& request) {
     for (const auto& c : result.candidates)
       ++reasons[c.infeasible];
     std::string text = "tune: no plan can run:";
-    for (const auto& [why, count] : reasons)
+    int listed = 0;
+    for (const auto& [why, count] : reasons) {
+      if (++listed > 6) {
+        text += "\n  ... and " + std::to_string(reasons.size() - 6) +
+            " more reasons";
+        break;
+      }
       text += "\n  " + why + " (" + std::to_string(count) + " candidates)";
+    }
     throw UserError(text);
   }
   rank(model, result);
