@@ -577,6 +577,28 @@ nlohmann::json tuneResultToJson(const TuneResult& result) {
       {"search_ms", result.searchMs}};
 }
 
+namespace {
+
+// One line per reason, the first few; --json has them all.
+void printInfeasible(std::ostream& out, const TuneResult& result) {
+  std::map<std::string, int> reasons;
+  for (const auto& c : result.candidates) {
+    if (!c.infeasible.empty())
+      ++reasons[c.infeasible.substr(0, c.infeasible.find('\n'))];
+  }
+  int listed = 0;
+  for (const auto& [why, count] : reasons) {
+    if (++listed > 4) {
+      out << "infeasible: " << reasons.size() - 4
+          << " more reasons (--json lists them)\n";
+      break;
+    }
+    out << "infeasible (" << count << "): " << why << "\n";
+  }
+}
+
+} // namespace
+
 void printTuneTable(std::ostream& out, const TuneResult& result, int top) {
   char line[256];
   std::snprintf(
@@ -621,20 +643,7 @@ void printTuneTable(std::ostream& out, const TuneResult& result, int top) {
         static_cast<size_t>(i) == result.choice ? "  <- chosen" : "");
     out << line;
   }
-  std::map<std::string, int> reasons;
-  for (const auto& c : result.candidates) {
-    if (!c.infeasible.empty())
-      ++reasons[c.infeasible.substr(0, c.infeasible.find('\n'))];
-  }
-  int listed = 0;
-  for (const auto& [why, count] : reasons) {
-    if (++listed > 4) {
-      out << "infeasible: " << reasons.size() - 4
-          << " more reasons (--json lists them)\n";
-      break;
-    }
-    out << "infeasible (" << count << "): " << why << "\n";
-  }
+  printInfeasible(out, result);
   const TuneCandidate& choice = result.candidates[result.choice];
   out << "choice: " << choice.label() << ", boundaries";
   for (int b : choice.boundaries)
