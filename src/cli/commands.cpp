@@ -179,6 +179,11 @@ int planCommand(
   } else {
     tpipe::Config config =
         tpipe::parseConfig(configJson(configPath, overrides));
+    if (config.pipeline.autoTune) {
+      throw tpipe::ConfigError(
+          "pipeline.auto: `tpipe train` chooses this config's plan by tuning; "
+          "`tpipe tune CONFIG` shows the ranking and the choice");
+    }
     if (stages > 0)
       config.pipeline.stages = stages;
     const tpipe::BuiltModel model =

@@ -133,6 +133,11 @@ PipelineOptions pipelineOptions(
 Config tunedIfAuto(const Config& config, const TrainOptions& options) {
   if (!config.pipeline.autoTune)
     return config;
+  if (!options.profilePath.empty()) {
+    throw ConfigError(
+        "--profile fixes the costs of a hand-set plan; with pipeline.auto the "
+        "tuner measures its own (or write its choice with `tpipe tune --write`)");
+  }
   if (worldFromEnvironment().worldSize > 1) {
     throw ConfigError(
         "pipeline.auto tunes within one process; for a multi-process run, "

@@ -235,7 +235,8 @@ void profileCurves(
   }
   model.noise = noise;
   lines.push_back(
-      "size curves: worst residual " + fixed(100.0 * worst, 1) + "% over " +
+      "size curves: residual " + fixed(100.0 * weighted / total, 1) +
+      "% weighted by time, worst " + fixed(100.0 * worst, 1) + "% (over " +
       std::to_string(model.layers.size()) + " layers x " +
       std::to_string(profile.fitSizes.size()) + " sizes x " +
       std::to_string(model.threads.size()) + " thread count(s)); noise " +
