@@ -14,12 +14,9 @@ using namespace tpipe;
 
 namespace {
 
-// ms = perSample * n^power.
-SizeCurve powerCurve(double perSample, double power = 1.0) {
-  SizeCurve curve;
-  curve.c0 = std::log(perSample);
-  curve.c1 = power;
-  return curve;
+// ms = perSample * n.
+SizeCurve powerCurve(double perSample) {
+  return SizeCurve::proportional(1.0, perSample);
 }
 
 // `layers` equal layers; one thread: forward 1 ms per sample (backward 2);

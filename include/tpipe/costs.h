@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace tpipe {
 
@@ -20,15 +21,20 @@ struct LayerCost {
   int64_t stashBytes = 0;
 };
 
-// Time against micro-batch size n: ln ms = c0 + c1 ln n + c2 (ln n)^2 over
-// the measured sizes [lo, hi]; past them it goes on along the end's slope
-// (held between 0 and 1.2, so a few points cannot extrapolate wildly). One
-// measured size gives time proportional to n; two, a power law.
+// Time against micro-batch size n, through measured (size, ms) points:
+// straight in log-log space between neighbouring sizes (a power law per
+// interval, so time need not be linear in the size: small matrix products
+// are inefficient), and past the ends along the end interval's slope (held
+// in [0, 1.2], so a few points cannot extrapolate wildly). One point: time
+// proportional to n.
 struct SizeCurve {
-  double c0 = 0.0, c1 = 1.0, c2 = 0.0;
-  double lo = 1.0, hi = 1.0;
-  double worstResidual = 0.0; // max |fit / measured - 1| at measured sizes
+  std::vector<double> sizes; // ascending, distinct
+  std::vector<double> ms;
+  // How far each inner point lies from the power law through its two
+  // neighbours (max relative): the curve's roughness, noise included.
+  double worstResidual = 0.0;
   double at(double samples) const;
+  static SizeCurve proportional(double size, double ms);
 };
 
 struct DeviceSpec {

@@ -57,6 +57,10 @@ struct CostModel {
   std::vector<int> threads{1}; // the intra-op thread counts the curves cover
   double inputBytesPerSample = 0.0;
   double instructionMs = 0.0; // runtime cost of one compute instruction
+  // Per entry of threads, where calibrated apart (OpenMP teams of several
+  // threads cost more per small operation); empty: instructionMs for all.
+  std::vector<double> threadInstructionMs;
+  double instructionMsAt(int threads) const;
   double stepMs = 0.0;        // per step: optimizer, loss, batch assembly
   double splitBackward = 1.0; // (input + weight pass) / fused backward
   // Stages of one process run at once on shared memory bandwidth: their

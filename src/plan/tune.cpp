@@ -16,17 +16,33 @@
 namespace tpipe {
 
 double SizeCurve::at(double samples) const {
-  const double x = std::log(std::max(samples, 1e-9));
-  const double low = std::log(lo), high = std::log(hi);
-  auto inside = [&](double v) { return c0 + c1 * v + c2 * v * v; };
-  auto slope = [&](double v) {
-    return std::clamp(c1 + 2.0 * c2 * v, 0.0, 1.2);
+  if (sizes.empty())
+    return 0.0;
+  const double n = std::max(samples, 1e-9);
+  if (sizes.size() == 1)
+    return ms[0] * n / sizes[0];
+  auto point = [&](size_t i) {
+    return std::make_pair(std::log(sizes[i]), std::log(std::max(ms[i], 1e-9)));
   };
-  if (x < low)
-    return std::exp(inside(low) + slope(low) * (x - low));
-  if (x > high)
-    return std::exp(inside(high) + slope(high) * (x - high));
-  return std::exp(inside(x));
+  size_t i = 0; // the interval [i, i + 1] holding n, or the end one
+  while (i + 2 < sizes.size() && n > sizes[i + 1])
+    ++i;
+  const auto [x0, y0] = point(i);
+  const auto [x1, y1] = point(i + 1);
+  double slope = (y1 - y0) / (x1 - x0);
+  const double x = std::log(n);
+  if (x < x0 || x > x1)
+    slope = std::clamp(slope, 0.0, 1.2);
+  const auto [xa, ya] =
+      x > x1 ? std::make_pair(x1, y1) : std::make_pair(x0, y0);
+  return std::exp(ya + slope * (x - xa));
+}
+
+SizeCurve SizeCurve::proportional(double size, double ms) {
+  SizeCurve curve;
+  curve.sizes = {size};
+  curve.ms = {ms};
+  return curve;
 }
 
 std::vector<LayerCost> CostModel::costsAt(double size, int threadCount) const {
@@ -52,6 +68,15 @@ std::vector<LayerCost> CostModel::costsAt(double size, int threadCount) const {
     costs.push_back(cost);
   }
   return costs;
+}
+
+double CostModel::instructionMsAt(int threadCount) const {
+  for (size_t t = 0; t < threads.size() && t < threadInstructionMs.size();
+       ++t) {
+    if (threads[t] == threadCount)
+      return threadInstructionMs[t];
+  }
+  return instructionMs;
 }
 
 std::string TuneCandidate::label() const {
@@ -266,6 +291,7 @@ PlanRequest planRequestFor(
 // the split backward's overhead.
 std::vector<StageCosts> runtimeCosts(
     const CostModel& model,
+    int threads,
     const PlanRequest& plan,
     const Schedule& schedule,
     const std::vector<int>& boundaries) {
@@ -274,7 +300,7 @@ std::vector<StageCosts> runtimeCosts(
     devices.push_back(plan.devices[schedule.rankOfStage(k)]);
   std::vector<StageCosts> costs =
       stageCostsOf(plan.layers, devices, boundaries);
-  const double o = model.instructionMs;
+  const double o = model.instructionMsAt(threads);
   for (auto& c : costs) {
     c.forward += o;
     c.recompute += o;
@@ -332,8 +358,8 @@ TuneCandidate evaluate(
   c.boundaries = plan.boundaries;
   if (!fitsDevices(plan, planRequest, c))
     return c;
-  const std::vector<StageCosts> costs =
-      runtimeCosts(model, planRequest, plan.schedule, plan.boundaries);
+  const std::vector<StageCosts> costs = runtimeCosts(
+      model, s.threads, planRequest, plan.schedule, plan.boundaries);
   Schedule schedule = plan.schedule;
   if (s.schedule == ScheduleKind::kAuto) {
     schedule = autoSchedule(

@@ -180,42 +180,31 @@ SizeCurve fitSizeCurve(
   TORCH_CHECK(
       !sizes.empty() && sizes.size() == times.size(),
       "fitSizeCurve: needs as many times as sizes, and at least one");
-  std::vector<double> xs, ys;
-  for (size_t i = 0; i < sizes.size(); ++i) {
-    xs.push_back(std::log(static_cast<double>(sizes[i])));
-    ys.push_back(std::log(std::max(times[i], 1e-6)));
-  }
-  std::vector<double> distinct = xs;
-  std::sort(distinct.begin(), distinct.end());
-  distinct.erase(std::unique(distinct.begin(), distinct.end()), distinct.end());
-  const Eigen::Index terms =
-      static_cast<Eigen::Index>(std::min<size_t>(3, distinct.size()));
-  const Eigen::Index rows = static_cast<Eigen::Index>(xs.size());
-  Eigen::MatrixXd a(rows, terms);
-  Eigen::VectorXd b(rows);
-  for (Eigen::Index i = 0; i < rows; ++i) {
-    const double x = xs[static_cast<size_t>(i)];
-    // One size: time proportional to n (the slope is fixed at 1).
-    b(i) = ys[static_cast<size_t>(i)] - (terms == 1 ? x : 0.0);
-    for (Eigen::Index t = 0; t < terms; ++t)
-      a(i, t) = std::pow(x, static_cast<double>(t));
-  }
-  const Eigen::VectorXd solution = a.colPivHouseholderQr().solve(b);
+  // Repeated sizes are merged (geometric mean of their times).
+  std::vector<std::pair<int64_t, double>> points;
+  for (size_t i = 0; i < sizes.size(); ++i)
+    points.emplace_back(sizes[i], std::log(std::max(times[i], 1e-9)));
+  std::sort(points.begin(), points.end());
   SizeCurve curve;
-  curve.c0 = solution(0);
-  curve.c1 = terms >= 2 ? solution(1) : 1.0;
-  curve.c2 = terms >= 3 ? solution(2) : 0.0;
-  curve.lo = std::exp(distinct.front());
-  curve.hi = std::exp(distinct.back());
-  for (size_t i = 0; i < sizes.size(); ++i) {
-    const double measured = std::max(times[i], 1e-6);
+  for (size_t i = 0; i < points.size();) {
+    size_t j = i;
+    double sum = 0.0;
+    for (; j < points.size() && points[j].first == points[i].first; ++j)
+      sum += points[j].second;
+    curve.sizes.push_back(static_cast<double>(points[i].first));
+    curve.ms.push_back(std::exp(sum / static_cast<double>(j - i)));
+    i = j;
+  }
+  for (size_t i = 1; i + 1 < curve.sizes.size(); ++i) {
+    SizeCurve without;
+    without.sizes = {curve.sizes[i - 1], curve.sizes[i + 1]};
+    without.ms = {curve.ms[i - 1], curve.ms[i + 1]};
     curve.worstResidual = std::max(
         curve.worstResidual,
-        std::abs(curve.at(static_cast<double>(sizes[i])) / measured - 1.0));
+        std::abs(without.at(curve.sizes[i]) / curve.ms[i] - 1.0));
   }
   return curve;
 }
-
 
 std::vector<LayerCost> Profile::costsAt(int64_t size) const {
   std::vector<LayerCost> costs;
@@ -370,35 +359,36 @@ namespace {
 
 nlohmann::json curveToJson(const SizeCurve& curve) {
   return {
-      {"ln_ms", {curve.c0, curve.c1, curve.c2}},
-      {"sizes", {curve.lo, curve.hi}},
+      {"sizes", curve.sizes},
+      {"ms", curve.ms},
       {"worst_residual", curve.worstResidual}};
 }
 
 SizeCurve curveFromJson(const nlohmann::json& json, const std::string& path) {
-  auto numbers = [&](const char* key, size_t count) {
+  auto numbers = [&](const char* key) {
     const nlohmann::json* value =
         json.is_object() && json.contains(key) ? &json[key] : nullptr;
-    bool ok = value && value->is_array() && value->size() == count;
-    for (size_t i = 0; ok && i < count; ++i)
-      ok = (*value)[i].is_number();
-    if (!ok) {
-      throw ConfigError(
-          path + "." + key + ": expected " + std::to_string(count) +
-          " numbers");
+    bool ok = value && value->is_array() && !value->empty();
+    std::vector<double> out;
+    for (size_t i = 0; ok && i < value->size(); ++i) {
+      ok = (*value)[i].is_number() && (*value)[i].get<double>() >= 0;
+      if (ok)
+        out.push_back((*value)[i].get<double>());
     }
-    return *value;
+    if (!ok)
+      throw ConfigError(path + "." + key + ": expected non-negative numbers");
+    return out;
   };
-  const auto ln = numbers("ln_ms", 3);
-  const auto sizes = numbers("sizes", 2);
   SizeCurve curve;
-  curve.c0 = ln[0].get<double>();
-  curve.c1 = ln[1].get<double>();
-  curve.c2 = ln[2].get<double>();
-  curve.lo = sizes[0].get<double>();
-  curve.hi = sizes[1].get<double>();
-  if (!(curve.lo >= 1.0 && curve.hi >= curve.lo))
-    throw ConfigError(path + ".sizes: expected 1 <= lo <= hi");
+  curve.sizes = numbers("sizes");
+  curve.ms = numbers("ms");
+  bool ascending = curve.sizes.size() == curve.ms.size() && curve.sizes[0] >= 1;
+  for (size_t i = 1; ascending && i < curve.sizes.size(); ++i)
+    ascending = curve.sizes[i] > curve.sizes[i - 1];
+  if (!ascending) {
+    throw ConfigError(
+        path + ": expected ascending sizes >= 1, as many as times");
+  }
   curve.worstResidual = json.value("worst_residual", 0.0);
   return curve;
 }
@@ -425,7 +415,7 @@ nlohmann::json profileToJson(const Profile& profile) {
       {"rounds", profile.rounds},
       {"input_bytes", profile.inputBytes},
       {"fit_sizes", profile.fitSizes},
-      {"fit", "ln ms = c0 + c1 ln n + c2 (ln n)^2 for n in [lo, hi]"},
+      {"fit", "ms at the measured sizes; straight in log-log space between"},
       {"layers", layers}};
 }
 

@@ -133,14 +133,6 @@ Cluster parseCluster(const Json& root) {
   return c;
 }
 
-// Time proportional to the micro-batch size: ms = perSample * n.
-SizeCurve proportional(double perSampleMs) {
-  SizeCurve curve;
-  curve.c0 = std::log(std::max(perSampleMs, 1e-12));
-  curve.c1 = 1.0;
-  return curve;
-}
-
 CostModel analyticModel(const Config& config, const Cluster& cluster) {
   CostModel model;
   model.threads = {1};
@@ -155,8 +147,8 @@ CostModel analyticModel(const Config& config, const Cluster& cluster) {
     LayerModel layer;
     layer.name = std::to_string(l) + " " + config.model.layers[l].type;
     const double forwardMs = f.forwardFlops / cluster.flopsPerMs;
-    layer.forward = {proportional(forwardMs)};
-    layer.backward = {proportional(2.0 * forwardMs)};
+    layer.forward = {SizeCurve::proportional(1.0, forwardMs)};
+    layer.backward = {SizeCurve::proportional(1.0, 2.0 * forwardMs)};
     layer.paramBytes = static_cast<int64_t>(
         static_cast<double>(f.parameters) * cluster.bytesPerValue);
     double output = cluster.bytesPerValue;

@@ -322,15 +322,71 @@ void calibrateConcurrency(
 // Scales the curves of one thread count by `factor`.
 void scaleCurves(CostModel& model, size_t threadIndex, double factor) {
   for (auto& layer : model.layers) {
-    layer.forward[threadIndex].c0 += std::log(factor);
-    layer.backward[threadIndex].c0 += std::log(factor);
+    for (double& ms : layer.forward[threadIndex].ms)
+      ms *= factor;
+    for (double& ms : layer.backward[threadIndex].ms)
+      ms *= factor;
   }
 }
 
+// One stage at micro-batch counts M: pipeline ms = scale x (its layers'
+// curves) + 2 M x instruction + fixed. Three counts give it exactly; a
+// solution with less dispatch than the bare runtime's, or no scale, falls
+// back to the scale alone on top of the bare dispatch.
+struct PipelineFit {
+  double scale = 1.0, instructionMs = 0.0, fixedMs = 0.0;
+};
+
+double determinant(const double m[3][3]) {
+  return m[0][0] * (m[1][1] * m[2][2] - m[1][2] * m[2][1]) -
+      m[0][1] * (m[1][0] * m[2][2] - m[1][2] * m[2][0]) +
+      m[0][2] * (m[1][0] * m[2][1] - m[1][1] * m[2][0]);
+}
+
+PipelineFit fitPipeline(
+    const std::vector<int>& counts,
+    const std::vector<double>& measured,
+    const std::vector<double>& layers,
+    double leastInstructionMs) {
+  PipelineFit fit;
+  if (counts.size() == 3) {
+    double m[3][3];
+    for (int i = 0; i < 3; ++i) {
+      m[i][0] = layers[i];
+      m[i][1] = 2.0 * counts[i];
+      m[i][2] = 1.0;
+    }
+    const double det = determinant(m);
+    double solution[3] = {0, 0, 0};
+    for (int column = 0; column < 3 && det != 0.0; ++column) {
+      double replaced[3][3];
+      for (int i = 0; i < 3; ++i) {
+        for (int j = 0; j < 3; ++j)
+          replaced[i][j] = j == column ? measured[i] : m[i][j];
+      }
+      solution[column] = determinant(replaced) / det;
+    }
+    fit = {solution[0], solution[1], solution[2]};
+    if (det != 0.0 && fit.scale > 0.25 && fit.scale < 4.0 &&
+        fit.instructionMs >= leastInstructionMs)
+      return fit;
+  }
+  fit = {1.0, leastInstructionMs, 0.0};
+  double num = 0, den = 0;
+  for (size_t i = 0; i < counts.size(); ++i) { // relative to each run
+    const double a = layers[i] / measured[i];
+    num += a * (1.0 - 2.0 * counts[i] * leastInstructionMs / measured[i]);
+    den += a * a;
+  }
+  fit.scale = std::clamp(num / den, 0.25, 4.0);
+  return fit;
+}
+
 // The runtime's own costs and the profile's scale inside a pipeline, from
-// real steps: one stage with every core at 1 and 8 micro-batches (the
-// curves' scale; the per-step cost of optimizer, batch and loss), the same
-// with ZB-H1's split backward, and, with two or more stage workers, the
+// real steps of one stage with every core: at 1, 8 and the most
+// micro-batches, the curves' scale and the cost per compute instruction
+// (tiny micro-batches pay it most); the per-step cost of optimizer and
+// batch; ZB-H1's split backward; and, with two or more stage workers, the
 // slowdown of stages computing at once.
 void calibrateRuntime(
     const Config& config,
@@ -341,41 +397,55 @@ void calibrateRuntime(
     std::vector<std::string>& lines) {
   const int64_t batch = config.train.batchSize;
   const int threads = model.threads.front();
-  const int many = std::min(8, microBatchCounts(batch).back());
+  const int most = microBatchCounts(batch).back();
+  const int many = std::min(8, most);
   if (options.log)
     *options.log << "tune: timing real steps to calibrate" << std::endl;
-  auto measure = [&](const TuneCandidate& c, double* pipeline) {
+  auto measure = [&](int m, ScheduleKind kind, double* step) {
     std::vector<double> steps, pipes;
-    for (const auto& timing : meter.run(c, 2, 5)) {
-      steps.push_back(timing.stepMs);
-      pipes.push_back(timing.pipelineMs);
+    for (const auto& t : meter.run(wholeModel(model, threads, m, kind), 2, 4)) {
+      steps.push_back(t.stepMs);
+      pipes.push_back(t.pipelineMs);
     }
-    *pipeline = median(pipes);
-    return median(steps);
+    if (step)
+      *step = median(steps);
+    return median(pipes);
   };
-  double one = 0, several = 0, split = 0;
-  const double step =
-      measure(wholeModel(model, threads, 1, ScheduleKind::kOneFOneB), &one);
-  measure(wholeModel(model, threads, many, ScheduleKind::kOneFOneB), &several);
-  measure(
-      wholeModel(model, threads, many, ScheduleKind::kZeroBubbleH1), &split);
+  double step = 0.0;
+  std::vector<int> counts{1};
+  std::vector<double> measured{measure(1, ScheduleKind::kOneFOneB, &step)};
+  for (int m : {many, most}) {
+    if (m > counts.back()) {
+      counts.push_back(m);
+      measured.push_back(measure(m, ScheduleKind::kOneFOneB, nullptr));
+    }
+  }
+  const double split = measure(many, ScheduleKind::kZeroBubbleH1, nullptr);
+  std::vector<double> layers;
+  for (int m : counts)
+    layers.push_back(layerSum(model, batch, m, threads, false));
   model.instructionMs = instructionCostMs();
-  model.stepMs = std::max(0.0, step - one);
-  const double o = model.instructionMs;
-  const double scale = 0.5 *
-      ((one - 2 * o) / layerSum(model, batch, 1, threads, false) +
-       (several - 2 * many * o) / layerSum(model, batch, many, threads, false));
-  scaleCurves(model, 0, scale);
-  const double backward = layerSum(model, batch, many, threads, true);
-  model.splitBackward =
-      std::clamp(1.0 + (split - several - many * o) / backward, 1.0, 2.0);
+  const PipelineFit fit =
+      fitPipeline(counts, measured, layers, model.instructionMs);
+  model.threadInstructionMs.assign(model.threads.size(), model.instructionMs);
+  model.threadInstructionMs[0] = fit.instructionMs;
+  model.stepMs = std::max(0.0, step - measured[0] + fit.fixedMs);
+  scaleCurves(model, 0, fit.scale);
+  const double o = fit.instructionMs;
+  const size_t at = counts.size() > 1 ? 1 : 0;
+  const double backward = layerSum(model, batch, counts[at], threads, true);
+  model.splitBackward = std::clamp(
+      1.0 + (split - measured[at] - counts[at] * o) / backward, 1.0, 2.0);
   lines.push_back(
-      "runtime: " + fixed(1000.0 * o, 1) + " us per compute instruction, " +
-      fixed(model.stepMs, 2) +
-      " ms per step (optimizer, batch), split backward x" +
+      "runtime: " + fixed(1000.0 * model.instructionMs, 1) +
+      " us per compute instruction (" + fixed(1000.0 * o, 1) + " with " +
+      std::to_string(threads) + " threads), " + fixed(model.stepMs, 2) +
+      " ms per step (optimizer, batch, " + fixed(fit.fixedMs, 2) +
+      " ms fixed in the pipeline), split backward x" +
       fixed(model.splitBackward, 2) + "; one stage with " +
-      std::to_string(threads) + " thread(s) runs at x" + fixed(scale, 2) +
-      " of its layers profiled alone");
+      std::to_string(threads) + " thread(s) runs at x" + fixed(fit.scale, 2) +
+      " of its layers profiled alone (fitted at 1, " + std::to_string(many) +
+      " and " + std::to_string(most) + " micro-batches)");
   calibrateConcurrency(config, meter, request, many, model, lines);
 }
 
