@@ -243,6 +243,37 @@ TEST_F(DistributedTest, AHungRankTimesOutAndTheLauncherEndsIt) {
   expectNoOrphans();
 }
 
+// Every live rank says what it was doing when a peer froze (SIGSTOP), and
+// all of them name the rank that never answered.
+TEST_F(DistributedTest, AStoppedRankIsNamedByEveryLiveRank) {
+  const Result r = shell(
+      "TPIPE_FAULT=1:3:stop " + faultyBinary() + " launch --nproc 3 " +
+      config_ +
+      " --set 'pipeline.devices=[\"cpu:0\",\"cpu:1\",\"cpu:2\"]'"
+      " --set pipeline.timeout_s=2");
+  EXPECT_NE(r.status, 0);
+  // Each live rank's account: printed by itself, and by the others (the
+  // launcher may end a rank once the first has exited).
+  for (const char* rank : {"0", "2"}) {
+    const std::string account = std::string("rank ") + rank + ": stage " + rank;
+    const size_t at = r.output.find(account);
+    ASSERT_NE(at, std::string::npos) << r.output;
+    const std::string line = r.output.substr(at, r.output.find('\n', at) - at);
+    EXPECT_NE(line.find("last completed: "), std::string::npos) << line;
+    EXPECT_NE(line.find("lost rank 1 (pipeline rank 1"), std::string::npos)
+        << line;
+    EXPECT_NE(line.find("(tags "), std::string::npos) << line;
+  }
+  EXPECT_NE(r.output.find("[rank 0] tpipe: error: rank 0: "), std::string::npos)
+      << r.output;
+  EXPECT_NE(
+      r.output.find("lost: rank(s) 1 sent no account within 2.0 s"),
+      std::string::npos)
+      << r.output;
+  EXPECT_LT(r.seconds, 40.0);
+  expectNoOrphans();
+}
+
 TEST_F(DistributedTest, ResumedRunMatchesTheUninterruptedOne) {
   ASSERT_EQ(
       shell(

@@ -88,6 +88,16 @@ class Communicator {
   void averageAcrossReplicas(const std::vector<at::Tensor>& gradients);
   void barrier();
 
+  // After a failed step: posts this rank's one-line account (what it was
+  // doing, whom it waited on) and collects every rank's for up to `grace`
+  // (the timeout, when a silent peer must be told from a slow one: each
+  // live rank's own wait runs out within it). Returns one entry per rank;
+  // an empty entry is a rank that sent none (stopped, dead, or cut off).
+  // Never throws: an unreachable store leaves only this rank's.
+  std::vector<std::string> reportFailure(
+      const std::string& line,
+      std::chrono::milliseconds grace);
+
  private:
   friend class runtime::ProcessGroupTransport;
   struct Impl;

@@ -63,6 +63,10 @@ struct CostModel {
   double instructionMsAt(int threads) const;
   double stepMs = 0.0;        // per step: optimizer, loss, batch assembly
   double splitBackward = 1.0; // (input + weight pass) / fused backward
+  // Per byte of activations a device holds at its peak: schedules holding
+  // more micro-batches run slower than their instruction counts say (the
+  // working set leaves the caches), measured as GPipe against 1F1B.
+  double heldByteMs = 0.0;
   // Stages of one process run at once on shared memory bandwidth: their
   // compute is this much slower than the layers measured alone.
   double concurrentSlowdown = 1.0;
@@ -115,7 +119,8 @@ struct TuneCandidate {
   double predictedStepMs = 0.0;
   double bubble = 0.0; // simulated idle share of the pipeline
   double allReduceMs = 0.0;
-  std::vector<int64_t> peakBytes; // per device of a replica
+  std::vector<int64_t> peakBytes;  // per device of a replica
+  int64_t peakActivationBytes = 0; // the most any device holds
   double samplesPerSecond = 0.0;
   std::string infeasible;       // why it cannot run; empty: it can
   double measuredStepMs = -1.0; // set by the caller; < 0: not measured

@@ -318,8 +318,13 @@ bool fitsDevices(
     const PlanRequest& request,
     TuneCandidate& c) {
   c.peakBytes.assign(static_cast<size_t>(c.ranks), 0);
-  for (int k = 0; k < plan.stageCount(); ++k)
+  std::vector<int64_t> activations(static_cast<size_t>(c.ranks), 0);
+  for (int k = 0; k < plan.stageCount(); ++k) {
     c.peakBytes[plan.schedule.rankOfStage(k)] += plan.stages[k].memoryBytes;
+    activations[plan.schedule.rankOfStage(k)] += plan.stages[k].activationBytes;
+  }
+  c.peakActivationBytes =
+      *std::max_element(activations.begin(), activations.end());
   for (int r = 0; r < c.ranks; ++r) {
     const int64_t capacity = request.devices[r].memoryBytes;
     if (capacity > 0 && c.peakBytes[r] > capacity) {
@@ -373,7 +378,8 @@ TuneCandidate evaluate(
   c.bubble = simulation.bubbleFraction;
   c.allReduceMs = allReduceMs(
       request, planRequest.layers, plan.boundaries, s.ranks, s.replicas);
-  c.predictedStepMs = simulation.makespan + model.stepMs + c.allReduceMs;
+  c.predictedStepMs = simulation.makespan + model.stepMs + c.allReduceMs +
+      model.heldByteMs * static_cast<double>(c.peakActivationBytes);
   c.samplesPerSecond =
       static_cast<double>(request.batchSize) * 1000.0 / c.predictedStepMs;
   return c;
@@ -586,6 +592,7 @@ nlohmann::json tuneCandidateToJson(const TuneCandidate& c) {
   json["bubble"] = c.bubble;
   json["all_reduce_ms"] = c.allReduceMs;
   json["peak_bytes"] = c.peakBytes;
+  json["peak_activation_bytes"] = c.peakActivationBytes;
   if (c.measuredStepMs >= 0)
     json["measured_step_ms"] = c.measuredStepMs;
   return json;

@@ -52,6 +52,11 @@ int Communicator::stageRank() const {
 std::chrono::milliseconds Communicator::timeout() const {
   return {};
 }
+std::vector<std::string> Communicator::reportFailure(
+    const std::string& line,
+    std::chrono::milliseconds) {
+  return {line};
+}
 std::vector<double> Communicator::sum(const std::vector<double>& values) {
   return values;
 }
@@ -483,6 +488,38 @@ int Communicator::replica() const {
 int Communicator::stageRank() const {
   return rank() % pipelineRanks();
 }
+std::vector<std::string> Communicator::reportFailure(
+    const std::string& line,
+    std::chrono::milliseconds grace) {
+  std::vector<std::string> lines(static_cast<size_t>(worldSize()));
+  lines[static_cast<size_t>(rank())] = line;
+  auto key = [](int r) { return "tpipe/failure/" + std::to_string(r); };
+  try {
+    auto& store = *impl_->store;
+    store.set(key(rank()), std::vector<uint8_t>(line.begin(), line.end()));
+    const auto deadline = std::chrono::steady_clock::now() + grace;
+    for (;;) {
+      bool all = true;
+      for (int r = 0; r < worldSize(); ++r) {
+        if (!lines[static_cast<size_t>(r)].empty())
+          continue;
+        if (store.check({key(r)})) {
+          const std::vector<uint8_t> value = store.get(key(r));
+          lines[static_cast<size_t>(r)].assign(value.begin(), value.end());
+        } else {
+          all = false;
+        }
+      }
+      if (all || std::chrono::steady_clock::now() >= deadline)
+        break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+  } catch (const std::exception&) {
+    // The store's host is gone: only this rank's account is known.
+  }
+  return lines;
+}
+
 std::chrono::milliseconds Communicator::timeout() const {
   return impl_->timeout;
 }
@@ -612,7 +649,9 @@ class ProcessGroupTransport final : public Transport {
     std::vector<at::Tensor> dataList{tensor.contiguous()};
     const std::string what = std::string("sending the ") +
         (direction == Direction::kActivation ? "activation" : "gradient") +
-        " of micro-batch " + std::to_string(microBatch);
+        " of micro-batch " + std::to_string(microBatch) + " (tags " +
+        std::to_string(tag(direction, boundary, microBatch, 0)) + "-" +
+        std::to_string(tag(direction, boundary, microBatch, 1)) + ")";
     for (int part = 0; part < 2; ++part) {
       auto& tensors = part == 0 ? headerList : dataList;
       pending_.push_back(
@@ -636,7 +675,9 @@ class ProcessGroupTransport final : public Transport {
     const char* what =
         direction == Direction::kActivation ? "activation" : "gradient";
     const std::string receiving = std::string("receiving the ") + what +
-        " of micro-batch " + std::to_string(microBatch);
+        " of micro-batch " + std::to_string(microBatch) + " (tags " +
+        std::to_string(tag(direction, boundary, microBatch, 0)) + "-" +
+        std::to_string(tag(direction, boundary, microBatch, 1)) + ")";
     // Part 0 is the header, part 1 the data.
     auto receiveInto = [&](std::vector<at::Tensor>& tensors, int part) {
       waitReceive(

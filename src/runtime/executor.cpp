@@ -436,7 +436,10 @@ void runRank(StepState& state, int rank) {
     std::string message = "stage " + std::to_string(stage) + " on " +
         (*state.stages)[stage].deviceName + ", micro-batch " +
         std::to_string(microBatchOf(instruction)) + ", " + opName(instruction) +
-        ": " +
+        " (instruction " + std::to_string(i + 1) + " of " +
+        std::to_string(list.size()) + "; last completed: " +
+        (i > 0 ? shortLabel(list[i - 1]) : std::string("none this step")) +
+        "): " +
         (torchError ? torchError->what_without_backtrace() : error.what());
     {
       std::lock_guard<std::mutex> lock(state.errorMutex);

@@ -499,6 +499,42 @@ bool splitsBackward(const Schedule& schedule) {
 
 } // namespace
 
+namespace {
+
+// Across processes a failed step is explained by every rank: each posts its
+// account and waits (up to the timeout) for the others'; ranks that never
+// report are the lost ones, named in the error every live rank exits with.
+std::string withAccounts(Communicator& world, const std::string& error) {
+  const std::string mine =
+      "rank " + std::to_string(world.rank()) + ": " + error;
+  // A peer that went silent is told from a slow one only by waiting out the
+  // timeout; a closed connection is news at once, and so are its lines.
+  const bool silent = error.find("no answer within") != std::string::npos;
+  const auto grace = silent
+      ? world.timeout()
+      : std::min(world.timeout(), std::chrono::milliseconds(3000));
+  const std::vector<std::string> accounts = world.reportFailure(mine, grace);
+  std::string lost, others;
+  for (size_t r = 0; r < accounts.size(); ++r) {
+    if (accounts[r].empty())
+      lost += (lost.empty() ? "" : ", ") + std::to_string(r);
+    else if (static_cast<int>(r) != world.rank())
+      others += "\n  " + accounts[r].substr(0, accounts[r].find('\n'));
+  }
+  std::string text = mine;
+  if (!lost.empty()) {
+    char seconds[32];
+    std::snprintf(seconds, sizeof seconds, "%.1f", grace.count() / 1000.0);
+    text +=
+        "\nlost: rank(s) " + lost + " sent no account within " + seconds + " s";
+  }
+  if (!others.empty())
+    text += "\nthe other ranks:" + others;
+  return text;
+}
+
+} // namespace
+
 void Pipeline::Impl::run(runtime::StepState& state, const Schedule& plan) {
   state.schedule = &plan;
   state.stages = &stages;
@@ -537,6 +573,8 @@ void Pipeline::Impl::run(runtime::StepState& state, const Schedule& plan) {
                             std::chrono::steady_clock::now() - state.start)
                             .count();
   state.stash.clear(); // frees activations of a failed step too
+  if (!state.error.empty() && options.communicator)
+    state.error = withAccounts(*options.communicator, state.error);
   TORCH_CHECK(state.error.empty(), state.error);
   if (plan.training)
     ++steps;

@@ -329,6 +329,47 @@ void scaleCurves(CostModel& model, size_t threadIndex, double factor) {
   }
 }
 
+// The activations one stage of 1F1B holds at its peak.
+double heldBytes(const CostModel& model, const TuneRequest& request, int m) {
+  TuneCandidate shape;
+  shape.threadsPerStage = model.threads.front();
+  shape.microBatches = m;
+  shape.checkpoint = CheckpointMode::kNever;
+  shape.schedule = ScheduleKind::kOneFOneB;
+  return static_cast<double>(
+      predictCandidate(model, request, shape).peakActivationBytes);
+}
+
+// GPipe holds every micro-batch's activations where 1F1B holds one: the
+// time it loses over the same instructions, per byte more held.
+void calibrateHeldBytes(
+    const TuneRequest& request,
+    int microBatches,
+    double extraMs,
+    CostModel& model,
+    std::vector<std::string>& lines) {
+  if (microBatches < 2)
+    return;
+  TuneCandidate shape;
+  shape.threadsPerStage = model.threads.front();
+  shape.microBatches = microBatches;
+  shape.checkpoint = CheckpointMode::kNever;
+  shape.schedule = ScheduleKind::kGpipe;
+  const TuneCandidate all = predictCandidate(model, request, shape);
+  shape.schedule = ScheduleKind::kOneFOneB;
+  const TuneCandidate one = predictCandidate(model, request, shape);
+  const double bytes =
+      static_cast<double>(all.peakActivationBytes - one.peakActivationBytes);
+  if (!all.infeasible.empty() || !one.infeasible.empty() || bytes <= 0)
+    return;
+  model.heldByteMs = std::max(0.0, extraMs) / bytes;
+  lines.push_back(
+      "held activations: GPipe ran " + fixed(extraMs, 2) + " ms slower than " +
+      "1F1B on one stage at " + std::to_string(microBatches) +
+      " micro-batches, holding " + fixed(bytes / (1 << 20), 1) + " MiB more: " +
+      fixed(model.heldByteMs * (1 << 20), 3) + " ms per MiB held");
+}
+
 // One stage at micro-batch counts M: pipeline ms = scale x (its layers'
 // curves) + 2 M x instruction + fixed. Three counts give it exactly; a
 // solution with less dispatch than the bare runtime's, or no scale, falls
@@ -368,7 +409,7 @@ PipelineFit fitPipeline(
     }
     fit = {solution[0], solution[1], solution[2]};
     if (det != 0.0 && fit.scale > 0.25 && fit.scale < 4.0 &&
-        fit.instructionMs >= leastInstructionMs)
+        fit.instructionMs >= leastInstructionMs && fit.fixedMs >= 0.0)
       return fit;
   }
   fit = {1.0, leastInstructionMs, 0.0};
@@ -421,18 +462,25 @@ void calibrateRuntime(
     }
   }
   const double split = measure(many, ScheduleKind::kZeroBubbleH1, nullptr);
-  std::vector<double> layers;
-  for (int m : counts)
-    layers.push_back(layerSum(model, batch, m, threads, false));
+  const double held = measure(many, ScheduleKind::kGpipe, nullptr);
+  const size_t at = counts.size() > 1 ? 1 : 0;
+  calibrateHeldBytes(request, many, held - measured[at], model, lines);
+  // What holding activations costs each run is known now: the rest is
+  // compute and dispatch.
+  std::vector<double> layers, computed;
+  for (size_t i = 0; i < counts.size(); ++i) {
+    layers.push_back(layerSum(model, batch, counts[i], threads, false));
+    computed.push_back(
+        measured[i] - model.heldByteMs * heldBytes(model, request, counts[i]));
+  }
   model.instructionMs = instructionCostMs();
   const PipelineFit fit =
-      fitPipeline(counts, measured, layers, model.instructionMs);
+      fitPipeline(counts, computed, layers, model.instructionMs);
   model.threadInstructionMs.assign(model.threads.size(), model.instructionMs);
   model.threadInstructionMs[0] = fit.instructionMs;
   model.stepMs = std::max(0.0, step - measured[0] + fit.fixedMs);
   scaleCurves(model, 0, fit.scale);
   const double o = fit.instructionMs;
-  const size_t at = counts.size() > 1 ? 1 : 0;
   const double backward = layerSum(model, batch, counts[at], threads, true);
   model.splitBackward = std::clamp(
       1.0 + (split - measured[at] - counts[at] * o) / backward, 1.0, 2.0);

@@ -1,8 +1,9 @@
-// tpipe's command line with a fault hook: TPIPE_FAULT=rank:step:exit|hang
+// tpipe's command line with a fault hook: TPIPE_FAULT=rank:step:exit|hang|stop
 // makes that rank's process die or stop answering at that step, as a crashed
 // or stuck host would. Built for the tests only; the shipped binary has no
 // such hook.
 #include <chrono>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -29,6 +30,8 @@ int main(int argc, char** argv) {
             at);
         if (what == "exit")
           std::_Exit(17);
+        if (what == "stop") // the whole process freezes, as under SIGSTOP
+          std::raise(SIGSTOP);
         if (what == "hang") {
           for (;;)
             std::this_thread::sleep_for(std::chrono::hours(1));
