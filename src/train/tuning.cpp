@@ -371,55 +371,45 @@ void calibrateHeldBytes(
 }
 
 // One stage at micro-batch counts M: pipeline ms = scale x (its layers'
-// curves) + 2 M x instruction + fixed. Three counts give it exactly; a
-// solution with less dispatch than the bare runtime's, or no scale, falls
-// back to the scale alone on top of the bare dispatch.
+// curves) + 2 M x instruction, least squares relative to each run. Less
+// dispatch than the bare runtime's is not believed: then the scale alone is
+// fitted on top of the bare dispatch.
 struct PipelineFit {
-  double scale = 1.0, instructionMs = 0.0, fixedMs = 0.0;
+  double scale = 1.0, instructionMs = 0.0;
 };
-
-double determinant(const double m[3][3]) {
-  return m[0][0] * (m[1][1] * m[2][2] - m[1][2] * m[2][1]) -
-      m[0][1] * (m[1][0] * m[2][2] - m[1][2] * m[2][0]) +
-      m[0][2] * (m[1][0] * m[2][1] - m[1][1] * m[2][0]);
-}
 
 PipelineFit fitPipeline(
     const std::vector<int>& counts,
     const std::vector<double>& measured,
     const std::vector<double>& layers,
     double leastInstructionMs) {
-  PipelineFit fit;
-  if (counts.size() == 3) {
-    double m[3][3];
-    for (int i = 0; i < 3; ++i) {
-      m[i][0] = layers[i];
-      m[i][1] = 2.0 * counts[i];
-      m[i][2] = 1.0;
-    }
-    const double det = determinant(m);
-    double solution[3] = {0, 0, 0};
-    for (int column = 0; column < 3 && det != 0.0; ++column) {
-      double replaced[3][3];
-      for (int i = 0; i < 3; ++i) {
-        for (int j = 0; j < 3; ++j)
-          replaced[i][j] = j == column ? measured[i] : m[i][j];
-      }
-      solution[column] = determinant(replaced) / det;
-    }
-    fit = {solution[0], solution[1], solution[2]};
-    if (det != 0.0 && fit.scale > 0.25 && fit.scale < 4.0 &&
-        fit.instructionMs >= leastInstructionMs && fit.fixedMs >= 0.0)
-      return fit;
-  }
-  fit = {1.0, leastInstructionMs, 0.0};
-  double num = 0, den = 0;
-  for (size_t i = 0; i < counts.size(); ++i) { // relative to each run
+  double aa = 0, ab = 0, bb = 0, ay = 0, by = 0;
+  for (size_t i = 0; i < counts.size(); ++i) {
     const double a = layers[i] / measured[i];
-    num += a * (1.0 - 2.0 * counts[i] * leastInstructionMs / measured[i]);
-    den += a * a;
+    const double b = 2.0 * counts[i] / measured[i];
+    aa += a * a;
+    ab += a * b;
+    bb += b * b;
+    ay += a;
+    by += b;
   }
-  fit.scale = std::clamp(num / den, 0.25, 4.0);
+  PipelineFit fit;
+  const double det = aa * bb - ab * ab;
+  if (det > 0) {
+    fit.scale = (ay * bb - by * ab) / det;
+    fit.instructionMs = (aa * by - ab * ay) / det;
+  }
+  if (det <= 0 || fit.instructionMs < leastInstructionMs || !(fit.scale > 0)) {
+    fit.instructionMs = leastInstructionMs;
+    double num = 0, den = 0;
+    for (size_t i = 0; i < counts.size(); ++i) {
+      const double a = layers[i] / measured[i];
+      num += a * (1.0 - 2.0 * counts[i] * leastInstructionMs / measured[i]);
+      den += a * a;
+    }
+    fit.scale = num / den;
+  }
+  fit.scale = std::clamp(fit.scale, 0.25, 4.0);
   return fit;
 }
 
@@ -478,7 +468,7 @@ void calibrateRuntime(
       fitPipeline(counts, computed, layers, model.instructionMs);
   model.threadInstructionMs.assign(model.threads.size(), model.instructionMs);
   model.threadInstructionMs[0] = fit.instructionMs;
-  model.stepMs = std::max(0.0, step - measured[0] + fit.fixedMs);
+  model.stepMs = std::max(0.0, step - measured[0]);
   scaleCurves(model, 0, fit.scale);
   const double o = fit.instructionMs;
   const double backward = layerSum(model, batch, counts[at], threads, true);
@@ -488,8 +478,7 @@ void calibrateRuntime(
       "runtime: " + fixed(1000.0 * model.instructionMs, 1) +
       " us per compute instruction (" + fixed(1000.0 * o, 1) + " with " +
       std::to_string(threads) + " threads), " + fixed(model.stepMs, 2) +
-      " ms per step (optimizer, batch, " + fixed(fit.fixedMs, 2) +
-      " ms fixed in the pipeline), split backward x" +
+      " ms per step (optimizer, batch), split backward x" +
       fixed(model.splitBackward, 2) + "; one stage with " +
       std::to_string(threads) + " thread(s) runs at x" + fixed(fit.scale, 2) +
       " of its layers profiled alone (fitted at 1, " + std::to_string(many) +
