@@ -329,17 +329,6 @@ void scaleCurves(CostModel& model, size_t threadIndex, double factor) {
   }
 }
 
-// The activations one stage of 1F1B holds at its peak.
-double heldBytes(const CostModel& model, const TuneRequest& request, int m) {
-  TuneCandidate shape;
-  shape.threadsPerStage = model.threads.front();
-  shape.microBatches = m;
-  shape.checkpoint = CheckpointMode::kNever;
-  shape.schedule = ScheduleKind::kOneFOneB;
-  return static_cast<double>(
-      predictCandidate(model, request, shape).peakActivationBytes);
-}
-
 // GPipe holds every micro-batch's activations where 1F1B holds one: the
 // time it loses over the same instructions, per byte more held.
 void calibrateHeldBytes(
@@ -452,17 +441,18 @@ void calibrateRuntime(
     }
   }
   const double split = measure(many, ScheduleKind::kZeroBubbleH1, nullptr);
-  const double held = measure(many, ScheduleKind::kGpipe, nullptr);
+  // Noise only ever adds time: the smaller of two differences is the one
+  // believed.
+  const double held = std::min(
+      measure(many, ScheduleKind::kGpipe, nullptr) -
+          measured[counts.size() > 1],
+      measure(many, ScheduleKind::kGpipe, nullptr) -
+          measure(many, ScheduleKind::kOneFOneB, nullptr));
   const size_t at = counts.size() > 1 ? 1 : 0;
-  calibrateHeldBytes(request, many, held - measured[at], model, lines);
-  // What holding activations costs each run is known now: the rest is
-  // compute and dispatch.
-  std::vector<double> layers, computed;
-  for (size_t i = 0; i < counts.size(); ++i) {
+  calibrateHeldBytes(request, many, held, model, lines);
+  std::vector<double> layers, computed = measured;
+  for (size_t i = 0; i < counts.size(); ++i)
     layers.push_back(layerSum(model, batch, counts[i], threads, false));
-    computed.push_back(
-        measured[i] - model.heldByteMs * heldBytes(model, request, counts[i]));
-  }
   model.instructionMs = instructionCostMs();
   const PipelineFit fit =
       fitPipeline(counts, computed, layers, model.instructionMs);
