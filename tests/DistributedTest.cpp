@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <set>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <string>
@@ -272,6 +273,35 @@ TEST_F(DistributedTest, AStoppedRankIsNamedByEveryLiveRank) {
       << r.output;
   EXPECT_LT(r.seconds, 40.0);
   expectNoOrphans();
+}
+
+// One trace, one timeline and one bubble report of every rank, on rank 0's
+// clock, from a multi-process run.
+TEST_F(DistributedTest, EveryRankIsInOneTraceAndReport) {
+  const Result r = shell(
+      binary() + " launch --nproc 2 " + config_ + " --trace " +
+      path("trace.json") + " --timeline " + path("timeline.svg") +
+      " --report " + path("report.json"));
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(
+      r.output.find("[rank 0] clocks on rank 0's: rank 1 "), std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("[rank 0] bubble: measured"), std::string::npos)
+      << r.output;
+  std::ifstream traceFile(path("trace.json"));
+  const auto trace = nlohmann::json::parse(traceFile);
+  std::set<int> processes;
+  for (const auto& event : trace["traceEvents"]) {
+    if (event["ph"] == "X")
+      processes.insert(event["pid"].get<int>());
+  }
+  EXPECT_EQ(processes, (std::set<int>{0, 1}));
+  std::ifstream reportFile(path("report.json"));
+  const auto report = nlohmann::json::parse(reportFile);
+  ASSERT_EQ(report["ranks"].size(), 2u);
+  for (const auto& rank : report["ranks"])
+    EXPECT_GT(rank["compute_ms"].get<double>(), 0.0) << report.dump();
+  EXPECT_TRUE(fs::exists(path("timeline.svg")));
 }
 
 TEST_F(DistributedTest, ResumedRunMatchesTheUninterruptedOne) {

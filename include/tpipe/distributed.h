@@ -94,6 +94,13 @@ class Communicator {
   // live rank's own wait runs out within it). Returns one entry per rank;
   // an empty entry is a rank that sent none (stopped, dead, or cut off).
   // Never throws: an unreachable store leaves only this rank's.
+  // Rank 0's steady clock minus this rank's, in us, from a few round trips
+  // through the store (the shortest wins); *errorUs gets half of it. Every
+  // rank calls it, in the same order as the other collective calls.
+  double clockOffsetUs(double* errorUs);
+  // Every rank's text, in rank order, on rank 0; the others get nothing.
+  std::vector<std::string> gatherText(const std::string& mine);
+
   std::vector<std::string> reportFailure(
       const std::string& line,
       std::chrono::milliseconds grace);

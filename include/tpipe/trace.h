@@ -25,6 +25,9 @@ struct TraceEvent {
 struct StepTrace {
   int step = 0;        // the pipeline's step counter (1-based)
   double wallUs = 0.0; // the step's wall time, first dispatch to last end
+  // When the step began on the recording process's steady clock (us since
+  // its epoch): what lines up the traces of several processes.
+  double originUs = 0.0;
   std::vector<TraceEvent> events; // every executed instruction
 };
 
@@ -32,6 +35,9 @@ struct Trace {
   Schedule schedule;                // what the events index into
   std::vector<std::string> devices; // per rank
   std::vector<StepTrace> steps;
+  // Each rank ran in its own process (merged from several): the Chrome
+  // trace then gives every rank a process track.
+  bool perProcess = false;
 };
 
 // Bubble accounting of one step per rank. busy = compute (forward,

@@ -177,11 +177,17 @@ nlohmann::json bubbleReportToJson(const BubbleReport& report) {
 
 nlohmann::json chromeTrace(const Trace& trace) {
   nlohmann::json events = nlohmann::json::array();
-  events.push_back(
-      {{"name", "process_name"},
-       {"ph", "M"},
-       {"pid", 0},
-       {"args", {{"name", "tpipe pipeline"}}}});
+  auto pid = [&](int rank) { return trace.perProcess ? rank : 0; };
+  for (int r = 0; r < (trace.perProcess ? trace.schedule.ranks : 1); ++r) {
+    events.push_back(
+        {{"name", "process_name"},
+         {"ph", "M"},
+         {"pid", r},
+         {"args",
+          {{"name",
+            trace.perProcess ? "rank " + std::to_string(r)
+                             : std::string("tpipe pipeline")}}}});
+  }
   for (int r = 0; r < trace.schedule.ranks; ++r) {
     std::string stages;
     for (int s : trace.schedule.stagesOfRank(r)) {
@@ -192,7 +198,7 @@ nlohmann::json chromeTrace(const Trace& trace) {
     events.push_back(
         {{"name", "thread_name"},
          {"ph", "M"},
-         {"pid", 0},
+         {"pid", pid(r)},
          {"tid", r},
          {"args", {{"name", device + " (stage " + stages + ")"}}}});
   }
@@ -219,7 +225,7 @@ nlohmann::json chromeTrace(const Trace& trace) {
            {"ph", "X"},
            {"ts", offset + event.startUs},
            {"dur", event.endUs - event.startUs},
-           {"pid", 0},
+           {"pid", pid(event.rank)},
            {"tid", event.rank},
            {"args", args}});
     }

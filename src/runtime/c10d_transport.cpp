@@ -57,6 +57,13 @@ std::vector<std::string> Communicator::reportFailure(
     std::chrono::milliseconds) {
   return {line};
 }
+double Communicator::clockOffsetUs(double* errorUs) {
+  *errorUs = 0.0;
+  return 0.0;
+}
+std::vector<std::string> Communicator::gatherText(const std::string& mine) {
+  return {mine};
+}
 std::vector<double> Communicator::sum(const std::vector<double>& values) {
   return values;
 }
@@ -167,6 +174,7 @@ struct Communicator::Impl {
   std::chrono::milliseconds timeout{60000};
   std::shared_ptr<runtime::StoreServer> storeServer; // rank 0
   c10::intrusive_ptr<c10d::Store> store;
+  int storeCalls = 0; // numbers the keys of store collectives
   c10::intrusive_ptr<c10d::ProcessGroupGloo> worldGroup;
   c10::intrusive_ptr<c10d::ProcessGroupGloo> replicaGroup; // D > 1 only
 
@@ -488,6 +496,72 @@ int Communicator::replica() const {
 int Communicator::stageRank() const {
   return rank() % pipelineRanks();
 }
+namespace {
+
+double nowUs() {
+  return std::chrono::duration<double, std::micro>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+std::vector<uint8_t> bytesOf(const std::string& text) {
+  return std::vector<uint8_t>(text.begin(), text.end());
+}
+
+} // namespace
+
+double Communicator::clockOffsetUs(double* errorUs) {
+  const std::string call = "tpipe/clock/" + std::to_string(++impl_->storeCalls);
+  auto& store = *impl_->store;
+  constexpr int kRounds = 5;
+  *errorUs = 0.0;
+  if (rank() == 0) {
+    for (int r = 1; r < worldSize(); ++r) {
+      for (int k = 0; k < kRounds; ++k) {
+        const std::string key =
+            call + "/" + std::to_string(r) + "/" + std::to_string(k);
+        store.wait({key + "/ping"}, impl_->timeout);
+        store.set(key + "/pong", bytesOf(std::to_string(nowUs())));
+      }
+    }
+    return 0.0;
+  }
+  double best = 0.0, bestRoundTrip = 1e300;
+  for (int k = 0; k < kRounds; ++k) {
+    const std::string key =
+        call + "/" + std::to_string(rank()) + "/" + std::to_string(k);
+    const double sent = nowUs();
+    store.set(key + "/ping", bytesOf("?"));
+    store.wait({key + "/pong"}, impl_->timeout);
+    const std::vector<uint8_t> reply = store.get(key + "/pong");
+    const double received = nowUs();
+    const double theirs = std::stod(std::string(reply.begin(), reply.end()));
+    if (received - sent < bestRoundTrip) {
+      bestRoundTrip = received - sent;
+      best = theirs - 0.5 * (sent + received);
+    }
+  }
+  *errorUs = 0.5 * bestRoundTrip;
+  return best;
+}
+
+std::vector<std::string> Communicator::gatherText(const std::string& mine) {
+  const std::string call =
+      "tpipe/gather/" + std::to_string(++impl_->storeCalls) + "/";
+  auto& store = *impl_->store;
+  store.set(call + std::to_string(rank()), bytesOf(mine));
+  if (rank() != 0)
+    return {};
+  std::vector<std::string> all;
+  for (int r = 0; r < worldSize(); ++r) {
+    const std::string key = call + std::to_string(r);
+    store.wait({key}, impl_->timeout);
+    const std::vector<uint8_t> value = store.get(key);
+    all.emplace_back(value.begin(), value.end());
+  }
+  return all;
+}
+
 std::vector<std::string> Communicator::reportFailure(
     const std::string& line,
     std::chrono::milliseconds grace) {

@@ -582,6 +582,9 @@ void Pipeline::Impl::run(runtime::StepState& state, const Schedule& plan) {
     StepTrace step;
     step.step = steps;
     step.wallUs = wallUs;
+    step.originUs = std::chrono::duration<double, std::micro>(
+                        state.start.time_since_epoch())
+                        .count();
     for (auto& events : state.events) {
       step.events.insert(step.events.end(), events.begin(), events.end());
     }

@@ -85,4 +85,15 @@ void writeTraceOutputs(
     std::ostream& log);
 std::string duration(double seconds);
 
+// One process's recorded steps as text for rank 0 (gatherText), with the
+// offset that puts its clock on rank 0's; empty when it is not in the
+// first replica (one replica's ranks make the picture).
+std::string traceForRoot(
+    const Trace& trace,
+    const Communicator& world,
+    double offsetUs);
+// The steps every part recorded, each event on rank 0's clock and relative
+// to the step's earliest start: one trace of every rank.
+Trace mergeTraces(const Trace& local, const std::vector<std::string>& parts);
+
 } // namespace tpipe

@@ -116,6 +116,99 @@ void printMemory(std::ostream& log, const std::vector<MemoryRow>& rows) {
   }
 }
 
+std::string traceForRoot(
+    const Trace& trace,
+    const Communicator& world,
+    double offsetUs) {
+  if (world.replica() != 0)
+    return "";
+  const int rank = world.stageRank();
+  nlohmann::json steps = nlohmann::json::array();
+  for (const auto& step : trace.steps) {
+    nlohmann::json events = nlohmann::json::array();
+    for (const auto& e : step.events) {
+      if (e.rank == rank)
+        events.push_back({e.index, e.startUs, e.endUs, e.bytes});
+    }
+    steps.push_back(
+        {{"step", step.step},
+         {"origin_us", step.originUs + offsetUs},
+         {"wall_us", step.wallUs},
+         {"events", events}});
+  }
+  const std::string device = rank < static_cast<int>(trace.devices.size())
+      ? trace.devices[rank]
+      : "rank " + std::to_string(rank);
+  return nlohmann::json{{"rank", rank}, {"device", device}, {"steps", steps}}
+      .dump();
+}
+
+namespace {
+
+// One step of every part, on the earliest start's time base; false when a
+// part lacks the step.
+bool mergeStep(
+    const std::vector<nlohmann::json>& parts,
+    int step,
+    StepTrace& out) {
+  std::vector<const nlohmann::json*> found;
+  double start = 1e300, end = -1e300;
+  for (const auto& part : parts) {
+    const nlohmann::json* mine = nullptr;
+    for (const auto& s : part["steps"]) {
+      if (s["step"].get<int>() == step)
+        mine = &s;
+    }
+    if (!mine)
+      return false;
+    found.push_back(mine);
+    const double origin = (*mine)["origin_us"].get<double>();
+    start = std::min(start, origin);
+    end = std::max(end, origin + (*mine)["wall_us"].get<double>());
+  }
+  out.step = step;
+  out.originUs = start;
+  out.wallUs = end - start;
+  for (size_t p = 0; p < parts.size(); ++p) {
+    const double shift = (*found[p])["origin_us"].get<double>() - start;
+    for (const auto& e : (*found[p])["events"]) {
+      out.events.push_back(
+          {parts[p]["rank"].get<int>(),
+           e[0].get<int>(),
+           e[1].get<double>() + shift,
+           e[2].get<double>() + shift,
+           e[3].get<int64_t>()});
+    }
+  }
+  return true;
+}
+
+} // namespace
+
+Trace mergeTraces(const Trace& local, const std::vector<std::string>& texts) {
+  Trace merged;
+  merged.schedule = local.schedule;
+  merged.perProcess = true;
+  std::vector<nlohmann::json> parts;
+  for (const auto& text : texts) {
+    if (!text.empty())
+      parts.push_back(nlohmann::json::parse(text));
+  }
+  merged.devices.assign(static_cast<size_t>(local.schedule.ranks), "");
+  for (const auto& part : parts) {
+    const int rank = part["rank"].get<int>();
+    if (rank >= 0 && rank < local.schedule.ranks)
+      merged.devices[rank] = "rank " + std::to_string(rank) + " " +
+          part["device"].get<std::string>();
+  }
+  for (const auto& step : local.steps) {
+    StepTrace out;
+    if (mergeStep(parts, step.step, out))
+      merged.steps.push_back(std::move(out));
+  }
+  return merged;
+}
+
 void writeTraceOutputs(
     const Trace& trace,
     const TrainOptions& options,

@@ -171,7 +171,7 @@ class TrainingRun {
         options_.log = &silent_;
         options_.metricsPath.clear();
       }
-      options_.recordSteps = 0;
+      // Every rank records; rank 0 gathers one trace of all of them.
       options_.memoryReport = false;
     }
     log_ = options_.log ? options_.log : &std::cout;
@@ -186,6 +186,7 @@ class TrainingRun {
     resume();
     openMetrics();
     logStart();
+    alignClocks();
     loop();
     finish();
     return summary_;
@@ -301,6 +302,31 @@ class TrainingRun {
     if (!resumeNote_.empty())
       log << "resume: " << resumeNote_ << "\n";
     log << std::flush;
+  }
+
+  // Across processes, each rank's clock is put on rank 0's (store round
+  // trips), so their recorded steps line up in one trace; rank 0 prints the
+  // offsets and how far they may be off.
+  void alignClocks() {
+    if (!world() || options_.recordSteps <= 0)
+      return;
+    double errorUs = 0.0;
+    clockOffsetUs_ = world()->clockOffsetUs(&errorUs);
+    char mine[96];
+    std::snprintf(
+        mine,
+        sizeof mine,
+        "rank %d %+.1f us (+/- %.1f)",
+        world()->rank(),
+        clockOffsetUs_,
+        errorUs);
+    const std::vector<std::string> all = world()->gatherText(mine);
+    if (world()->rank() != 0)
+      return;
+    *log_ << "clocks on rank 0's:";
+    for (size_t r = 1; r < all.size(); ++r)
+      *log_ << (r > 1 ? "," : "") << " " << all[r];
+    *log_ << std::endl;
   }
 
   double elapsed() const {
@@ -501,7 +527,15 @@ class TrainingRun {
       return;
     }
     pipe_->setRecording(false);
-    writeTraceOutputs(pipe_->trace(), options_, summary_, log);
+    if (!world()) {
+      writeTraceOutputs(pipe_->trace(), options_, summary_, log);
+    } else if (options_.recordSteps > 0) {
+      const std::vector<std::string> parts = world()->gatherText(
+          traceForRoot(pipe_->trace(), *world(), clockOffsetUs_));
+      if (world()->rank() == 0)
+        writeTraceOutputs(
+            mergeTraces(pipe_->trace(), parts), options_, summary_, log);
+    }
     if (measureMemory_) {
       summary_.memory = finishMemory(*pipe_, memoryRows_);
       printMemory(log, summary_.memory);
@@ -539,6 +573,7 @@ class TrainingRun {
   std::ofstream metrics_;
   std::string resumeNote_;
   bool saved_ = false;
+  double clockOffsetUs_ = 0.0;
   Clock::time_point start_ = Clock::now();
   TrainSummary summary_;
 };
