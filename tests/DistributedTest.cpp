@@ -263,7 +263,7 @@ TEST_F(DistributedTest, AStoppedRankIsNamedByEveryLiveRank) {
     EXPECT_NE(line.find("last completed: "), std::string::npos) << line;
     EXPECT_NE(line.find("lost rank 1 (pipeline rank 1"), std::string::npos)
         << line;
-    EXPECT_NE(line.find("(tags "), std::string::npos) << line;
+    EXPECT_NE(line.find("(tag "), std::string::npos) << line;
   }
   EXPECT_NE(r.output.find("[rank 0] tpipe: error: rank 0: "), std::string::npos)
       << r.output;

@@ -690,6 +690,30 @@ class ProcessGroupTransport final : public Transport {
   void begin(int boundaries) override {
     local_.begin(boundaries);
     pending_.clear();
+    abortPosted(); // what a failed step left
+    shapes_.reset();
+  }
+
+  // Known shapes: one message per transfer, and every receive of this
+  // process posted now, so data lands while the workers compute.
+  void expect(const StepShapes& shapes) override {
+    shapes_ = shapes;
+    std::lock_guard<std::mutex> lock(receiving_);
+    for (const auto& r : shapes.receives) {
+      const int peer = peerOf(r.direction, r.boundary, false);
+      if (peer == communicator_.rank())
+        continue;
+      std::vector<at::Tensor> buffer{at::empty(
+          shapes.shapeOf(r.boundary, r.microBatch),
+          at::TensorOptions().dtype(shapes.dtype))};
+      const std::string what = describe(r.direction, r.boundary, r.microBatch);
+      auto work = impl_.withPeer(peer, "receiving the " + what, [&] {
+        return impl_.worldGroup->recv(
+            buffer, peer, tag(r.direction, r.boundary, r.microBatch, 1));
+      });
+      posted_[key(r.direction, r.boundary, r.microBatch)] = {
+          work, buffer[0], peer};
+    }
   }
 
   void send(Direction direction, int boundary, int microBatch, Payload payload)
@@ -701,6 +725,10 @@ class ProcessGroupTransport final : public Transport {
       return local_.send(direction, boundary, microBatch, std::move(payload));
     const at::Tensor& tensor =
         payload.tensor; // on the CPU: remote stages receive CPU tensors
+    if (shapes_) {
+      sendData(direction, boundary, microBatch, tensor, peer);
+      return;
+    }
     TORCH_CHECK(
         tensor.dim() <= kMaxDims,
         "cannot send a tensor of ",
@@ -746,6 +774,17 @@ class ProcessGroupTransport final : public Transport {
         : processOf(boundary + 1);
     if (peer == communicator_.rank())
       return local_.receive(direction, boundary, microBatch);
+    const auto found = posted_.find(key(direction, boundary, microBatch));
+    if (found != posted_.end()) {
+      Posted posted = found->second;
+      waitReceive(
+          posted.work,
+          peer,
+          "receiving the " + describe(direction, boundary, microBatch));
+      std::lock_guard<std::mutex> lock(receiving_);
+      posted_.erase(key(direction, boundary, microBatch));
+      return {posted.tensor, nullptr};
+    }
     const char* what =
         direction == Direction::kActivation ? "activation" : "gradient";
     const std::string receiving = std::string("receiving the ") + what +
@@ -800,6 +839,8 @@ class ProcessGroupTransport final : public Transport {
     std::lock_guard<std::mutex> lock(receiving_);
     if (current_)
       current_->abort();
+    for (auto& [k, posted] : posted_)
+      posted.work->abort();
   }
 
   void end() override {
@@ -813,6 +854,74 @@ class ProcessGroupTransport final : public Transport {
     c10::intrusive_ptr<c10d::Work> work;
     int peer;
   };
+  struct Posted {
+    c10::intrusive_ptr<c10d::Work> work;
+    at::Tensor tensor;
+    int peer;
+  };
+
+  static int64_t key(Direction direction, int boundary, int microBatch) {
+    return (static_cast<int64_t>(boundary) * 2 + static_cast<int>(direction)) *
+        (int64_t{1} << 32) +
+        microBatch;
+  }
+
+  int peerOf(Direction direction, int boundary, bool sending) const {
+    const bool towardsLater = (direction == Direction::kActivation) == sending;
+    return towardsLater ? processOf(boundary + 1) : processOf(boundary);
+  }
+
+  std::string describe(Direction direction, int boundary, int microBatch)
+      const {
+    return std::string(
+               direction == Direction::kActivation ? "activation"
+                                                   : "gradient") +
+        " of micro-batch " + std::to_string(microBatch) + " (tag " +
+        std::to_string(tag(direction, boundary, microBatch, 1)) + ")";
+  }
+
+  // One message: the receiver knows the shape, and says what it expects.
+  void sendData(
+      Direction direction,
+      int boundary,
+      int microBatch,
+      const at::Tensor& tensor,
+      int peer) {
+    const std::vector<int64_t> shape = shapes_->shapeOf(boundary, microBatch);
+    TORCH_CHECK(
+        tensor.sizes() == at::IntArrayRef(shape) &&
+            tensor.scalar_type() == shapes_->dtype,
+        "the ",
+        describe(direction, boundary, microBatch),
+        " has shape ",
+        tensor.sizes(),
+        " (",
+        tensor.scalar_type(),
+        "), but shape inference promised ",
+        at::IntArrayRef(shape),
+        " (",
+        shapes_->dtype,
+        ") to the rank receiving it");
+    std::vector<at::Tensor> data{tensor.contiguous()};
+    const std::string what =
+        "sending the " + describe(direction, boundary, microBatch);
+    pending_.push_back(
+        {impl_.withPeer(
+             peer,
+             what,
+             [&] {
+               return impl_.worldGroup->send(
+                   data, peer, tag(direction, boundary, microBatch, 1));
+             }),
+         peer});
+  }
+
+  void abortPosted() {
+    std::lock_guard<std::mutex> lock(receiving_);
+    for (auto& [k, posted] : posted_)
+      posted.work->abort();
+    posted_.clear();
+  }
 
   int processOf(int stage) const {
     const int rank = placement_.empty() ? stage % communicator_.pipelineRanks()
@@ -855,6 +964,8 @@ class ProcessGroupTransport final : public Transport {
   std::vector<PendingSend> pending_;
   std::mutex receiving_;
   c10::intrusive_ptr<c10d::Work> current_;
+  c10::optional<StepShapes> shapes_;
+  std::unordered_map<int64_t, Posted> posted_; // by key(), under receiving_
 };
 
 std::unique_ptr<Transport> makeProcessGroupTransport(

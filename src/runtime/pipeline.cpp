@@ -234,6 +234,7 @@ struct Pipeline::Impl {
   void placeStage(int s);
   void startWorkers();
   void run(runtime::StepState& state, const Schedule& plan);
+  void expectShapes(const runtime::StepState& state, const Schedule& plan);
   std::vector<at::Tensor> split(
       const at::Tensor& tensor,
       int chunks,
@@ -535,11 +536,50 @@ std::string withAccounts(Communicator& world, const std::string& error) {
 
 } // namespace
 
+// With every layer's output shape known (shape inference) and one floating
+// dtype throughout, each transfer's shape is known ahead: the process
+// transport then skips headers and posts its receives at the step's start.
+void Pipeline::Impl::expectShapes(
+    const runtime::StepState& state,
+    const Schedule& plan) {
+  if (options.layerOutputShapes.size() != layers.size())
+    return;
+  c10::optional<at::ScalarType> dtype;
+  for (const auto& layer : layers) {
+    for (const auto& parameter : layer.module.ptr()->parameters()) {
+      if (!parameter.is_floating_point() ||
+          (dtype && *dtype != parameter.scalar_type()))
+        return;
+      dtype = parameter.scalar_type();
+    }
+  }
+  runtime::StepShapes shapes;
+  shapes.dtype = dtype.value_or(at::kFloat);
+  shapes.microBatchSizes = state.microBatchSizes;
+  for (int b = 0; b + 1 < plan.stages(); ++b)
+    shapes.perSample.push_back(
+        options.layerOutputShapes[boundaries[b + 1] - 1]);
+  for (int rank : localRanks) {
+    for (const auto& instruction : plan.perRank[rank]) {
+      if (const auto* r = std::get_if<RecvActivation>(&instruction)) {
+        shapes.receives.push_back(
+            {runtime::Direction::kActivation, r->stage - 1, r->microBatch});
+      } else if (const auto* g = std::get_if<RecvGrad>(&instruction)) {
+        shapes.receives.push_back(
+            {runtime::Direction::kGradient, g->stage, g->microBatch});
+      }
+    }
+  }
+  transport->expect(shapes);
+}
+
 void Pipeline::Impl::run(runtime::StepState& state, const Schedule& plan) {
   state.schedule = &plan;
   state.stages = &stages;
   state.transport = transport;
   transport->begin(plan.stages() - 1);
+  if (remoteTransport)
+    expectShapes(state, plan);
   const int m = plan.microBatches;
   state.stash.assign(static_cast<size_t>(plan.stages()) * m, {});
   state.losses.assign(m, {});

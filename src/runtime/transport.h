@@ -34,12 +34,33 @@ struct Payload {
   std::shared_ptr<c10::Event> ready;
 };
 
+// What will cross each boundary in a step, when every transfer's shape is
+// known ahead (fixed-shape models).
+struct StepShapes {
+  std::vector<std::vector<int64_t>> perSample; // per boundary
+  std::vector<int64_t> microBatchSizes;
+  at::ScalarType dtype = at::kFloat;
+  // The receives of this process's ranks, in schedule order.
+  struct Receive {
+    Direction direction;
+    int boundary, microBatch;
+  };
+  std::vector<Receive> receives;
+  std::vector<int64_t> shapeOf(int boundary, int microBatch) const {
+    std::vector<int64_t> shape{microBatchSizes.at(microBatch)};
+    const auto& rest = perSample.at(boundary);
+    shape.insert(shape.end(), rest.begin(), rest.end());
+    return shape;
+  }
+};
+
 // Boundary b lies between stages b and b + 1: activations cross it forward,
 // gradients backward. A receive names the micro-batch it waits for.
 class Transport {
  public:
   virtual ~Transport() = default;
-  // A new step over `boundaries` boundaries; clears what an aborted step left.
+  // A new step over `boundaries` boundaries; clears what an aborted step
+  // left.
   virtual void begin(int boundaries) = 0;
   // Hands the tensor over without waiting for the receiver.
   virtual void send(
@@ -56,6 +77,10 @@ class Transport {
   virtual void abort() = 0;
   // Waits until every send of the step has left; throws on a failed send.
   virtual void end() {}
+  // After begin(), with the step's shapes known: a transport may then send
+  // data without a header and post this process's receives at once, so
+  // they land while the workers compute.
+  virtual void expect(const StepShapes& shapes) {}
 };
 
 // Tagged mailboxes, one per boundary and direction, each holding at most one
