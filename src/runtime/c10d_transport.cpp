@@ -774,17 +774,8 @@ class ProcessGroupTransport final : public Transport {
         : processOf(boundary + 1);
     if (peer == communicator_.rank())
       return local_.receive(direction, boundary, microBatch);
-    const auto found = posted_.find(key(direction, boundary, microBatch));
-    if (found != posted_.end()) {
-      Posted posted = found->second;
-      waitReceive(
-          posted.work,
-          peer,
-          "receiving the " + describe(direction, boundary, microBatch));
-      std::lock_guard<std::mutex> lock(receiving_);
-      posted_.erase(key(direction, boundary, microBatch));
-      return {posted.tensor, nullptr};
-    }
+    if (isPosted(key(direction, boundary, microBatch)))
+      return takePosted(direction, boundary, microBatch, peer);
     const char* what =
         direction == Direction::kActivation ? "activation" : "gradient";
     const std::string receiving = std::string("receiving the ") + what +
@@ -914,6 +905,31 @@ class ProcessGroupTransport final : public Transport {
                    data, peer, tag(direction, boundary, microBatch, 1));
              }),
          peer});
+  }
+
+  // A receive posted at the step's start: wait for it to land.
+  bool isPosted(int64_t k) {
+    std::lock_guard<std::mutex> lock(receiving_);
+    return posted_.count(k) > 0;
+  }
+
+  Payload takePosted(
+      Direction direction,
+      int boundary,
+      int microBatch,
+      int peer) {
+    Posted posted;
+    {
+      std::lock_guard<std::mutex> lock(receiving_);
+      posted = posted_.at(key(direction, boundary, microBatch));
+    }
+    waitReceive(
+        posted.work,
+        peer,
+        "receiving the " + describe(direction, boundary, microBatch));
+    std::lock_guard<std::mutex> lock(receiving_);
+    posted_.erase(key(direction, boundary, microBatch));
+    return {posted.tensor, nullptr};
   }
 
   void abortPosted() {

@@ -235,6 +235,7 @@ struct Pipeline::Impl {
   void startWorkers();
   void run(runtime::StepState& state, const Schedule& plan);
   void expectShapes(const runtime::StepState& state, const Schedule& plan);
+  void keepTrace(runtime::StepState& state, double wallUs);
   std::vector<at::Tensor> split(
       const at::Tensor& tensor,
       int chunks,
@@ -618,23 +619,26 @@ void Pipeline::Impl::run(runtime::StepState& state, const Schedule& plan) {
   TORCH_CHECK(state.error.empty(), state.error);
   if (plan.training)
     ++steps;
-  if (state.record) {
-    StepTrace step;
-    step.step = steps;
-    step.wallUs = wallUs;
-    step.originUs = std::chrono::duration<double, std::micro>(
-                        state.start.time_since_epoch())
-                        .count();
-    for (auto& events : state.events) {
-      step.events.insert(step.events.end(), events.begin(), events.end());
-    }
-    trace.steps.push_back(std::move(step));
-    const size_t keep = static_cast<size_t>(std::max(1, options.keepSteps));
-    if (trace.steps.size() > keep) {
-      trace.steps.erase(
-          trace.steps.begin(),
-          trace.steps.end() - static_cast<std::ptrdiff_t>(keep));
-    }
+  if (state.record)
+    keepTrace(state, wallUs);
+}
+
+// The step's events join the trace; the last keepSteps are kept.
+void Pipeline::Impl::keepTrace(runtime::StepState& state, double wallUs) {
+  StepTrace step;
+  step.step = steps;
+  step.wallUs = wallUs;
+  step.originUs =
+      std::chrono::duration<double, std::micro>(state.start.time_since_epoch())
+          .count();
+  for (auto& events : state.events)
+    step.events.insert(step.events.end(), events.begin(), events.end());
+  trace.steps.push_back(std::move(step));
+  const size_t keep = static_cast<size_t>(std::max(1, options.keepSteps));
+  if (trace.steps.size() > keep) {
+    trace.steps.erase(
+        trace.steps.begin(),
+        trace.steps.end() - static_cast<std::ptrdiff_t>(keep));
   }
 }
 

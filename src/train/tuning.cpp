@@ -402,6 +402,25 @@ PipelineFit fitPipeline(
   return fit;
 }
 
+void describeRuntime(
+    const CostModel& model,
+    double scale,
+    double o,
+    int threads,
+    int many,
+    int most,
+    std::vector<std::string>& lines) {
+  lines.push_back(
+      "runtime: " + fixed(1000.0 * model.instructionMs, 1) +
+      " us per compute instruction (" + fixed(1000.0 * o, 1) + " with " +
+      std::to_string(threads) + " threads), " + fixed(model.stepMs, 2) +
+      " ms per step (optimizer, batch), split backward x" +
+      fixed(model.splitBackward, 2) + "; one stage with " +
+      std::to_string(threads) + " thread(s) runs at x" + fixed(scale, 2) +
+      " of its layers profiled alone (fitted at 1, " + std::to_string(many) +
+      " and " + std::to_string(most) + " micro-batches)");
+}
+
 // The runtime's own costs and the profile's scale inside a pipeline, from
 // real steps of one stage with every core: at 1, 8 and the most
 // micro-batches, the curves' scale and the cost per compute instruction
@@ -464,15 +483,7 @@ void calibrateRuntime(
   const double backward = layerSum(model, batch, counts[at], threads, true);
   model.splitBackward = std::clamp(
       1.0 + (split - measured[at] - counts[at] * o) / backward, 1.0, 2.0);
-  lines.push_back(
-      "runtime: " + fixed(1000.0 * model.instructionMs, 1) +
-      " us per compute instruction (" + fixed(1000.0 * o, 1) + " with " +
-      std::to_string(threads) + " threads), " + fixed(model.stepMs, 2) +
-      " ms per step (optimizer, batch), split backward x" +
-      fixed(model.splitBackward, 2) + "; one stage with " +
-      std::to_string(threads) + " thread(s) runs at x" + fixed(fit.scale, 2) +
-      " of its layers profiled alone (fitted at 1, " + std::to_string(many) +
-      " and " + std::to_string(most) + " micro-batches)");
+  describeRuntime(model, fit.scale, o, threads, many, most, lines);
   calibrateConcurrency(config, meter, request, many, model, lines);
 }
 
