@@ -781,12 +781,11 @@ nlohmann::json describeConfig(const Config& config) {
   const auto& t = config.train;
   const auto& o = t.optimizer;
   nlohmann::json devices = nlohmann::json::array();
-  for (const auto& device : p.devices) {
+  for (const auto& device : p.devices)
     devices.push_back(
         {{"name", device.name},
          {"memory", device.memoryBytes},
          {"speed", device.speed}});
-  }
   return {
       {"model", {{"input_shape", config.model.inputShape}, {"layers", layers}}},
       {"data",

@@ -387,6 +387,30 @@ class RankExecutor {
 
 } // namespace
 
+namespace {
+
+// Where a rank failed: stage, device, micro-batch, the instruction and its
+// place in the list, and the last one it completed.
+std::string failureText(
+    const StepState& state,
+    const std::vector<Instruction>& list,
+    size_t i,
+    const std::exception& error) {
+  const Instruction& instruction = list[i];
+  const int stage = stageOf(instruction);
+  const c10::Error* torchError = dynamic_cast<const c10::Error*>(&error);
+  return "stage " + std::to_string(stage) + " on " +
+      (*state.stages)[stage].deviceName + ", micro-batch " +
+      std::to_string(microBatchOf(instruction)) + ", " + opName(instruction) +
+      " (instruction " + std::to_string(i + 1) + " of " +
+      std::to_string(list.size()) + "; last completed: " +
+      (i > 0 ? shortLabel(list[i - 1]) : std::string("none this step")) +
+      "): " +
+      (torchError ? torchError->what_without_backtrace() : error.what());
+}
+
+} // namespace
+
 void runRank(StepState& state, int rank) {
   const auto& list = state.schedule->perRank[rank];
   RankExecutor executor(state);
@@ -430,17 +454,7 @@ void runRank(StepState& state, int rank) {
   } catch (const StepAborted&) {
     // Another rank failed first and has recorded why.
   } catch (const std::exception& error) {
-    const Instruction& instruction = list[i];
-    const int stage = stageOf(instruction);
-    const c10::Error* torchError = dynamic_cast<const c10::Error*>(&error);
-    std::string message = "stage " + std::to_string(stage) + " on " +
-        (*state.stages)[stage].deviceName + ", micro-batch " +
-        std::to_string(microBatchOf(instruction)) + ", " + opName(instruction) +
-        " (instruction " + std::to_string(i + 1) + " of " +
-        std::to_string(list.size()) + "; last completed: " +
-        (i > 0 ? shortLabel(list[i - 1]) : std::string("none this step")) +
-        "): " +
-        (torchError ? torchError->what_without_backtrace() : error.what());
+    std::string message = failureText(state, list, i, error);
     {
       std::lock_guard<std::mutex> lock(state.errorMutex);
       if (state.error.empty())
