@@ -19,15 +19,27 @@ namespace {
 
 using tpipe::runtime::Direction;
 
+// One-way time of a ping-pong, the median of `rounds`. With shapes
+// known, the shapes are announced (expect), so each transfer is one
+// message and the receive is posted at the round's start; otherwise a
+// header and the data, the receive posted when reached.
 double pingPong(
     tpipe::runtime::Transport& transport,
     int rank,
     int64_t bytes,
-    int rounds) {
-  const at::Tensor payload = at::zeros({bytes / 4}, at::kFloat);
+    int rounds,
+    bool known) {
+  const at::Tensor payload = at::zeros({1, std::max<int64_t>(1, bytes / 4)});
+  tpipe::runtime::StepShapes shapes;
+  shapes.perSample = {{payload.size(1)}};
+  shapes.microBatchSizes = {1};
+  shapes.receives = {
+      {rank == 0 ? Direction::kGradient : Direction::kActivation, 0, 0}};
   std::vector<double> times;
   for (int round = 0; round < rounds + 2; ++round) {
     transport.begin(1);
+    if (known)
+      transport.expect(shapes);
     const auto start = std::chrono::steady_clock::now();
     if (rank == 0) {
       transport.send(Direction::kActivation, 0, 0, {payload, nullptr});
@@ -57,8 +69,15 @@ int runRank(int rank, int port, const std::string& out) {
   auto transport =
       tpipe::runtime::makeProcessGroupTransport({}, communicator, 2, 1);
   nlohmann::json rows = nlohmann::json::array();
-  if (rank == 0)
-    std::printf("%12s %14s %14s\n", "bytes", "one-way us", "GB/s");
+  if (rank == 0) {
+    std::printf(
+        "%12s %18s %18s %12s %12s\n",
+        "bytes",
+        "header+data us",
+        "one message us",
+        "GB/s before",
+        "GB/s after");
+  }
   for (int64_t bytes :
        {int64_t{4},
         int64_t{1} << 10,
@@ -67,12 +86,31 @@ int runRank(int rank, int port, const std::string& out) {
         int64_t{16} << 20,
         int64_t{64} << 20}) {
     const int rounds = bytes >= (16 << 20) ? 10 : 200;
-    const double us = pingPong(*transport, rank, bytes, rounds);
-    const double gbs = static_cast<double>(bytes) / (us * 1e-6) / 1e9;
+    // Side by side, alternating: the old protocol, then the new, twice.
+    std::vector<double> before, after;
+    for (int turn = 0; turn < 2; ++turn) {
+      before.push_back(pingPong(*transport, rank, bytes, rounds, false));
+      after.push_back(pingPong(*transport, rank, bytes, rounds, true));
+    }
+    const double old = *std::min_element(before.begin(), before.end());
+    const double now = *std::min_element(after.begin(), after.end());
+    auto gbs = [&](double us) {
+      return static_cast<double>(bytes) / (us * 1e-6) / 1e9;
+    };
     if (rank == 0) {
       std::printf(
-          "%12lld %14.1f %14.3f\n", static_cast<long long>(bytes), us, gbs);
-      rows.push_back({{"bytes", bytes}, {"one_way_us", us}, {"gb_per_s", gbs}});
+          "%12lld %18.1f %18.1f %12.3f %12.3f\n",
+          static_cast<long long>(bytes),
+          old,
+          now,
+          gbs(old),
+          gbs(now));
+      rows.push_back(
+          {{"bytes", bytes},
+           {"header_and_data_one_way_us", old},
+           {"one_message_one_way_us", now},
+           {"gb_per_s_before", gbs(old)},
+           {"gb_per_s_after", gbs(now)}});
     }
   }
   if (rank == 0) {
@@ -82,7 +120,7 @@ int runRank(int rank, int port, const std::string& out) {
                    .dump(1)
         << '\n';
     std::printf(
-        "(median of ping-pongs; each message is a 96-byte header plus the tensor)\nwrote %s\n",
+        "(median of ping-pongs, the better of two alternating turns; header+data: a 96-byte header, then the tensor; one message: shapes known ahead, receive posted first)\nwrote %s\n",
         out.c_str());
   }
   return 0;
