@@ -72,6 +72,10 @@ struct PlanRequest {
   int virtualStages = 1;
   CheckpointMode checkpoint = CheckpointMode::kExceptLast;
   double optimizerFactor = 0.0;
+  // The runtime's own costs, where calibrated (tpipe/tune.h): per compute
+  // instruction, and the split backward's (input + weight) over the fused.
+  double instructionMs = 0.0;
+  double splitBackward = 1.0;
   int64_t inputBytes = 0; // the model input per micro-batch
 };
 
@@ -98,12 +102,15 @@ struct Plan {
 Plan resolvePlan(const PlanRequest& request);
 
 // Per-stage costs for the simulator: forward and backward sums scaled by the
-// device speed, B and W as halves of the backward, recompute as one more
-// forward, transfer from the link.
+// device speed, B and W as halves of the backward (times splitBackward),
+// recompute as one more forward, instructionMs on every compute
+// instruction, transfer from the link.
 std::vector<StageCosts> stageCostsOf(
     const std::vector<LayerCost>& layers,
     const std::vector<DeviceSpec>& devices,
-    const std::vector<int>& boundaries);
+    const std::vector<int>& boundaries,
+    double instructionMs = 0.0,
+    double splitBackward = 1.0);
 
 // The partitioner's memory model for a schedule: each stage's peak held and
 // live micro-batches from its unit-cost simulation.

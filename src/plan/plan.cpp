@@ -81,7 +81,11 @@ Candidate evaluate(
   candidate.simulation = simulate(
       schedule,
       stageCostsOf(
-          request.layers, candidate.problem.devices, partition.boundaries));
+          request.layers,
+          candidate.problem.devices,
+          partition.boundaries,
+          request.instructionMs,
+          request.splitBackward));
   candidate.stepMs = candidate.simulation.makespan;
   return candidate;
 }
@@ -322,7 +326,9 @@ bool Plan::overCapacity() const {
 std::vector<StageCosts> stageCostsOf(
     const std::vector<LayerCost>& layers,
     const std::vector<DeviceSpec>& devices,
-    const std::vector<int>& boundaries) {
+    const std::vector<int>& boundaries,
+    double instructionMs,
+    double splitBackward) {
   std::vector<StageCosts> costs;
   for (size_t k = 0; k + 1 < boundaries.size(); ++k) {
     double forward = 0.0, backward = 0.0;
@@ -334,9 +340,11 @@ std::vector<StageCosts> stageCostsOf(
     StageCosts c;
     c.forward = forward / device.speed;
     c.backward = backward / device.speed;
-    c.backwardInput = c.backward / 2;
-    c.backwardWeight = c.backward / 2;
-    c.recompute = c.forward;
+    c.backwardInput = c.backward / 2 * splitBackward + instructionMs;
+    c.backwardWeight = c.backward / 2 * splitBackward + instructionMs;
+    c.recompute = c.forward + instructionMs;
+    c.forward += instructionMs;
+    c.backward += instructionMs;
     const bool last = k + 2 == boundaries.size();
     const double bytes =
         static_cast<double>(layers[boundaries[k + 1] - 1].activationBytes);

@@ -282,33 +282,11 @@ PlanRequest planRequestFor(
   plan.microBatches = s.microBatches;
   plan.checkpoint = s.checkpoint;
   plan.optimizerFactor = request.optimizerFactor;
+  plan.instructionMs = model.instructionMsAt(s.threads);
+  plan.splitBackward = model.splitBackward;
   plan.inputBytes = static_cast<int64_t>(
       std::llround(model.inputBytesPerSample * microBatchSize));
   return plan;
-}
-
-// The runtime's costs on top of the layers': per compute instruction, and
-// the split backward's overhead.
-std::vector<StageCosts> runtimeCosts(
-    const CostModel& model,
-    int threads,
-    const PlanRequest& plan,
-    const Schedule& schedule,
-    const std::vector<int>& boundaries) {
-  std::vector<DeviceSpec> devices;
-  for (int k = 0; k < schedule.stages(); ++k)
-    devices.push_back(plan.devices[schedule.rankOfStage(k)]);
-  std::vector<StageCosts> costs =
-      stageCostsOf(plan.layers, devices, boundaries);
-  const double o = model.instructionMsAt(threads);
-  for (auto& c : costs) {
-    c.forward += o;
-    c.recompute += o;
-    c.backward += o;
-    c.backwardInput = c.backwardInput * model.splitBackward + o;
-    c.backwardWeight = c.backwardWeight * model.splitBackward + o;
-  }
-  return costs;
 }
 
 // Peak bytes per device (a device holding several stages holds them all);
@@ -337,6 +315,31 @@ bool fitsDevices(
   return true;
 }
 
+// "auto" is the list scheduler on the candidate's own stage costs (the
+// resolver built it with unit costs).
+Simulation simulateAuto(
+    const PlanRequest& request,
+    const Plan& plan,
+    const Setting& s) {
+  std::vector<DeviceSpec> devices;
+  for (int k = 0; k < plan.stageCount(); ++k)
+    devices.push_back(request.devices[plan.schedule.rankOfStage(k)]);
+  const std::vector<StageCosts> costs = stageCostsOf(
+      request.layers,
+      devices,
+      plan.boundaries,
+      request.instructionMs,
+      request.splitBackward);
+  return simulate(
+      autoSchedule(
+          s.ranks,
+          s.microBatches,
+          s.checkpoint,
+          costs,
+          std::vector<int>(static_cast<size_t>(s.ranks), s.ranks)),
+      costs);
+}
+
 TuneCandidate evaluate(
     const CostModel& model,
     const TuneRequest& request,
@@ -363,18 +366,9 @@ TuneCandidate evaluate(
   c.boundaries = plan.boundaries;
   if (!fitsDevices(plan, planRequest, c))
     return c;
-  const std::vector<StageCosts> costs = runtimeCosts(
-      model, s.threads, planRequest, plan.schedule, plan.boundaries);
-  Schedule schedule = plan.schedule;
-  if (s.schedule == ScheduleKind::kAuto) {
-    schedule = autoSchedule(
-        s.ranks,
-        s.microBatches,
-        s.checkpoint,
-        costs,
-        std::vector<int>(static_cast<size_t>(s.ranks), s.ranks));
-  }
-  const Simulation simulation = simulate(schedule, costs);
+  const Simulation simulation = s.schedule == ScheduleKind::kAuto
+      ? simulateAuto(planRequest, plan, s)
+      : plan.simulation; // the resolver's, under the calibrated costs
   c.bubble = simulation.bubbleFraction;
   c.allReduceMs = allReduceMs(
       request, planRequest.layers, plan.boundaries, s.ranks, s.replicas);
