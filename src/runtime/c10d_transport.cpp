@@ -718,9 +718,7 @@ class ProcessGroupTransport final : public Transport {
 
   void send(Direction direction, int boundary, int microBatch, Payload payload)
       override {
-    const int peer = direction == Direction::kActivation
-        ? processOf(boundary + 1)
-        : processOf(boundary);
+    const int peer = peerOf(direction, boundary, true);
     if (peer == communicator_.rank())
       return local_.send(direction, boundary, microBatch, std::move(payload));
     const at::Tensor& tensor =
@@ -749,11 +747,8 @@ class ProcessGroupTransport final : public Transport {
       h[6 + d] = tensor.size(d);
     std::vector<at::Tensor> headerList{header};
     std::vector<at::Tensor> dataList{tensor.contiguous()};
-    const std::string what = std::string("sending the ") +
-        (direction == Direction::kActivation ? "activation" : "gradient") +
-        " of micro-batch " + std::to_string(microBatch) + " (tags " +
-        std::to_string(tag(direction, boundary, microBatch, 0)) + "-" +
-        std::to_string(tag(direction, boundary, microBatch, 1)) + ")";
+    const std::string what =
+        "sending the " + describe(direction, boundary, microBatch);
     for (int part = 0; part < 2; ++part) {
       auto& tensors = part == 0 ? headerList : dataList;
       pending_.push_back(
@@ -769,19 +764,15 @@ class ProcessGroupTransport final : public Transport {
   }
 
   Payload receive(Direction direction, int boundary, int microBatch) override {
-    const int peer = direction == Direction::kActivation
-        ? processOf(boundary)
-        : processOf(boundary + 1);
+    const int peer = peerOf(direction, boundary, false);
     if (peer == communicator_.rank())
       return local_.receive(direction, boundary, microBatch);
     if (isPosted(key(direction, boundary, microBatch)))
       return takePosted(direction, boundary, microBatch, peer);
     const char* what =
         direction == Direction::kActivation ? "activation" : "gradient";
-    const std::string receiving = std::string("receiving the ") + what +
-        " of micro-batch " + std::to_string(microBatch) + " (tags " +
-        std::to_string(tag(direction, boundary, microBatch, 0)) + "-" +
-        std::to_string(tag(direction, boundary, microBatch, 1)) + ")";
+    const std::string receiving =
+        "receiving the " + describe(direction, boundary, microBatch);
     // Part 0 is the header, part 1 the data.
     auto receiveInto = [&](std::vector<at::Tensor>& tensors, int part) {
       waitReceive(

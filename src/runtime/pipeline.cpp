@@ -197,6 +197,8 @@ struct Pipeline::Impl {
   runtime::LocalTransport localTransport;
   std::unique_ptr<runtime::Transport> remoteTransport;
   runtime::Transport* transport = &localTransport;
+  // Set when every transfer's shape is known ahead (across processes).
+  c10::optional<at::ScalarType> transferDtype;
   std::vector<int> localRanks; // the ranks this process runs
 
   // "stage 1 (cpu:1)", or "stage 1, 5 (cpu:1)" with virtual stages.
@@ -236,6 +238,7 @@ struct Pipeline::Impl {
   void run(runtime::StepState& state, const Schedule& plan);
   void expectShapes(const runtime::StepState& state, const Schedule& plan);
   void keepTrace(runtime::StepState& state, double wallUs);
+  c10::optional<at::ScalarType> fixedTransferDtype() const;
   std::vector<at::Tensor> split(
       const at::Tensor& tensor,
       int chunks,
@@ -471,8 +474,27 @@ void Pipeline::Impl::place() {
         schedule.stages(),
         schedule.microBatches);
     transport = remoteTransport.get();
+    transferDtype = fixedTransferDtype();
   }
   startWorkers();
+}
+
+// What crosses every boundary, when it is fixed: each layer's output shape
+// known (shape inference) and one floating dtype throughout. Parameters
+// keep their dtype, so this is decided once.
+c10::optional<at::ScalarType> Pipeline::Impl::fixedTransferDtype() const {
+  if (options.layerOutputShapes.size() != layers.size())
+    return c10::nullopt;
+  c10::optional<at::ScalarType> dtype;
+  for (const auto& layer : layers) {
+    for (const auto& parameter : layer.module.ptr()->parameters()) {
+      if (!parameter.is_floating_point() ||
+          (dtype && *dtype != parameter.scalar_type()))
+        return c10::nullopt;
+      dtype = parameter.scalar_type();
+    }
+  }
+  return dtype.value_or(at::kFloat);
 }
 
 std::vector<at::Tensor> Pipeline::Impl::split(
@@ -537,25 +559,15 @@ std::string withAccounts(Communicator& world, const std::string& error) {
 
 } // namespace
 
-// With every layer's output shape known (shape inference) and one floating
-// dtype throughout, each transfer's shape is known ahead: the process
-// transport then skips headers and posts its receives at the step's start.
+// With the transfers' shapes fixed (fixedTransferDtype), the process
+// transport skips headers and posts its receives at the step's start.
 void Pipeline::Impl::expectShapes(
     const runtime::StepState& state,
     const Schedule& plan) {
-  if (options.layerOutputShapes.size() != layers.size())
+  if (!transferDtype)
     return;
-  c10::optional<at::ScalarType> dtype;
-  for (const auto& layer : layers) {
-    for (const auto& parameter : layer.module.ptr()->parameters()) {
-      if (!parameter.is_floating_point() ||
-          (dtype && *dtype != parameter.scalar_type()))
-        return;
-      dtype = parameter.scalar_type();
-    }
-  }
   runtime::StepShapes shapes;
-  shapes.dtype = dtype.value_or(at::kFloat);
+  shapes.dtype = *transferDtype;
   shapes.microBatchSizes = state.microBatchSizes;
   for (int b = 0; b + 1 < plan.stages(); ++b)
     shapes.perSample.push_back(
