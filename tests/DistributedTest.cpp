@@ -207,6 +207,34 @@ TEST_F(
       << alone.output;
 }
 
+// Each stage's gradients start their all-reduce when its last weight pass
+// ends (zb-v: two stages per rank, split backward); the result is the one
+// reduced after the step, bit for bit, and the one-process run's.
+TEST_F(DistributedTest, GradientSyncOverlappedWithTheBackwardChangesNoResult) {
+  const std::string v = " --set pipeline.schedule=zb-v";
+  ASSERT_EQ(
+      shell(
+          binary() + " train " + config_ + v + " --metrics " +
+          path("threaded.jsonl"))
+          .status,
+      0);
+  const std::string dp = " --set pipeline.data_parallel=2";
+  const Result overlapped = shell(
+      binary() + " launch --nproc 4 " + config_ + v + dp + " --metrics " +
+      path("overlapped.jsonl"));
+  ASSERT_EQ(overlapped.status, 0) << overlapped.output;
+  const Result after = shell(
+      binary() + " launch --nproc 4 " + config_ + v + dp +
+      " --set pipeline.overlap_grad_sync=false --metrics " +
+      path("after.jsonl"));
+  ASSERT_EQ(after.status, 0) << after.output;
+  expectSameLosses(
+      losses(path("overlapped.jsonl")), losses(path("after.jsonl")), 0.0);
+  expectSameLosses(
+      losses(path("threaded.jsonl")), losses(path("overlapped.jsonl")), 1e-5);
+  expectNoOrphans();
+}
+
 TEST_F(DistributedTest, ADeadRankIsNamedAtOnceWithoutALauncher) {
   const int port = 20000 + static_cast<int>(::getpid() % 20000);
   const std::string env =
@@ -281,11 +309,19 @@ TEST_F(DistributedTest, EveryRankIsInOneTraceAndReport) {
   const Result r = shell(
       binary() + " launch --nproc 2 " + config_ + " --trace " +
       path("trace.json") + " --timeline " + path("timeline.svg") +
-      " --report " + path("report.json"));
+      " --report " + path("report.json") + " --memory-report");
   ASSERT_EQ(r.status, 0) << r.output;
   EXPECT_NE(
       r.output.find("[rank 0] clocks on rank 0's: rank 1 "), std::string::npos)
       << r.output;
+  // One memory table, each device measured by the process that runs it.
+  for (const std::string device : {"cpu:0", "cpu:1"}) {
+    const auto row = r.output.find("[rank 0] " + device + " ");
+    ASSERT_NE(row, std::string::npos) << r.output;
+    const std::string line =
+        r.output.substr(row, r.output.find('\n', row) - row);
+    EXPECT_EQ(line.find(" 0 B "), std::string::npos) << line;
+  }
   EXPECT_NE(r.output.find("[rank 0] bubble: measured"), std::string::npos)
       << r.output;
   std::ifstream traceFile(path("trace.json"));
@@ -302,6 +338,19 @@ TEST_F(DistributedTest, EveryRankIsInOneTraceAndReport) {
   for (const auto& rank : report["ranks"])
     EXPECT_GT(rank["compute_ms"].get<double>(), 0.0) << report.dump();
   EXPECT_TRUE(fs::exists(path("timeline.svg")));
+}
+
+// A device's declared memory binds the process that runs it.
+TEST_F(DistributedTest, ADeclaredCapacityBindsAcrossProcesses) {
+  const Result r = shell(
+      binary() + " launch --nproc 2 " + config_ +
+      " --set 'pipeline.devices=[{\"name\": \"cpu:0\", \"memory\": \"16KiB\"}, \"cpu:1\"]'");
+  EXPECT_NE(r.status, 0) << r.output;
+  EXPECT_NE(
+      r.output.find("[rank 0] tpipe: error: out of memory on stage 0 (cpu:0)"),
+      std::string::npos)
+      << r.output;
+  expectNoOrphans();
 }
 
 TEST_F(DistributedTest, ResumedRunMatchesTheUninterruptedOne) {

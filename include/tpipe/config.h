@@ -59,6 +59,9 @@ struct PipelineConfig {
   int threadsPerDevice = 0;
   int dataParallel = 1;   // replicas of the pipeline, one process per rank
   double timeoutS = 60.0; // across processes: give up on a silent peer
+  // With data_parallel > 1: reduce each stage's gradients as soon as its
+  // backward ends (PipelineOptions::overlapGradientSync).
+  bool overlapGradSync = true;
   // "auto": `tpipe train` tunes first (tpipe/tune.h) and trains with the
   // choice; the devices are what it may use.
   bool autoTune = false;

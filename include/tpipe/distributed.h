@@ -86,14 +86,15 @@ class Communicator {
   // Averages gradients across the replicas of this process's pipeline rank,
   // in buckets of about 25 MB.
   void averageAcrossReplicas(const std::vector<at::Tensor>& gradients);
+  // The same in two halves, so the reduction overlaps what runs between
+  // them: startAveraging posts the buckets and returns; finishAveraging
+  // waits for every started one and writes the means into the gradients,
+  // which must not be read or written in between. Every replica starts the
+  // same gradients in the same order, so results do not vary run to run.
+  void startAveraging(const std::vector<at::Tensor>& gradients);
+  void finishAveraging();
   void barrier();
 
-  // After a failed step: posts this rank's one-line account (what it was
-  // doing, whom it waited on) and collects every rank's for up to `grace`
-  // (the timeout, when a silent peer must be told from a slow one: each
-  // live rank's own wait runs out within it). Returns one entry per rank;
-  // an empty entry is a rank that sent none (stopped, dead, or cut off).
-  // Never throws: an unreachable store leaves only this rank's.
   // Rank 0's steady clock minus this rank's, in us, from a few round trips
   // through the store (the shortest wins); *errorUs gets half of it. Every
   // rank calls it, in the same order as the other collective calls.
@@ -101,6 +102,12 @@ class Communicator {
   // Every rank's text, in rank order, on rank 0; the others get nothing.
   std::vector<std::string> gatherText(const std::string& mine);
 
+  // After a failed step: posts this rank's one-line account (what it was
+  // doing, whom it waited on) and collects every rank's for up to `grace`
+  // (the timeout, when a silent peer must be told from a slow one: each
+  // live rank's own wait runs out within it). Returns one entry per rank;
+  // an empty entry is a rank that sent none (stopped, dead, or cut off).
+  // Never throws: an unreachable store leaves only this rank's.
   std::vector<std::string> reportFailure(
       const std::string& line,
       std::chrono::milliseconds grace);

@@ -129,6 +129,18 @@ struct PipelineOptions {
   // replicas, with gradients averaged across replicas before it returns;
   // forward returns the output on the last stage's process only.
   std::shared_ptr<Communicator> communicator;
+  // With replicas: each stage's gradients start their all-reduce as soon as
+  // its last backward (or weight pass) ends, while other stages on the rank
+  // and the rest of the step go on; false reduces them all after the step.
+  bool overlapGradientSync = true;
+  // Across processes, with fixed transfer shapes: how many receives each
+  // process keeps posted ahead of its worker, each holding its buffer. 0
+  // posts all of a step's at its start: fastest (data lands during compute;
+  // +8-10% samples/s against 4 on the Fashion-MNIST CNN, 4 ranks, 8
+  // micro-batches), but a stage then holds a buffer for every micro-batch
+  // it receives, which undoes 1F1B's bound on held activations. The
+  // trainer keeps 2 x ranks posted when a device declares its memory.
+  int receivesAhead = 0;
   // Per-sample output shape of every layer (from shape inference): each
   // received activation is checked against its sending stage's last layer.
   std::vector<std::vector<int64_t>> layerOutputShapes;

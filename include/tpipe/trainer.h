@@ -121,6 +121,7 @@ struct MemoryRow {
   int64_t measuredPeakBytes = 0;   // parameters + optimizer + workerPeak
   int64_t predictedBytes = 0;
   int64_t capacityBytes = 0;
+  bool measured = false; // the worker peak was measured (by some process)
 };
 
 struct TrainSummary {

@@ -607,6 +607,7 @@ void parsePipeline(const Json& json, Config& config) {
       pipeline.integer("data_parallel", 1, 1, "a positive integer", 65536));
   p.timeoutS = pipeline.number(
       "timeout_s", 60.0, 0.1, 86400.0, "a number of seconds in [0.1, 86400]");
+  p.overlapGradSync = pipeline.boolean("overlap_grad_sync", true);
   p.autoTune = pipeline.boolean("auto", false);
   pipeline.finish();
   if (p.autoTune)
@@ -809,6 +810,7 @@ nlohmann::json describeConfig(const Config& config) {
         {"threads_per_device", p.threadsPerDevice},
         {"data_parallel", p.dataParallel},
         {"timeout_s", p.timeoutS},
+        {"overlap_grad_sync", p.overlapGradSync},
         {"auto", p.autoTune}}},
       {"train",
        {{"batch_size", t.batchSize},

@@ -2,8 +2,12 @@
 // transfers, collectives. No other file includes c10d headers.
 #include "runtime/c10d_transport.h"
 
+#include <condition_variable>
 #include <cstdlib>
+#include <deque>
+#include <functional>
 #include <sstream>
+#include <thread>
 
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
@@ -72,6 +76,8 @@ std::vector<int64_t> Communicator::broadcast(
   return values;
 }
 void Communicator::averageAcrossReplicas(const std::vector<at::Tensor>&) {}
+void Communicator::startAveraging(const std::vector<at::Tensor>&) {}
+void Communicator::finishAveraging() {}
 void Communicator::barrier() {}
 namespace runtime {
 std::unique_ptr<Transport> makeProcessGroupTransport(
@@ -177,6 +183,21 @@ struct Communicator::Impl {
   int storeCalls = 0; // numbers the keys of store collectives
   c10::intrusive_ptr<c10d::ProcessGroupGloo> worldGroup;
   c10::intrusive_ptr<c10d::ProcessGroupGloo> replicaGroup; // D > 1 only
+  // Gradient buckets posted by startAveraging, in posting order.
+  struct Average {
+    std::vector<at::Tensor> gradients; // where the means go
+    std::vector<at::Tensor> joined;    // the bucket, flat, being reduced
+    c10::intrusive_ptr<c10d::Work> work;
+  };
+  std::vector<Average> averages;
+
+  // The same pipeline rank in the next replica: whom a stuck reduction is
+  // blamed on.
+  int nextReplica() const {
+    const int replicas = world.worldSize / pipelineRanks;
+    const int replica = world.rank / pipelineRanks;
+    return (replica + 1) % replicas * pipelineRanks + world.rank % pipelineRanks;
+  }
 
   // Runs `body` (posting or waiting for an operation with `peer`), turning
   // any failure into an error naming the peer: Gloo reports a closed
@@ -624,28 +645,28 @@ std::vector<int64_t> Communicator::broadcast(
 
 void Communicator::averageAcrossReplicas(
     const std::vector<at::Tensor>& gradients) {
+  startAveraging(gradients);
+  finishAveraging();
+}
+
+void Communicator::startAveraging(const std::vector<at::Tensor>& gradients) {
   if (replicas() == 1)
     return;
   constexpr int64_t kBucketBytes = 25 << 20;
   std::vector<at::Tensor> bucket;
   int64_t bytes = 0;
-  auto flush = [&] {
+  auto post = [&] {
     if (bucket.empty())
       return;
     std::vector<at::Tensor> flat;
     for (const auto& g : bucket)
       flat.push_back(g.reshape({-1}));
-    std::vector<at::Tensor> joined{at::cat(flat)};
-    impl_->complete(
-        (replica() + 1) % replicas() * pipelineRanks() + stageRank(),
-        "averaging gradients across replicas",
-        [&] { return impl_->replicaGroup->allreduce(joined); });
-    joined[0].div_(replicas());
-    int64_t offset = 0;
-    for (auto& g : bucket) {
-      g.copy_(joined[0].narrow(0, offset, g.numel()).view(g.sizes()));
-      offset += g.numel();
-    }
+    Impl::Average average{std::move(bucket), {at::cat(flat)}, {}};
+    average.work = impl_->withPeer(
+        impl_->nextReplica(), "averaging gradients across replicas", [&] {
+          return impl_->replicaGroup->allreduce(average.joined);
+        });
+    impl_->averages.push_back(std::move(average));
     bucket.clear();
     bytes = 0;
   };
@@ -655,9 +676,26 @@ void Communicator::averageAcrossReplicas(
     bucket.push_back(g);
     bytes += static_cast<int64_t>(g.nbytes());
     if (bytes >= kBucketBytes)
-      flush();
+      post();
   }
-  flush();
+  post();
+}
+
+void Communicator::finishAveraging() {
+  auto averages = std::move(impl_->averages);
+  impl_->averages.clear();
+  for (auto& average : averages) {
+    impl_->wait(
+        average.work,
+        impl_->nextReplica(),
+        "averaging gradients across replicas");
+    const at::Tensor mean = average.joined[0].div_(replicas());
+    int64_t offset = 0;
+    for (auto& g : average.gradients) {
+      g.copy_(mean.narrow(0, offset, g.numel()).view(g.sizes()));
+      offset += g.numel();
+    }
+  }
 }
 
 void Communicator::barrier() {
@@ -672,6 +710,97 @@ constexpr int64_t kMagic = 0x7470697065; // "tpipe"
 constexpr int kHeaderSize = 12;
 constexpr int kMaxDims = kHeaderSize - 6;
 
+struct PendingSend {
+  c10::intrusive_ptr<c10d::Work> work;
+  int peer;
+};
+
+// Waits for a process's sends on a thread of its own, in the order posted,
+// and lets go of each (and of its tensor) once it has landed: the compute
+// thread never blocks on a send, and a step holds only the tensors still
+// in flight, not every activation and gradient it sent. (Gloo's send work
+// says it is complete only once waited for, so polling cannot do this.)
+class SendReaper {
+ public:
+  using Wait = std::function<void(const PendingSend&)>;
+  explicit SendReaper(Wait wait)
+      : wait_(std::move(wait)), thread_([this] { loop(); }) {}
+  ~SendReaper() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stopping_ = true;
+      for (auto& send : queue_)
+        send.work->abort();
+    }
+    wake_.notify_all();
+    thread_.join();
+  }
+  SendReaper(const SendReaper&) = delete;
+  SendReaper& operator=(const SendReaper&) = delete;
+
+  void add(PendingSend send) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      queue_.push_back(std::move(send));
+    }
+    wake_.notify_all();
+  }
+
+  // Blocks until every added send has landed; throws the first failure.
+  void drain() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    wake_.wait(lock, [&] { return queue_.empty(); });
+    std::string error = std::move(error_);
+    error_.clear();
+    TORCH_CHECK(error.empty(), error);
+  }
+
+  // After a failed step: abandons what is still in flight.
+  void discard() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      for (auto& send : queue_)
+        send.work->abort();
+    }
+    std::unique_lock<std::mutex> lock(mutex_);
+    wake_.wait(lock, [&] { return queue_.empty(); });
+    error_.clear();
+  }
+
+ private:
+  void loop() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    for (;;) {
+      wake_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+      if (queue_.empty())
+        return;
+      const PendingSend send = queue_.front();
+      lock.unlock();
+      std::string failure;
+      try {
+        wait_(send);
+      } catch (const c10::Error& e) {
+        failure = e.what_without_backtrace();
+      } catch (const std::exception& e) {
+        failure = e.what();
+      }
+      lock.lock();
+      if (error_.empty() && !failure.empty())
+        error_ = std::move(failure);
+      queue_.pop_front();
+      wake_.notify_all();
+    }
+  }
+
+  Wait wait_;
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  std::deque<PendingSend> queue_;
+  std::string error_; // first failure since the last drain
+  bool stopping_ = false;
+  std::thread thread_; // last: starts once the rest is built
+};
+
 } // namespace
 
 class ProcessGroupTransport final : public Transport {
@@ -685,35 +814,33 @@ class ProcessGroupTransport final : public Transport {
         communicator_(communicator),
         impl_(communicator.impl()),
         stages_(stages),
-        microBatches_(microBatches) {}
+        microBatches_(microBatches),
+        sends_([this](const PendingSend& send) {
+          impl_.wait(send.work, send.peer, "sending to it");
+        }) {}
 
   void begin(int boundaries) override {
     local_.begin(boundaries);
-    pending_.clear();
+    sends_.discard();
     abortPosted(); // what a failed step left
     shapes_.reset();
   }
 
-  // Known shapes: one message per transfer, and every receive of this
-  // process posted now, so data lands while the workers compute.
+  // Known shapes: one message per transfer, and this process's receives
+  // posted ahead of the executor, so data lands while the workers compute:
+  // all of the step's at its start, or a window of them (each posted
+  // receive holds its buffer).
   void expect(const StepShapes& shapes) override {
     shapes_ = shapes;
     std::lock_guard<std::mutex> lock(receiving_);
+    toPost_.clear();
+    nextPost_ = 0;
     for (const auto& r : shapes.receives) {
-      const int peer = peerOf(r.direction, r.boundary, false);
-      if (peer == communicator_.rank())
-        continue;
-      std::vector<at::Tensor> buffer{at::empty(
-          shapes.shapeOf(r.boundary, r.microBatch),
-          at::TensorOptions().dtype(shapes.dtype))};
-      const std::string what = describe(r.direction, r.boundary, r.microBatch);
-      auto work = impl_.withPeer(peer, "receiving the " + what, [&] {
-        return impl_.worldGroup->recv(
-            buffer, peer, tag(r.direction, r.boundary, r.microBatch, 1));
-      });
-      posted_[key(r.direction, r.boundary, r.microBatch)] = {
-          work, buffer[0], peer};
+      if (peerOf(r.direction, r.boundary, false) != communicator_.rank())
+        toPost_.push_back(r);
     }
+    while (nextPost_ < toPost_.size() && posted_.size() < postAhead())
+      postNext();
   }
 
   void send(Direction direction, int boundary, int microBatch, Payload payload)
@@ -751,7 +878,7 @@ class ProcessGroupTransport final : public Transport {
         "sending the " + describe(direction, boundary, microBatch);
     for (int part = 0; part < 2; ++part) {
       auto& tensors = part == 0 ? headerList : dataList;
-      pending_.push_back(
+      sends_.add(
           {impl_.withPeer(
                peer,
                what,
@@ -826,16 +953,10 @@ class ProcessGroupTransport final : public Transport {
   }
 
   void end() override {
-    for (auto& send : pending_)
-      impl_.wait(send.work, send.peer, "sending to it");
-    pending_.clear();
+    sends_.drain();
   }
 
  private:
-  struct PendingSend {
-    c10::intrusive_ptr<c10d::Work> work;
-    int peer;
-  };
   struct Posted {
     c10::intrusive_ptr<c10d::Work> work;
     at::Tensor tensor;
@@ -887,7 +1008,7 @@ class ProcessGroupTransport final : public Transport {
     std::vector<at::Tensor> data{tensor.contiguous()};
     const std::string what =
         "sending the " + describe(direction, boundary, microBatch);
-    pending_.push_back(
+    sends_.add(
         {impl_.withPeer(
              peer,
              what,
@@ -898,10 +1019,35 @@ class ProcessGroupTransport final : public Transport {
          peer});
   }
 
-  // A receive posted at the step's start: wait for it to land.
+  // Whether the receive is (now) posted: a receive the executor reaches
+  // before its turn to be posted ahead is posted at once, with those before it.
   bool isPosted(int64_t k) {
     std::lock_guard<std::mutex> lock(receiving_);
+    while (!posted_.count(k) && nextPost_ < toPost_.size())
+      postNext();
     return posted_.count(k) > 0;
+  }
+
+  size_t postAhead() const {
+    return shapes_->receivesAhead > 0
+        ? static_cast<size_t>(shapes_->receivesAhead)
+        : toPost_.size();
+  }
+
+  // Posts the next receive of toPost_; under receiving_.
+  void postNext() {
+    const StepShapes::Receive& r = toPost_[nextPost_++];
+    const int peer = peerOf(r.direction, r.boundary, false);
+    std::vector<at::Tensor> buffer{at::empty(
+        shapes_->shapeOf(r.boundary, r.microBatch),
+        at::TensorOptions().dtype(shapes_->dtype))};
+    const std::string what = describe(r.direction, r.boundary, r.microBatch);
+    auto work = impl_.withPeer(peer, "receiving the " + what, [&] {
+      return impl_.worldGroup->recv(
+          buffer, peer, tag(r.direction, r.boundary, r.microBatch, 1));
+    });
+    posted_[key(r.direction, r.boundary, r.microBatch)] = {
+        work, buffer[0], peer};
   }
 
   Payload takePosted(
@@ -920,6 +1066,8 @@ class ProcessGroupTransport final : public Transport {
         "receiving the " + describe(direction, boundary, microBatch));
     std::lock_guard<std::mutex> lock(receiving_);
     posted_.erase(key(direction, boundary, microBatch));
+    while (nextPost_ < toPost_.size() && posted_.size() < postAhead())
+      postNext();
     return {posted.tensor, nullptr};
   }
 
@@ -928,6 +1076,8 @@ class ProcessGroupTransport final : public Transport {
     for (auto& [k, posted] : posted_)
       posted.work->abort();
     posted_.clear();
+    toPost_.clear();
+    nextPost_ = 0;
   }
 
   int processOf(int stage) const {
@@ -968,11 +1118,13 @@ class ProcessGroupTransport final : public Transport {
   int stages_;
   int microBatches_;
   LocalTransport local_;
-  std::vector<PendingSend> pending_;
   std::mutex receiving_;
   c10::intrusive_ptr<c10d::Work> current_;
   c10::optional<StepShapes> shapes_;
   std::unordered_map<int64_t, Posted> posted_; // by key(), under receiving_
+  std::vector<StepShapes::Receive> toPost_;    // in schedule order
+  size_t nextPost_ = 0;                        // under receiving_
+  SendReaper sends_; // last: its thread waits through impl_
 };
 
 std::unique_ptr<Transport> makeProcessGroupTransport(

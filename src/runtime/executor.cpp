@@ -1,5 +1,7 @@
 #include "runtime/executor.h"
 
+#include <algorithm>
+
 #include <ATen/core/grad_mode.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Context.h>
@@ -411,6 +413,29 @@ std::string failureText(
 
 } // namespace
 
+namespace {
+
+// Per instruction of `list`, the stage whose parameter gradients are final
+// once it has run, or -1.
+std::vector<int> gradientsFinalAfter(const std::vector<Instruction>& list) {
+  std::vector<int> finalAfter(list.size(), -1);
+  std::vector<int> seen;
+  for (size_t i = list.size(); i-- > 0;) {
+    const Instruction& instruction = list[i];
+    if (!std::holds_alternative<Backward>(instruction) &&
+        !std::holds_alternative<BackwardWeight>(instruction))
+      continue;
+    const int stage = stageOf(instruction);
+    if (std::find(seen.begin(), seen.end(), stage) != seen.end())
+      continue;
+    seen.push_back(stage);
+    finalAfter[i] = stage;
+  }
+  return finalAfter;
+}
+
+} // namespace
+
 void runRank(StepState& state, int rank) {
   const auto& list = state.schedule->perRank[rank];
   RankExecutor executor(state);
@@ -426,30 +451,32 @@ void runRank(StepState& state, int rank) {
           .synchronizeStream(*home.computeStream);
     }
   };
+  auto since = [&](std::chrono::steady_clock::time_point t) {
+    return std::chrono::duration<double, std::micro>(t - state.start).count();
+  };
+  const std::vector<int> finalAfter = state.gradientsFinal
+      ? gradientsFinalAfter(list)
+      : std::vector<int>(list.size(), -1);
   size_t i = 0;
   try {
-    if (!state.record) {
-      for (; i < list.size(); ++i)
+    for (; i < list.size(); ++i) {
+      if (!state.record) {
         std::visit(executor, list[i]);
-    } else {
-      auto& events = state.events[rank];
-      auto since = [&](std::chrono::steady_clock::time_point t) {
-        return std::chrono::duration<double, std::micro>(t - state.start)
-            .count();
-      };
-      for (; i < list.size(); ++i) {
+      } else {
         const auto begin = std::chrono::steady_clock::now();
         executor.transferred = 0;
         std::visit(executor, list[i]);
         settle();
         const auto end = std::chrono::steady_clock::now();
-        events.push_back(
+        state.events[rank].push_back(
             {rank,
              static_cast<int>(i),
              since(begin),
              since(end),
              executor.transferred});
       }
+      if (finalAfter[i] >= 0)
+        state.gradientsFinal(finalAfter[i]);
     }
   } catch (const StepAborted&) {
     // Another rank failed first and has recorded why.

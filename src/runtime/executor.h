@@ -5,6 +5,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <functional>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -68,6 +69,11 @@ struct StepState {
   std::vector<Stash> stash;        // [stage * m + micro-batch]
   std::vector<at::Tensor> losses;  // weighted, detached, per micro-batch
   std::vector<at::Tensor> outputs; // inference outputs per micro-batch
+
+  // Called on the rank's worker right after a stage's last instruction
+  // that adds to its parameter gradients (backward or weight pass), so they
+  // can be reduced while the rest of the step runs. May be empty.
+  std::function<void(int stage)> gradientsFinal;
 
   bool record = false;
   // Copy received tensors, so each virtual CPU device holds (and is charged

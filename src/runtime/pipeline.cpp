@@ -236,6 +236,12 @@ struct Pipeline::Impl {
   void placeStage(int s);
   void startWorkers();
   void run(runtime::StepState& state, const Schedule& plan);
+  std::vector<at::Tensor> gradientsOf(int stage) const {
+    std::vector<at::Tensor> gradients;
+    for (const auto& parameter : stages[stage].parameters)
+      gradients.push_back(parameter.grad());
+    return gradients;
+  }
   void expectShapes(const runtime::StepState& state, const Schedule& plan);
   void keepTrace(runtime::StepState& state, double wallUs);
   c10::optional<at::ScalarType> fixedTransferDtype() const;
@@ -569,6 +575,7 @@ void Pipeline::Impl::expectShapes(
   runtime::StepShapes shapes;
   shapes.dtype = *transferDtype;
   shapes.microBatchSizes = state.microBatchSizes;
+  shapes.receivesAhead = options.receivesAhead;
   for (int b = 0; b + 1 < plan.stages(); ++b)
     shapes.perSample.push_back(
         options.layerOutputShapes[boundaries[b + 1] - 1]);
@@ -583,6 +590,11 @@ void Pipeline::Impl::expectShapes(
       }
     }
   }
+  // The posted receives' buffers are held from now on: charge them to the
+  // device (one process runs one pipeline rank).
+  c10::optional<memory::DeviceScope> charged;
+  if (!memorySlots.empty())
+    charged.emplace(memorySlots.front());
   transport->expect(shapes);
 }
 
@@ -599,7 +611,7 @@ void Pipeline::Impl::run(runtime::StepState& state, const Schedule& plan) {
   state.outputs.assign(m, {});
   state.record = options.record && plan.training;
   state.splitBackward = splitsBackward(plan);
-  state.copyOnReceive = !memorySlots.empty();
+  state.copyOnReceive = !memorySlots.empty() && !remoteTransport;
   if (state.record)
     state.events.assign(plan.ranks, {});
   state.start = std::chrono::steady_clock::now();
@@ -701,6 +713,13 @@ torch::Tensor Pipeline::trainStep(
     state.microBatchSizes.push_back(chunk.size(0));
   }
   state.lossFn = &lossFn;
+  auto* communicator = impl_->options.communicator.get();
+  if (communicator && communicator->replicas() > 1 &&
+      impl_->options.overlapGradientSync) {
+    state.gradientsFinal = [this, communicator](int stage) {
+      communicator->startAveraging(impl_->gradientsOf(stage));
+    };
+  }
   impl_->run(state, impl_->schedule);
   const bool lastIsLocal = impl_->isLocalStage(impl_->schedule.stages() - 1);
   at::Tensor total;
@@ -709,20 +728,19 @@ torch::Tensor Pipeline::trainStep(
     for (int mb = 1; mb < m; ++mb)
       total = total + state.losses[mb];
   }
-  if (!impl_->options.communicator)
+  if (!communicator)
     return total;
-  // Every process returns the mean over replicas; gradients likewise.
-  auto& communicator = *impl_->options.communicator;
+  // Every process returns the mean over replicas; gradients likewise, their
+  // reductions started as each stage's backward ended, or now.
   const double local = lastIsLocal ? total.item<double>() : 0.0;
-  const double mean = communicator.sum({local})[0] / communicator.replicas();
-  std::vector<at::Tensor> gradients;
-  for (const auto& stage : impl_->stages) {
-    if (!impl_->isLocalStage(stage.index))
-      continue;
-    for (const auto& parameter : stage.parameters)
-      gradients.push_back(parameter.grad());
+  const double mean = communicator->sum({local})[0] / communicator->replicas();
+  if (!state.gradientsFinal) {
+    for (const auto& stage : impl_->stages) {
+      if (impl_->isLocalStage(stage.index))
+        communicator->startAveraging(impl_->gradientsOf(stage.index));
+    }
   }
-  communicator.averageAcrossReplicas(gradients);
+  communicator->finishAveraging();
   return torch::tensor(
       mean,
       torch::TensorOptions().dtype(

@@ -46,6 +46,7 @@ struct StepShapes {
     int boundary, microBatch;
   };
   std::vector<Receive> receives;
+  int receivesAhead = 0; // posted at once; 0: all
   std::vector<int64_t> shapeOf(int boundary, int microBatch) const {
     std::vector<int64_t> shape{microBatchSizes.at(microBatch)};
     const auto& rest = perSample.at(boundary);

@@ -119,7 +119,6 @@ std::vector<std::pair<std::string, torch::Tensor>> checkpointTensors(
     Communicator* communicator) {
   std::vector<std::pair<std::string, torch::Tensor>> tensors;
   const auto& boundaries = pipe.boundaries();
-  const int ranks = pipe.schedule().ranks;
   for (size_t s = 0; s + 1 < boundaries.size(); ++s) {
     if (communicator &&
         pipe.schedule().rankOfStage(static_cast<int>(s)) !=

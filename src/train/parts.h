@@ -77,6 +77,15 @@ std::vector<MemoryRow> prepareMemory(const Config& config, Pipeline& pipe);
 std::vector<MemoryRow> finishMemory(
     const Pipeline& pipe,
     std::vector<MemoryRow> rows);
+// Across processes: this process's measured rows as text for rank 0
+// (gatherText; empty outside the first replica), and rank 0's rows with
+// every part's measurements put in.
+std::string memoryForRoot(
+    const std::vector<MemoryRow>& rows,
+    const Communicator& world);
+std::vector<MemoryRow> mergeMemory(
+    std::vector<MemoryRow> rows,
+    const std::vector<std::string>& parts);
 void printMemory(std::ostream& log, const std::vector<MemoryRow>& rows);
 void writeTraceOutputs(
     const Trace& trace,

@@ -1,8 +1,10 @@
 // What a training run reports: memory per device against the plan's
 // prediction, the bubble report, and the trace and timeline files.
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <ostream>
+#include <set>
 #include <sstream>
 
 #include "train/checkpoint.h"
@@ -42,11 +44,15 @@ std::vector<MemoryRow> prepareMemory(const Config& config, Pipeline& pipe) {
       }
     }
   }
+  // Across processes this one caps only the devices it runs.
+  std::set<std::string> local;
+  for (const auto& device : pipe.memory())
+    local.insert(device.device);
   for (int r = 0; r < ranks; ++r) {
     MemoryRow& row = rows[r];
     row.optimizerBytes =
         static_cast<int64_t>(factor * static_cast<double>(row.gradientBytes));
-    if (row.capacityBytes > 0) {
+    if (row.capacityBytes > 0 && local.count(row.device)) {
       const int64_t fixed = row.parameterBytes + row.optimizerBytes;
       if (fixed >= row.capacityBytes) {
         throw ConfigError(
@@ -65,14 +71,57 @@ std::vector<MemoryRow> prepareMemory(const Config& config, Pipeline& pipe) {
 std::vector<MemoryRow> finishMemory(
     const Pipeline& pipe,
     std::vector<MemoryRow> rows) {
-  const auto measured = pipe.memory();
-  for (size_t r = 0; r < rows.size() && r < measured.size(); ++r) {
-    MemoryRow& row = rows[r];
-    row.workerPeakBytes = measured[r].peakBytes;
+  for (const auto& measured : pipe.memory()) {
+    auto at = std::find_if(rows.begin(), rows.end(), [&](const MemoryRow& row) {
+      return row.device == measured.device;
+    });
+    if (at == rows.end())
+      continue;
+    MemoryRow& row = *at;
+    row.measured = true;
+    row.workerPeakBytes = measured.peakBytes;
     row.activationPeakBytes =
         std::max<int64_t>(0, row.workerPeakBytes - row.gradientBytes);
     row.measuredPeakBytes =
         row.parameterBytes + row.optimizerBytes + row.workerPeakBytes;
+  }
+  return rows;
+}
+
+std::string memoryForRoot(
+    const std::vector<MemoryRow>& rows,
+    const Communicator& world) {
+  if (world.replica() != 0)
+    return "";
+  nlohmann::json measured = nlohmann::json::array();
+  for (const auto& row : rows) {
+    if (row.measured) {
+      measured.push_back(
+          {row.device,
+           row.workerPeakBytes,
+           row.activationPeakBytes,
+           row.measuredPeakBytes});
+    }
+  }
+  return measured.dump();
+}
+
+std::vector<MemoryRow> mergeMemory(
+    std::vector<MemoryRow> rows,
+    const std::vector<std::string>& parts) {
+  for (const auto& part : parts) {
+    if (part.empty())
+      continue;
+    for (const auto& entry : nlohmann::json::parse(part)) {
+      for (auto& row : rows) {
+        if (row.device != entry[0].get<std::string>())
+          continue;
+        row.measured = true;
+        row.workerPeakBytes = entry[1].get<int64_t>();
+        row.activationPeakBytes = entry[2].get<int64_t>();
+        row.measuredPeakBytes = entry[3].get<int64_t>();
+      }
+    }
   }
   return rows;
 }

@@ -126,6 +126,11 @@ PipelineOptions pipelineOptions(
   options.layerOutputShapes.assign(
       model.shapes.begin() + 1, model.shapes.end());
   options.communicator = communicator;
+  options.overlapGradientSync = p.overlapGradSync;
+  for (const auto& device : p.devices) {
+    if (device.memoryBytes > 0)
+      options.receivesAhead = 2 * plan.schedule.ranks;
+  }
   return options;
 }
 
@@ -165,14 +170,12 @@ class TrainingRun {
         options_(options),
         world_(joinWorld(config_)) {
     if (world_) {
-      // Rank 0 speaks for the world; the bubble and memory reports are local
-      // to one process and stay off.
+      // Rank 0 speaks for the world: every rank records its trace and
+      // memory, and rank 0 gathers one report of all of them.
       if (world_->rank() != 0) {
         options_.log = &silent_;
         options_.metricsPath.clear();
       }
-      // Every rank records; rank 0 gathers one trace of all of them.
-      options_.memoryReport = false;
     }
     log_ = options_.log ? options_.log : &std::cout;
     live_ = options_.log == nullptr && ::isatty(STDOUT_FILENO);
@@ -211,7 +214,7 @@ class TrainingRun {
     bool capped = false;
     for (const auto& device : config_.pipeline.devices)
       capped = capped || device.memoryBytes > 0;
-    measureMemory_ = !world() && (capped || options_.memoryReport);
+    measureMemory_ = capped || options_.memoryReport;
     plan_ = planTraining(
         config_,
         model_,
@@ -538,6 +541,11 @@ class TrainingRun {
     }
     if (measureMemory_) {
       summary_.memory = finishMemory(*pipe_, memoryRows_);
+      if (world()) {
+        summary_.memory = mergeMemory(
+            summary_.memory,
+            world()->gatherText(memoryForRoot(summary_.memory, *world())));
+      }
       printMemory(log, summary_.memory);
     }
     if (!options_.evaluate)
