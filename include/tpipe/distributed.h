@@ -81,6 +81,12 @@ class Communicator {
 
   // Sums over every process (each passes its own part).
   std::vector<double> sum(const std::vector<double>& values);
+  // Values that ride along with the next sum() anyone makes (the pipeline's
+  // loss sum in each training step), which saves a collective: every rank
+  // must add the same number of them before that sum. ridersSummed() gives
+  // their sums once it has run, empty before.
+  void rideNextSum(const std::vector<double>& values);
+  std::vector<double> ridersSummed();
   // Rank 0's values, on every process.
   std::vector<int64_t> broadcast(const std::vector<int64_t>& values);
   // Averages gradients across the replicas of this process's pipeline rank,

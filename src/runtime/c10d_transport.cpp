@@ -71,6 +71,10 @@ std::vector<std::string> Communicator::gatherText(const std::string& mine) {
 std::vector<double> Communicator::sum(const std::vector<double>& values) {
   return values;
 }
+void Communicator::rideNextSum(const std::vector<double>&) {}
+std::vector<double> Communicator::ridersSummed() {
+  return {};
+}
 std::vector<int64_t> Communicator::broadcast(
     const std::vector<int64_t>& values) {
   return values;
@@ -190,6 +194,7 @@ struct Communicator::Impl {
     c10::intrusive_ptr<c10d::Work> work;
   };
   std::vector<Average> averages;
+  std::vector<double> riders, ridersSummed; // rideNextSum
 
   // The same pipeline rank in the next replica: whom a stuck reduction is
   // blamed on.
@@ -217,7 +222,10 @@ struct Communicator::Impl {
       message << "lost rank " << peer << " (pipeline rank "
               << peer % pipelineRanks << ", replica " << peer / pipelineRanks
               << ") while " << what << ": ";
-      if (reason.find("imed out") != std::string::npos) {
+      // Gloo closes a pair when any wait on it times out (a send's, on
+      // the send thread), and the other waits on it then say so.
+      if (reason.find("imed out") != std::string::npos ||
+          reason.find("Application timeout") != std::string::npos) {
         message << "no answer within " << timeout.count() / 1000.0 << " s";
       } else {
         message << reason;
@@ -620,15 +628,28 @@ std::chrono::milliseconds Communicator::timeout() const {
 }
 
 std::vector<double> Communicator::sum(const std::vector<double>& values) {
+  std::vector<double> all = values;
+  all.insert(all.end(), impl_->riders.begin(), impl_->riders.end());
   std::vector<at::Tensor> tensors{
-      at::empty({static_cast<int64_t>(values.size())}, at::kDouble)};
-  std::copy(values.begin(), values.end(), tensors[0].data_ptr<double>());
+      at::empty({static_cast<int64_t>(all.size())}, at::kDouble)};
+  std::copy(all.begin(), all.end(), tensors[0].data_ptr<double>());
   impl_->complete(
       rank() == 0 ? 1 % worldSize() : 0, "summing across the world", [&] {
         return impl_->worldGroup->allreduce(tensors);
       });
   const double* data = tensors[0].data_ptr<double>();
+  impl_->riders.clear();
+  impl_->ridersSummed.assign(data + values.size(), data + all.size());
   return std::vector<double>(data, data + values.size());
+}
+
+void Communicator::rideNextSum(const std::vector<double>& values) {
+  impl_->riders.insert(impl_->riders.end(), values.begin(), values.end());
+  impl_->ridersSummed.clear();
+}
+
+std::vector<double> Communicator::ridersSummed() {
+  return std::move(impl_->ridersSummed);
 }
 
 std::vector<int64_t> Communicator::broadcast(

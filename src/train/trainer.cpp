@@ -370,7 +370,11 @@ class TrainingRun {
       y = y.narrow(0, world()->replica() * share, share);
     }
     optimizer_->zero_grad();
+    if (world())
+      world()->rideNextSum({static_cast<double>(requestedStop.load())});
     const double loss = pipe_->trainStep(x, y, lossFn_).item<double>();
+    if (world())
+      stopsSignalled_ = world()->ridersSummed();
     if (!std::isfinite(loss)) {
       throw std::runtime_error(
           "the loss became " + std::to_string(loss) + " at step " +
@@ -414,12 +418,16 @@ class TrainingRun {
 
   // Every rank stops at the same step: across processes the ranks agree on
   // whether any of them was signalled.
+  // Within a step the stop flags rode along with the loss sum, sampled
+  // before it (a signal after it is seen a step later).
   int agreedStop() {
-    const int mine = requestedStop.load();
+    int mine = requestedStop.load();
     if (!world())
       return mine;
-    const std::vector<double> signalled =
-        world()->sum({static_cast<double>(mine)});
+    std::vector<double> signalled = std::move(stopsSignalled_);
+    stopsSignalled_.clear();
+    if (signalled.empty())
+      signalled = world()->sum({static_cast<double>(mine)});
     if (signalled[0] == 0.0)
       return 0;
     return mine != 0 ? mine : SIGTERM;
@@ -574,6 +582,7 @@ class TrainingRun {
   bool measureMemory_ = false;
   std::unique_ptr<Pipeline> pipe_;
   std::vector<MemoryRow> memoryRows_;
+  std::vector<double> stopsSignalled_; // summed with the last step's loss
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
   LossFunction lossFn_;
   bool classification_ = false;
