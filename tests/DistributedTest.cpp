@@ -5,10 +5,12 @@
 
 #include <array>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <set>
 #include <nlohmann/json.hpp>
 #include <random>
@@ -86,8 +88,12 @@ class DistributedTest : public ::testing::Test {
     std::string line;
     while (std::getline(in, line)) {
       const auto record = nlohmann::json::parse(line);
-      if (record.contains("loss"))
-        values.push_back(record["loss"].get<double>());
+      if (record.contains("loss")) {
+        values.push_back(
+            record["loss"].is_null() // JSON has no NaN
+                ? std::numeric_limits<double>::quiet_NaN()
+                : record["loss"].get<double>());
+      }
     }
     return values;
   }
@@ -233,6 +239,72 @@ TEST_F(DistributedTest, GradientSyncOverlappedWithTheBackwardChangesNoResult) {
   expectSameLosses(
       losses(path("threaded.jsonl")), losses(path("overlapped.jsonl")), 1e-5);
   expectNoOrphans();
+}
+
+// A NaN in one batch (rank 0's input at step 3): "skip" skips that update on
+// every stage and process alike, so the run goes on exactly as the threaded
+// one does; "stop" ends every rank naming the step.
+TEST_F(DistributedTest, ANonFiniteStepIsSkippedOrStopsOnEveryRankAlike) {
+  const std::string fault = "TPIPE_FAULT=0:3:nan ";
+  const std::string skip = " --set train.on_nonfinite=skip";
+  const Result threaded = shell(
+      fault + faultyBinary() + " train " + config_ + skip + " --metrics " +
+      path("threaded.jsonl"));
+  ASSERT_EQ(threaded.status, 0) << threaded.output;
+  EXPECT_NE(
+      threaded.output.find(
+          "step 4: the loss became NaN; its update is skipped on every stage"),
+      std::string::npos)
+      << threaded.output;
+  const Result processes = shell(
+      fault + faultyBinary() + " launch --nproc 2 " + config_ + skip +
+      " --metrics " + path("processes.jsonl"));
+  ASSERT_EQ(processes.status, 0) << processes.output;
+  EXPECT_NE(
+      processes.output.find("[rank 0] step 4: the loss became NaN"),
+      std::string::npos)
+      << processes.output;
+  auto withoutStep4 = [](std::vector<double> losses) {
+    EXPECT_TRUE(std::isnan(losses.at(3)));
+    losses.erase(losses.begin() + 3);
+    return losses;
+  };
+  expectSameLosses(
+      withoutStep4(losses(path("threaded.jsonl"))),
+      withoutStep4(losses(path("processes.jsonl"))),
+      1e-6);
+  const Result stopped =
+      shell(fault + faultyBinary() + " launch --nproc 2 " + config_);
+  EXPECT_EQ(stopped.status, 1) << stopped.output;
+  EXPECT_NE(
+      stopped.output.find("the loss became NaN at step 4"), std::string::npos)
+      << stopped.output;
+  expectNoOrphans();
+}
+
+// The clipping norm is one norm over every stage and rank, each replica's
+// (equal, averaged) gradients counted once: clipped runs match.
+TEST_F(DistributedTest, GradientClippingMatchesAcrossProcessesAndReplicas) {
+  const std::string clip = " --set train.clip_grad_norm=0.05";
+  ASSERT_EQ(
+      shell(
+          binary() + " train " + config_ + clip + " --metrics " +
+          path("threaded.jsonl"))
+          .status,
+      0);
+  const Result r = shell(
+      binary() + " launch --nproc 4 " + config_ + clip +
+      " --set pipeline.data_parallel=2 --metrics " + path("dp.jsonl"));
+  ASSERT_EQ(r.status, 0) << r.output;
+  const Result unclipped = shell(
+      binary() + " train " + config_ + " --metrics " + path("plain.jsonl"));
+  ASSERT_EQ(unclipped.status, 0) << unclipped.output;
+  expectSameLosses(
+      losses(path("threaded.jsonl")), losses(path("dp.jsonl")), 1e-5);
+  // And the clip did something.
+  EXPECT_NE(
+      losses(path("threaded.jsonl")).back(),
+      losses(path("plain.jsonl")).back());
 }
 
 TEST_F(DistributedTest, ADeadRankIsNamedAtOnceWithoutALauncher) {

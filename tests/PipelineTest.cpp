@@ -526,3 +526,80 @@ TEST(PipelineTest, ABadLossIsReportedWithItsStage) {
 
 } // namespace
 } // namespace tpipe
+
+namespace tpipe {
+namespace {
+
+// One global norm over every stage, clipped as clip_grad_norm_ clips the
+// sequential model, for several stage counts and schedules.
+TEST(PipelineTest, ClipGradNormEqualsTheSequentialModels) {
+  for (int ranks : {1, 2, 3}) {
+    for (const char* schedule : {"1f1b", "zb-h1"}) {
+      for (double maxNorm : {0.05, 1e6}) {
+        SCOPED_TRACE(
+            std::string(schedule) + " ranks=" + std::to_string(ranks) +
+            " max=" + std::to_string(maxNorm));
+        torch::nn::Sequential reference = makeNet(torch::kFloat, 5);
+        torch::nn::Sequential piped = makeNet(torch::kFloat, 5);
+        torch::manual_seed(6);
+        torch::Tensor x = torch::randn({12, 6});
+        torch::Tensor y = torch::randint(0, 3, {12}, torch::kLong);
+        crossEntropy(reference->forward(x), y).backward();
+        const double want = torch::nn::utils::clip_grad_norm_(
+            reference->parameters(), maxNorm);
+        PipelineOptions options;
+        options.devices = cpuDevices(ranks);
+        options.microBatches = 4;
+        options.schedule = schedule;
+        Pipeline pipe(layersOf(piped), options);
+        pipe.trainStep(x, y, crossEntropy);
+        const Pipeline::GradientNorm got = pipe.clipGradNorm(maxNorm);
+        EXPECT_EQ(got.nonFiniteStage, -1);
+        EXPECT_NEAR(got.norm, want, 1e-5 * want);
+        const auto expected = reference->parameters();
+        const auto clipped = pipe.parameters();
+        ASSERT_EQ(expected.size(), clipped.size());
+        for (size_t i = 0; i < expected.size(); ++i) {
+          EXPECT_LE(relativeError(clipped[i].grad(), expected[i].grad()), 1e-5)
+              << "parameter " << i;
+        }
+      }
+    }
+  }
+}
+
+// Forward 0, backward inf x 0 = NaN: finite loss, non-finite gradients
+// upstream of it.
+struct NaNGradientImpl : torch::nn::Module {
+  torch::Tensor forward(const torch::Tensor& x) {
+    return torch::sqrt(x * 0.0) + x;
+  }
+};
+TORCH_MODULE(NaNGradient);
+
+TEST(PipelineTest, NonFiniteGradientsNameTheirStageAndAreNotScaled) {
+  torch::manual_seed(7);
+  torch::nn::Sequential net(
+      torch::nn::Linear(6, 8),
+      torch::nn::Tanh(),
+      NaNGradient(),
+      torch::nn::Linear(8, 3));
+  PipelineOptions options;
+  options.devices = cpuDevices(2);
+  options.balance = {2, 2}; // the NaN layer opens stage 1
+  options.microBatches = 2;
+  Pipeline pipe(layersOf(net), options);
+  const torch::Tensor loss = pipe.trainStep(
+      torch::randn({4, 6}), torch::randint(0, 3, {4}, torch::kLong),
+      crossEntropy);
+  EXPECT_TRUE(std::isfinite(loss.item<double>()));
+  const Pipeline::GradientNorm norm = pipe.clipGradNorm(1.0);
+  EXPECT_EQ(norm.nonFiniteStage, 0);
+  EXPECT_FALSE(std::isfinite(norm.norm));
+  // Stage 1's own gradients are finite and were left as they were.
+  const auto last = pipe.parameters().back().grad();
+  EXPECT_TRUE(torch::isfinite(last).all().item<bool>());
+}
+
+} // namespace
+} // namespace tpipe

@@ -89,6 +89,12 @@ struct TrainConfig {
   int64_t evalEvery = 0;       // 0: evaluate at the end only
   int64_t checkpointEvery = 0; // 0: save at the end only (with --save)
   int64_t logEvery = 0;        // 0: about 20 progress lines per run
+  // One global gradient norm over every stage and rank, clipped to this
+  // (Pipeline::clipGradNorm); 0: measured, not clipped.
+  double clipGradNorm = 0.0;
+  // A non-finite loss or gradient: "stop" ends the run naming the step and
+  // stage; "skip" skips that step's update on every stage and rank.
+  std::string onNonFinite = "stop";
 };
 
 struct Config {

@@ -189,6 +189,20 @@ class Pipeline {
   // Micro-batched inference under no-grad; outputs concatenated in order.
   torch::Tensor forward(const torch::Tensor& input);
 
+  // After trainStep: the L2 norm of every parameter's gradient over every
+  // stage (and, across processes, every pipeline rank), as
+  // torch::nn::utils::clip_grad_norm_ computes it on the sequential model;
+  // when maxNorm > 0 and the norm exceeds it, every gradient is scaled by
+  // maxNorm / (norm + 1e-6), as that function does. A non-finite norm scales
+  // nothing: nonFiniteStage names the first stage whose gradients are not
+  // finite, the same on every process. Across processes every process must
+  // call it after each step (one collective).
+  struct GradientNorm {
+    double norm = 0.0;
+    int nonFiniteStage = -1; // -1: all finite
+  };
+  GradientNorm clipGradNorm(double maxNorm = 0.0);
+
   std::vector<torch::Tensor> parameters() const;
   // Named as nn.Sequential.state_dict() names them: "1.weight".
   std::vector<std::pair<std::string, torch::Tensor>> namedParameters() const;

@@ -127,6 +127,7 @@ struct MemoryRow {
 struct TrainSummary {
   int64_t startStep = 0; // 0 unless resumed
   int64_t steps = 0;     // optimizer steps taken in total
+  int64_t skippedSteps = 0; // non-finite, skipped (train.on_nonfinite)
   double seconds = 0.0;
   double samplesPerSecond = 0.0;
   double finalLoss = 0.0;
@@ -199,10 +200,12 @@ nlohmann::json configWithPlan(
     nlohmann::json config,
     const TuneCandidate& candidate);
 
-// Called at the start of every training step with (rank, step), on the
-// training thread. For tests: a hook that exits or stops stands in for a
-// crashed or stuck host. Not thread-safe to change while training.
-using StepHook = std::function<void(int rank, int64_t step)>;
+// Called at the start of every training step with (rank, step) and this
+// rank's input batch, on the training thread. For tests: a hook that exits
+// or stops stands in for a crashed or stuck host, one that writes a NaN
+// into the batch for a bad sample. Not thread-safe to change while training.
+using StepHook =
+    std::function<void(int rank, int64_t step, at::Tensor& input)>;
 void setStepHook(StepHook hook);
 
 } // namespace tpipe

@@ -635,6 +635,9 @@ void parseTrain(const Json& json, Config& config) {
   t.checkpointEvery =
       train.integer("checkpoint_every", 0, 0, "a non-negative integer");
   t.logEvery = train.integer("log_every", 0, 0, "a non-negative integer");
+  t.clipGradNorm = train.number(
+      "clip_grad_norm", 0.0, 0.0, 1e30, "a non-negative number (0: off)");
+  t.onNonFinite = train.choice("on_nonfinite", "stop", {"stop", "skip"});
   if (const Json* optimizer = train.find("optimizer"))
     t.optimizer = parseOptimizer(*optimizer);
   train.finish();
@@ -819,6 +822,8 @@ nlohmann::json describeConfig(const Config& config) {
         {"seed", t.seed},
         {"eval_every", t.evalEvery},
         {"checkpoint_every", t.checkpointEvery},
+        {"clip_grad_norm", t.clipGradNorm},
+        {"on_nonfinite", t.onNonFinite},
         {"optimizer",
          {{"type", o.type},
           {"lr", o.lr},

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <set>
 #include <thread>
 
@@ -745,6 +746,51 @@ torch::Tensor Pipeline::trainStep(
       mean,
       torch::TensorOptions().dtype(
           lastIsLocal ? total.scalar_type() : torch::kFloat));
+}
+
+Pipeline::GradientNorm Pipeline::clipGradNorm(double maxNorm) {
+  const int stages = impl_->schedule.stages();
+  // Squares per stage in double, one device sync per stage.
+  std::vector<double> squares(stages, 0.0);
+  for (const auto& stage : impl_->stages) {
+    if (!impl_->isLocalStage(stage.index))
+      continue;
+    std::vector<at::Tensor> norms;
+    for (const auto& gradient : impl_->gradientsOf(stage.index)) {
+      if (gradient.defined())
+        norms.push_back(gradient.norm().to(at::kDouble));
+    }
+    if (!norms.empty())
+      squares[stage.index] = at::stack(norms).pow(2).sum().item<double>();
+  }
+  if (auto* communicator = impl_->options.communicator.get()) {
+    // Replicas hold the same (averaged) gradients: count one of them.
+    squares = communicator->sum(squares);
+    for (double& value : squares)
+      value /= communicator->replicas();
+  }
+  GradientNorm result;
+  double total = 0.0;
+  for (int s = 0; s < stages; ++s) {
+    if (!std::isfinite(squares[s]) && result.nonFiniteStage < 0)
+      result.nonFiniteStage = s;
+    total += squares[s];
+  }
+  result.norm = std::sqrt(total);
+  if (result.nonFiniteStage >= 0 || maxNorm <= 0.0)
+    return result;
+  const double scale = maxNorm / (result.norm + 1e-6);
+  if (scale < 1.0) {
+    for (const auto& stage : impl_->stages) {
+      if (!impl_->isLocalStage(stage.index))
+        continue;
+      for (auto& gradient : impl_->gradientsOf(stage.index)) {
+        if (gradient.defined())
+          gradient.mul_(scale);
+      }
+    }
+  }
+  return result;
 }
 
 torch::Tensor Pipeline::forward(const torch::Tensor& input) {

@@ -361,26 +361,44 @@ class TrainingRun {
     const double lr = learningRate(config_.train, step);
     for (auto& group : optimizer_->param_groups())
       group.options().set_lr(lr);
-    if (stepHook())
-      stepHook()(world() ? world()->rank() : 0, step);
     auto [x, y] = batches_->batch(step);
     if (world() && world()->replicas() > 1) {
       const int64_t share = config_.train.batchSize / world()->replicas();
       x = x.narrow(0, world()->replica() * share, share);
       y = y.narrow(0, world()->replica() * share, share);
     }
+    if (stepHook())
+      stepHook()(world() ? world()->rank() : 0, step, x);
     optimizer_->zero_grad();
     if (world())
       world()->rideNextSum({static_cast<double>(requestedStop.load())});
     const double loss = pipe_->trainStep(x, y, lossFn_).item<double>();
     if (world())
       stopsSignalled_ = world()->ridersSummed();
-    if (!std::isfinite(loss)) {
-      throw std::runtime_error(
-          "the loss became " + std::to_string(loss) + " at step " +
-          std::to_string(step + 1) + " (lower train.optimizer.lr?)");
+    // Every rank sees the same summed loss and norm, so all decide alike.
+    const auto norm = pipe_->clipGradNorm(config_.train.clipGradNorm);
+    if (std::isfinite(loss) && norm.nonFiniteStage < 0) {
+      optimizer_->step();
+      return loss;
     }
-    optimizer_->step();
+    auto text = [](double value) -> std::string {
+      return std::isnan(value) ? "NaN" : value > 0 ? "inf" : "-inf";
+    };
+    const std::string what = !std::isfinite(loss)
+        ? "the loss became " + text(loss)
+        : "the gradients of stage " + std::to_string(norm.nonFiniteStage) +
+            " (" + pipe_->stageDevices()[norm.nonFiniteStage] +
+            ") became non-finite (global norm " + text(norm.norm) + ")";
+    if (config_.train.onNonFinite == "stop") {
+      throw std::runtime_error(
+          what + " at step " + std::to_string(step + 1) +
+          " (lower train.optimizer.lr, set train.clip_grad_norm, or "
+          "train.on_nonfinite: \"skip\")");
+    }
+    *log_ << "step " << step + 1 << ": " << what
+          << "; its update is skipped on every stage" << std::endl;
+    ++summary_.skippedSteps;
+    optimizer_->zero_grad();
     return loss;
   }
 
@@ -566,6 +584,8 @@ class TrainingRun {
         << summary_.finalLoss << ", eval loss " << summary_.evalLoss;
     if (classification_)
       log << ", eval accuracy " << summary_.evalAccuracy;
+    if (summary_.skippedSteps > 0)
+      log << ", " << summary_.skippedSteps << " non-finite step(s) skipped";
     log << std::defaultfloat << std::endl;
   }
 

@@ -1,11 +1,13 @@
-// tpipe's command line with a fault hook: TPIPE_FAULT=rank:step:exit|hang|stop
-// makes that rank's process die or stop answering at that step, as a crashed
-// or stuck host would. Built for the tests only; the shipped binary has no
-// such hook.
+// tpipe's command line with a fault hook:
+// TPIPE_FAULT=rank:step:exit|hang|stop|nan makes that rank's process die or
+// stop answering at that step, as a crashed or stuck host would, or puts a
+// NaN into its input batch, as a bad sample would. Built for the tests only;
+// the shipped binary has no such hook.
 #include <chrono>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <limits>
 #include <string>
 #include <thread>
 
@@ -19,7 +21,8 @@ int main(int argc, char** argv) {
     char kind[16] = {0};
     if (std::sscanf(fault, "%d:%lld:%15s", &rank, &at, kind) == 3) {
       const std::string what = kind;
-      tpipe::setStepHook([rank, at, what](int current, int64_t step) {
+      tpipe::setStepHook([rank, at, what](
+                             int current, int64_t step, at::Tensor& input) {
         if (current != rank || step != at)
           return;
         std::fprintf(
@@ -28,6 +31,11 @@ int main(int argc, char** argv) {
             rank,
             what.c_str(),
             at);
+        if (what == "nan" && input.is_floating_point()) {
+          input = input.clone();
+          input.view({-1})[0] = std::numeric_limits<float>::quiet_NaN();
+          return;
+        }
         if (what == "exit")
           std::_Exit(17);
         if (what == "stop") // the whole process freezes, as under SIGSTOP
