@@ -307,6 +307,46 @@ TEST_F(DistributedTest, GradientClippingMatchesAcrossProcessesAndReplicas) {
       losses(path("plain.jsonl")).back());
 }
 
+// A head tied to the embedding on another process: its gradient is summed
+// across the processes (and replicas), the losses are the threaded run's,
+// and each process's copy is the other's bit for bit after training.
+TEST_F(DistributedTest, TiedWeightsStayEqualAcrossProcesses) {
+  const std::string tied = path("tied.json");
+  std::ofstream(tied) << R"({
+    "model": {"input_shape": [8], "layers": [
+      {"type": "embedding", "num_embeddings": 256, "embedding_dim": 16},
+      {"type": "position_embedding"},
+      {"type": "layernorm"},
+      {"type": "linear", "out_features": 256, "bias": false, "tied_to": 0}]},
+    "data": {"dataset": "text", "path": "/usr/share/common-licenses/GPL-3", "seq_len": 8},
+    "pipeline": {"devices": ["cpu:0", "cpu:1"], "micro_batches": 2, "balance": [2, 2]},
+    "train": {"batch_size": 8, "steps": 6, "seed": 1, "clip_grad_norm": 0.5,
+              "optimizer": {"type": "adam", "lr": 0.01}}
+  })";
+  ASSERT_EQ(
+      shell(binary() + " train " + tied + " --metrics " + path("threaded.jsonl"))
+          .status,
+      0);
+  const Result r = shell(
+      binary() + " launch --nproc 2 " + tied + " --save " + path("ckpt") +
+      " --metrics " + path("two.jsonl"));
+  ASSERT_EQ(r.status, 0) << r.output;
+  expectSameLosses(
+      losses(path("threaded.jsonl")), losses(path("two.jsonl")), 1e-5);
+  const Result dp = shell(
+      binary() + " launch --nproc 4 " + tied +
+      " --set pipeline.data_parallel=2 --metrics " + path("dp.jsonl"));
+  ASSERT_EQ(dp.status, 0) << dp.output;
+  expectSameLosses(
+      losses(path("threaded.jsonl")), losses(path("dp.jsonl")), 1e-5);
+  const std::string check = "/usr/bin/python3 -c \"import torch; "
+      "a = torch.load('" + path("ckpt/rank-0/model.pt") + "')['0.weight']; "
+      "b = torch.load('" + path("ckpt/rank-1/model.pt") + "')['3.weight']; "
+      "assert torch.equal(a, b), (a - b).abs().max()\"";
+  EXPECT_EQ(std::system(check.c_str()), 0) << check;
+  expectNoOrphans();
+}
+
 TEST_F(DistributedTest, ADeadRankIsNamedAtOnceWithoutALauncher) {
   const int port = 20000 + static_cast<int>(::getpid() % 20000);
   const std::string env =

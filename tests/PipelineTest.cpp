@@ -603,3 +603,172 @@ TEST(PipelineTest, NonFiniteGradientsNameTheirStageAndAreNotScaled) {
 
 } // namespace
 } // namespace tpipe
+
+namespace tpipe {
+namespace {
+
+// The reference's LM head: a linear map with the embedding's own tensor.
+struct TiedHeadImpl : torch::nn::Module {
+  explicit TiedHeadImpl(const torch::Tensor& shared) {
+    weight = register_parameter("weight", shared);
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    return torch::nn::functional::linear(x, weight);
+  }
+  torch::Tensor weight;
+};
+TORCH_MODULE(TiedHead);
+
+constexpr int64_t kVocab = 11, kDim = 8;
+
+// LibTorch's Module::parameters() lists a shared tensor once per use;
+// PyTorch's, and what an optimizer must step, once.
+std::vector<torch::Tensor> distinct(const std::vector<torch::Tensor>& all) {
+  std::vector<torch::Tensor> once;
+  for (const auto& t : all) {
+    if (std::none_of(once.begin(), once.end(), [&](const torch::Tensor& o) {
+          return o.is_same(t);
+        }))
+      once.push_back(t);
+  }
+  return once;
+}
+
+torch::nn::Sequential tiedTrunk(uint64_t seed) {
+  torch::manual_seed(seed);
+  return torch::nn::Sequential(
+      torch::nn::Embedding(kVocab, kDim),
+      torch::nn::Linear(kDim, kDim),
+      torch::nn::Tanh(),
+      torch::nn::Linear(kDim, kDim),
+      torch::nn::GELU());
+}
+
+torch::Tensor tokenLoss(const torch::Tensor& out, const torch::Tensor& y) {
+  return torch::nn::functional::cross_entropy(
+      out.reshape({-1, kVocab}), y.reshape({-1}));
+}
+
+// A GPT's embedding and head tied across stages: each stage keeps a copy,
+// and both copies' gradients equal the one shared tensor's gradient in the
+// sequential tied model, for every schedule and checkpoint mode; after an
+// optimizer step the copies are equal bit for bit.
+TEST(PipelineTest, TiedWeightsAcrossStagesAreTransparent) {
+  torch::manual_seed(9);
+  const torch::Tensor x = torch::randint(0, kVocab, {6, 3});
+  const torch::Tensor y = torch::randint(0, kVocab, {6, 3});
+  struct TiedCase {
+    const char* schedule;
+    int ranks, virtualStages;
+  };
+  for (const TiedCase& c :
+       {TiedCase{"gpipe", 3, 1},
+        TiedCase{"1f1b", 2, 1},
+        TiedCase{"zb-h1", 3, 1},
+        TiedCase{"interleaved-1f1b", 2, 2},
+        TiedCase{"zb-v", 2, 2},
+        TiedCase{"1f1b", 1, 1}}) {
+    for (auto mode : {CheckpointMode::kAlways, CheckpointMode::kNever}) {
+      SCOPED_TRACE(
+          std::string(c.schedule) + " ranks=" + std::to_string(c.ranks) +
+          " " + checkpointModeName(mode));
+      torch::nn::Sequential reference = tiedTrunk(3);
+      reference->push_back(TiedHead(
+          reference[0]->as<torch::nn::Embedding>()->weight));
+      tokenLoss(reference->forward(x), y).backward();
+      const torch::Tensor shared =
+          reference[0]->as<torch::nn::Embedding>()->weight;
+
+      torch::nn::Sequential piped = tiedTrunk(3);
+      piped->push_back(
+          torch::nn::Linear(torch::nn::LinearOptions(kDim, kVocab).bias(false)));
+      PipelineOptions options;
+      options.devices = cpuDevices(c.ranks);
+      options.virtualStages = c.virtualStages;
+      options.microBatches = 2;
+      options.schedule = c.schedule;
+      options.checkpoint = mode;
+      options.tiedParameters = {{"0.weight", "5.weight"}};
+      Pipeline pipe(layersOf(piped), options);
+      const torch::Tensor embedding =
+          piped[0]->as<torch::nn::Embedding>()->weight;
+      const torch::Tensor head = piped[5]->as<torch::nn::Linear>()->weight;
+      EXPECT_TRUE(torch::equal(head, shared)); // the copy took its values
+      const torch::Tensor loss = pipe.trainStep(x, y, tokenLoss);
+      EXPECT_LE(
+          relativeError(loss, tokenLoss(reference->forward(x), y)), 1e-5);
+      EXPECT_LE(relativeError(embedding.grad(), shared.grad()), 1e-5);
+      EXPECT_TRUE(torch::equal(embedding.grad(), head.grad()));
+      // Each tensor once: the two copies, not the shared one twice.
+      EXPECT_EQ(
+          pipe.parameters().size(), distinct(reference->parameters()).size() + 1);
+      torch::optim::Adam adam(pipe.parameters(), 0.01);
+      adam.step();
+      EXPECT_TRUE(torch::equal(embedding, head));
+      EXPECT_FALSE(torch::equal(embedding, shared));
+    }
+  }
+}
+
+// The reference model itself (one tensor in layers 0 and 5) pipelined on
+// CPU devices: the tie is found, stepped once, and the gradient is right.
+TEST(PipelineTest, OneTensorOnTwoStagesIsFoundTied) {
+  torch::manual_seed(10);
+  const torch::Tensor x = torch::randint(0, kVocab, {4, 3});
+  const torch::Tensor y = torch::randint(0, kVocab, {4, 3});
+  torch::nn::Sequential reference = tiedTrunk(4);
+  reference->push_back(
+      TiedHead(reference[0]->as<torch::nn::Embedding>()->weight));
+  tokenLoss(reference->forward(x), y).backward();
+  torch::nn::Sequential piped = tiedTrunk(4);
+  piped->push_back(TiedHead(piped[0]->as<torch::nn::Embedding>()->weight));
+  PipelineOptions options;
+  options.devices = cpuDevices(3);
+  options.microBatches = 2;
+  options.schedule = "1f1b";
+  Pipeline pipe(layersOf(piped), options);
+  pipe.trainStep(x, y, tokenLoss);
+  EXPECT_EQ(pipe.parameters().size(), distinct(reference->parameters()).size());
+  EXPECT_LE(
+      relativeError(
+          piped[0]->as<torch::nn::Embedding>()->weight.grad(),
+          reference[0]->as<torch::nn::Embedding>()->weight.grad()),
+      1e-5);
+  const Pipeline::GradientNorm norm = pipe.clipGradNorm(0.0);
+  EXPECT_NEAR(
+      norm.norm,
+      torch::nn::utils::clip_grad_norm_(
+          distinct(reference->parameters()), 1e9),
+      1e-5);
+}
+
+TEST(PipelineTest, BadTiesAreClearErrors) {
+  torch::nn::Sequential net = tiedTrunk(5);
+  net->push_back(torch::nn::Linear(kDim, kVocab));
+  PipelineOptions options;
+  options.devices = cpuDevices(2);
+  options.tiedParameters = {{"0.weight", "9.weight"}};
+  try {
+    Pipeline pipe(layersOf(net), options);
+    FAIL() << "expected an error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(
+        std::string(e.what()).find(
+            "tied parameter '9.weight' is not a trainable parameter"),
+        std::string::npos)
+        << e.what();
+  }
+  options.tiedParameters = {{"0.weight", "1.weight"}};
+  try {
+    Pipeline pipe(layersOf(net), options);
+    FAIL() << "expected an error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(
+        std::string(e.what()).find("differ in shape or dtype"),
+        std::string::npos)
+        << e.what();
+  }
+}
+
+} // namespace
+} // namespace tpipe

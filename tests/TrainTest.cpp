@@ -397,3 +397,81 @@ TEST(TrainTest, CharTransformerLearnsOnTinyText) {
 
 } // namespace
 } // namespace tpipe
+
+namespace tpipe {
+namespace {
+
+// A small GPT with its head tied to the token embedding (as gpt_tied.json),
+// no dropout so partitions draw nothing.
+Json tiedGptConfig() {
+  return Json::parse(R"({
+    "model": {"input_shape": [16], "layers": [
+      {"type": "embedding", "num_embeddings": 256, "embedding_dim": 32},
+      {"type": "position_embedding"},
+      {"type": "transformer_block", "heads": 2, "dropout": 0.0},
+      {"type": "transformer_block", "heads": 2, "dropout": 0.0},
+      {"type": "layernorm"},
+      {"type": "linear", "out_features": 256, "bias": false, "tied_to": 0}]},
+    "data": {"dataset": "text", "path": "/usr/share/common-licenses/GPL-3", "seq_len": 16},
+    "pipeline": {"devices": ["cpu:0", "cpu:1", "cpu:2"], "micro_batches": 3, "schedule": "1f1b"},
+    "train": {"batch_size": 12, "steps": 6, "seed": 2, "log_every": 100,
+              "optimizer": {"type": "adamw", "lr": 0.01}}
+  })");
+}
+
+// The tied GPT's losses equal the one-stage (sequential) model's, step after
+// step, for several schedules and checkpoint modes.
+TEST(TrainTest, TiedGptMatchesTheSequentialModel) {
+  const auto sequential = quietTrain(withOverrides(
+      tiedGptConfig(), {"pipeline.devices=[\"cpu:0\"]", "pipeline.micro_batches=3"}));
+  for (const char* schedule : {"gpipe", "1f1b", "zb-h1"}) {
+    for (const char* checkpoint : {"always", "never"}) {
+      SCOPED_TRACE(std::string(schedule) + " " + checkpoint);
+      const auto piped = quietTrain(withOverrides(
+          tiedGptConfig(),
+          {std::string("pipeline.schedule=") + schedule,
+           std::string("pipeline.checkpoint=") + checkpoint}));
+      ASSERT_EQ(piped.losses.size(), sequential.losses.size());
+      for (size_t i = 0; i < piped.losses.size(); ++i)
+        EXPECT_NEAR(piped.losses[i], sequential.losses[i], 1e-4) << i;
+    }
+  }
+}
+
+// The checkpoint holds the tied weight once, under both names, and PyTorch
+// loads it into the equivalent tied nn.Module.
+TEST(TrainTest, TiedCheckpointLoadsIntoATiedTorchModule) {
+  const fs::path dir = scratch("tied");
+  Json json = Json::parse(R"({
+    "model": {"input_shape": [8], "layers": [
+      {"type": "embedding", "num_embeddings": 256, "embedding_dim": 16},
+      {"type": "layernorm"},
+      {"type": "linear", "out_features": 256, "bias": false, "tied_to": 0}]},
+    "data": {"dataset": "text", "path": "/usr/share/common-licenses/GPL-3", "seq_len": 8},
+    "pipeline": {"devices": ["cpu:0", "cpu:1"], "micro_batches": 2, "balance": [2, 1]},
+    "train": {"batch_size": 8, "steps": 4, "seed": 1, "log_every": 100,
+              "optimizer": {"type": "adam", "lr": 0.01}}
+  })");
+  TrainOptions options;
+  options.saveDir = (dir / "ckpt").string();
+  quietTrain(parseConfig(json), options);
+  const std::string script =
+      "import torch, torch.nn as nn\n"
+      "d = torch.load('" + (dir / "ckpt" / "model.pt").string() + "')\n"
+      "assert sorted(d) == ['0.weight', '1.bias', '1.weight', '2.weight'], list(d)\n"
+      "assert d['0.weight'].data_ptr() == d['2.weight'].data_ptr(), 'stored twice'\n"
+      "m = nn.Sequential(nn.Embedding(256, 16), nn.LayerNorm(16), nn.Linear(16, 256, bias=False))\n"
+      "m[2].weight = m[0].weight\n"
+      "m.load_state_dict(d)\n"
+      "assert m[2].weight is m[0].weight and torch.equal(m[0].weight, d['0.weight'])\n"
+      "assert not torch.equal(d['0.weight'], nn.Embedding(256, 16).weight)\n";
+  std::ofstream(dir / "check.py") << script;
+  EXPECT_EQ(
+      std::system(("/usr/bin/python3 " + (dir / "check.py").string()).c_str()),
+      0)
+      << script;
+  fs::remove_all(dir);
+}
+
+} // namespace
+} // namespace tpipe

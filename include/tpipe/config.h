@@ -22,6 +22,9 @@ namespace tpipe {
 struct LayerSpec {
   std::string type;      // "linear", "conv2d", ..., "transformer_block"
   nlohmann::json params; // checked against the type's keys, defaults filled
+  // "tied_to": an earlier layer whose weight this layer's weight is (same
+  // shape): a GPT's LM head tied to its token embedding. -1: none.
+  int tiedTo = -1;
 };
 
 struct ModelConfig {

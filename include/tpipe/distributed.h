@@ -87,6 +87,9 @@ class Communicator {
   // their sums once it has run, empty before.
   void rideNextSum(const std::vector<double>& values);
   std::vector<double> ridersSummed();
+  // Sums a tensor over every process in place (each passes its part, the
+  // same shape and dtype); the result is bit-identical on every process.
+  void sumInPlace(at::Tensor& tensor);
   // Rank 0's values, on every process.
   std::vector<int64_t> broadcast(const std::vector<int64_t>& values);
   // Averages gradients across the replicas of this process's pipeline rank,

@@ -141,6 +141,16 @@ struct PipelineOptions {
   // it receives, which undoes 1F1B's bound on held activations. The
   // trainer keeps 2 x ranks posted when a device declares its memory.
   int receivesAhead = 0;
+  // Tied parameters, as groups of names ("0.weight", "9.weight"): one weight
+  // the model uses in several layers, e.g. a GPT's token embedding and LM
+  // head. Each layer keeps its own tensor (the pipeline copies the first's
+  // values into the others); their gradients are summed before trainStep
+  // returns, across processes too, so the copies stay equal bit for bit
+  // under any element-wise optimizer. One tensor shared by layers on
+  // different stages is a tie found without declaring it (on one host's
+  // CPU; accelerators need a copy per stage, so declare those).
+  // parameters() lists each tensor once.
+  std::vector<std::vector<std::string>> tiedParameters;
   // Per-sample output shape of every layer (from shape inference): each
   // received activation is checked against its sending stage's last layer.
   std::vector<std::vector<int64_t>> layerOutputShapes;

@@ -23,7 +23,9 @@ struct BuiltModel {
   // shapes[0] is the input (per sample); shapes[i + 1] is layer i's output.
   std::vector<std::vector<int64_t>> shapes;
   bool integerInput = false; // token ids (embedding first)
-  int64_t parameterCount = 0;
+  int64_t parameterCount = 0; // a tied weight counted once
+  // "tied_to" pairs as PipelineOptions::tiedParameters names them.
+  std::vector<std::vector<std::string>> tiedParameters;
 };
 
 // Builds the layers, inferring each input size from model.input_shape.

@@ -291,6 +291,8 @@ LayerSpec parseLayer(const Json& json, const std::string& path) {
           checkParam(rule, rule.fallback, reader.at(rule.key));
     }
   }
+  spec.tiedTo = static_cast<int>(reader.integer(
+      "tied_to", -1, 0, "the index of an earlier layer", 1 << 30));
   reader.finish();
   return spec;
 }
@@ -397,8 +399,16 @@ void parseModel(const Json& json, Config& config) {
         "expected a non-empty list of layers, got " + shown(layers));
   }
   for (size_t i = 0; i < layers.size(); ++i) {
-    config.model.layers.push_back(
-        parseLayer(layers[i], "model.layers[" + std::to_string(i) + "]"));
+    const std::string path = "model.layers[" + std::to_string(i) + "]";
+    config.model.layers.push_back(parseLayer(layers[i], path));
+    if (config.model.layers.back().tiedTo >= static_cast<int>(i)) {
+      fail(
+          path + ".tied_to",
+          std::string("must name an earlier layer (") +
+              (i == 0 ? "there is none"
+                      : "0 to " + std::to_string(i - 1)) +
+              "), got " + std::to_string(config.model.layers.back().tiedTo));
+    }
   }
   model.finish();
 }
@@ -778,6 +788,8 @@ nlohmann::json describeConfig(const Config& config) {
   for (const auto& layer : config.model.layers) {
     nlohmann::json item = layer.params;
     item["type"] = layer.type;
+    if (layer.tiedTo >= 0)
+      item["tied_to"] = layer.tiedTo;
     layers.push_back(item);
   }
   const auto& d = config.data;

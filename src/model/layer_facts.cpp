@@ -148,6 +148,18 @@ LayerFacts layernorm(const LayerInput& in) {
   return f;
 }
 
+// A learned vector per position of [..., seq, dim], added to it.
+LayerFacts positionEmbedding(const LayerInput& in) {
+  in.require(
+      in.shape.size() >= 2,
+      "expects [..., seq, dim] (after an embedding)");
+  LayerFacts f;
+  f.output = in.shape;
+  f.parameters = in.shape[in.shape.size() - 2] * in.shape.back();
+  f.forwardFlops = elements(in.shape);
+  return f;
+}
+
 LayerFacts batchnorm2d(const LayerInput& in) {
   requireImage(in);
   LayerFacts f = layernorm(in);

@@ -89,6 +89,7 @@ LayerFacts flatten(const LayerInput& in);
 LayerFacts elementwise(const LayerInput& in);
 LayerFacts dropout(const LayerInput& in);
 LayerFacts layernorm(const LayerInput& in);
+LayerFacts positionEmbedding(const LayerInput& in);
 LayerFacts batchnorm2d(const LayerInput& in);
 LayerFacts embedding(const LayerInput& in);
 LayerFacts transformerBlock(const LayerInput& in);

@@ -82,6 +82,21 @@ class TransformerBlockImpl : public torch::nn::Module {
 };
 TORCH_MODULE(TransformerBlock);
 
+// GPT-2's learned position embedding (wpe), added to the token embedding:
+// one vector per position of the input's [..., seq, dim].
+class PositionEmbeddingImpl : public torch::nn::Module {
+ public:
+  PositionEmbeddingImpl(int64_t positions, int64_t dim) {
+    weight = register_parameter(
+        "weight", torch::randn({positions, dim}) * 0.02);
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    return x + weight;
+  }
+  torch::Tensor weight;
+};
+TORCH_MODULE(PositionEmbedding);
+
 // Normalizes each micro-batch with its own statistics (as any pipeline
 // must), but accumulates sums over the micro-batches of a step and updates
 // the running statistics once per batch, as the unpartitioned model would.
@@ -162,6 +177,11 @@ BuiltLayer embedding(const LayerInput& in, const LayerFacts&) {
   const auto& p = in.params;
   return {torch::nn::AnyModule(torch::nn::Embedding(
       p["num_embeddings"].get<int64_t>(), p["embedding_dim"].get<int64_t>()))};
+}
+
+BuiltLayer positionEmbedding(const LayerInput& in, const LayerFacts&) {
+  return {torch::nn::AnyModule(PositionEmbedding(
+      in.shape[in.shape.size() - 2], in.shape.back()))};
 }
 
 BuiltLayer linear(const LayerInput& in, const LayerFacts& facts) {
@@ -274,6 +294,11 @@ const std::vector<LayerType>& layerTypes() {
        "same (over the last dim)",
        facts::layernorm,
        layernorm},
+      {"position_embedding",
+       {},
+       "[..., seq, dim] -> same, plus a learned vector per position",
+       facts::positionEmbedding,
+       positionEmbedding},
       {"batchnorm2d",
        {{"eps", K::kPositiveNumber, 1e-5}, {"momentum", K::kProbability, 0.1}},
        "[c, h, w] -> same",
@@ -304,6 +329,41 @@ const LayerType* findLayerType(const std::string& name) {
   return nullptr;
 }
 
+namespace {
+
+// Layer `layer`'s weight takes layer `to`'s values and is declared tied to
+// it: the model is the tied one, and the pipeline keeps the copies equal.
+void tie(BuiltModel& built, int to, size_t layer) {
+  const std::string where =
+      "model.layers[" + std::to_string(layer) + "].tied_to";
+  auto weightOf = [&](size_t index) {
+    auto* weight =
+        built.layers[index].module.ptr()->named_parameters().find("weight");
+    if (weight == nullptr) {
+      throw ConfigError(
+          where + ": layer " + std::to_string(index) + " has no weight");
+    }
+    return *weight;
+  };
+  const at::Tensor source = weightOf(static_cast<size_t>(to));
+  at::Tensor target = weightOf(layer);
+  if (source.sizes() != target.sizes()) {
+    std::ostringstream shapes;
+    shapes << target.sizes() << " and layer " << to << "'s " << source.sizes();
+    throw ConfigError(
+        where + ": its weight " + shapes.str() +
+        " differ in shape (a linear head tied to an embedding of V x D "
+        "has out_features V and input D, bias false)");
+  }
+  torch::NoGradGuard noGrad;
+  target.copy_(source);
+  built.parameterCount -= target.numel();
+  built.tiedParameters.push_back(
+      {std::to_string(to) + ".weight", std::to_string(layer) + ".weight"});
+}
+
+} // namespace
+
 BuiltModel buildModel(const ModelConfig& model, uint64_t seed) {
   torch::manual_seed(seed);
   BuiltModel built;
@@ -321,6 +381,8 @@ BuiltModel buildModel(const ModelConfig& model, uint64_t seed) {
       built.parameterCount += parameter.numel();
     }
     built.layers.push_back({std::to_string(i), std::move(layer.module)});
+    if (spec.tiedTo >= 0)
+      tie(built, spec.tiedTo, i);
     built.shapes.push_back(std::move(facts.output));
   }
   return built;

@@ -71,6 +71,7 @@ std::vector<std::string> Communicator::gatherText(const std::string& mine) {
 std::vector<double> Communicator::sum(const std::vector<double>& values) {
   return values;
 }
+void Communicator::sumInPlace(at::Tensor&) {}
 void Communicator::rideNextSum(const std::vector<double>&) {}
 std::vector<double> Communicator::ridersSummed() {
   return {};
@@ -641,6 +642,13 @@ std::vector<double> Communicator::sum(const std::vector<double>& values) {
   impl_->riders.clear();
   impl_->ridersSummed.assign(data + values.size(), data + all.size());
   return std::vector<double>(data, data + values.size());
+}
+
+void Communicator::sumInPlace(at::Tensor& tensor) {
+  std::vector<at::Tensor> tensors{tensor};
+  impl_->complete(
+      rank() == 0 ? 1 % worldSize() : 0, "summing a tensor across the world",
+      [&] { return impl_->worldGroup->allreduce(tensors); });
 }
 
 void Communicator::rideNextSum(const std::vector<double>& values) {

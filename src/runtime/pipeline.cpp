@@ -20,6 +20,7 @@
 #include "runtime/c10d_transport.h"
 #include "runtime/executor.h"
 #include "runtime/memory.h"
+#include "runtime/ties.h"
 #include "runtime/transport.h"
 #include "runtime/worker.h"
 #include "tpipe/partition.h"
@@ -163,7 +164,8 @@ bool knownDeterministic(const std::string& kind) {
       "ModuleList",
       "ModuleDict",
       "TransformerBlock",
-      "DeferredBatchNorm2d"};
+      "DeferredBatchNorm2d",
+      "PositionEmbedding"};
   return kinds.count(kind) > 0;
 }
 
@@ -195,6 +197,7 @@ struct Pipeline::Impl {
   std::vector<int> boundaries;
   Schedule schedule;
   std::vector<runtime::StageRuntime> stages;
+  std::vector<runtime::TiedGroup> ties; // parameters used on several stages
   runtime::LocalTransport localTransport;
   std::unique_ptr<runtime::Transport> remoteTransport;
   runtime::Transport* transport = &localTransport;
@@ -234,7 +237,14 @@ struct Pipeline::Impl {
   PlanRequest planRequest(size_t deviceCount) const;
   void checkAgreesWithPlan() const;
   void place();
+  void checkSharedTensorsStayOnOneDevice() const;
   void placeStage(int s);
+  std::vector<bool> localStages() const {
+    std::vector<bool> local(schedule.stages());
+    for (int s = 0; s < schedule.stages(); ++s)
+      local[s] = isLocalStage(s);
+    return local;
+  }
   void startWorkers();
   void run(runtime::StepState& state, const Schedule& plan);
   std::vector<at::Tensor> gradientsOf(int stage) const {
@@ -407,7 +417,9 @@ void Pipeline::Impl::placeStage(int s) {
     for (const auto& parameter : layer.ptr()->parameters()) {
       if (!parameter.requires_grad())
         continue;
-      stage.parameters.push_back(parameter);
+      // Tied copies are summed (and averaged over replicas) as a group.
+      if (!runtime::isTied(ties, parameter))
+        stage.parameters.push_back(parameter);
       stage.layerParameters.back().push_back(parameter);
     }
   }
@@ -471,6 +483,8 @@ void Pipeline::Impl::startWorkers() {
 }
 
 void Pipeline::Impl::place() {
+  ties = runtime::findTiedGroups(layers, boundaries, options.tiedParameters);
+  checkSharedTensorsStayOnOneDevice();
   stages.resize(schedule.stages());
   for (int s = 0; s < schedule.stages(); ++s)
     placeStage(s);
@@ -484,6 +498,36 @@ void Pipeline::Impl::place() {
     transferDtype = fixedTransferDtype();
   }
   startWorkers();
+}
+
+// One tensor used on stages of two accelerators cannot live on both: such
+// a tie needs a copy per stage, which only a declared tie gives.
+void Pipeline::Impl::checkSharedTensorsStayOnOneDevice() const {
+  for (const auto& group : ties) {
+    for (size_t i = 1; i < group.tensors.size(); ++i) {
+      const c10::Device a = rankDevices[schedule.rankOfStage(group.stages[0])];
+      const c10::Device b = rankDevices[schedule.rankOfStage(group.stages[i])];
+      TORCH_CHECK(
+          group.tensors[i].unsafeGetTensorImpl() !=
+                  group.tensors[0].unsafeGetTensorImpl() ||
+              a == b || (a.is_cpu() && b.is_cpu()) ||
+              !isLocalStage(group.stages[0]) || !isLocalStage(group.stages[i]),
+          "'",
+          group.names[0],
+          "' and '",
+          group.names[i],
+          "' are one tensor on stages ",
+          group.stages[0],
+          " (",
+          a,
+          ") and ",
+          group.stages[i],
+          " (",
+          b,
+          "); give each its own tensor and tie them with "
+          "PipelineOptions::tiedParameters");
+    }
+  }
 }
 
 // What crosses every boundary, when it is fixed: each layer's output shape
@@ -729,8 +773,10 @@ torch::Tensor Pipeline::trainStep(
     for (int mb = 1; mb < m; ++mb)
       total = total + state.losses[mb];
   }
-  if (!communicator)
+  if (!communicator) {
+    runtime::sumTiedGradients(impl_->ties, impl_->localStages(), nullptr);
     return total;
+  }
   // Every process returns the mean over replicas; gradients likewise, their
   // reductions started as each stage's backward ended, or now.
   const double local = lastIsLocal ? total.item<double>() : 0.0;
@@ -742,6 +788,7 @@ torch::Tensor Pipeline::trainStep(
     }
   }
   communicator->finishAveraging();
+  runtime::sumTiedGradients(impl_->ties, impl_->localStages(), communicator);
   return torch::tensor(
       mean,
       torch::TensorOptions().dtype(
@@ -762,6 +809,15 @@ Pipeline::GradientNorm Pipeline::clipGradNorm(double maxNorm) {
     }
     if (!norms.empty())
       squares[stage.index] = at::stack(norms).pow(2).sum().item<double>();
+  }
+  // A tied group's copies hold one (summed) gradient: counted once, where
+  // its first use lives.
+  for (const auto& group : impl_->ties) {
+    const at::Tensor& gradient = group.tensors.front().grad();
+    if (impl_->isLocalStage(group.stages.front()) && gradient.defined()) {
+      const double norm = gradient.norm().item<double>();
+      squares[group.stages.front()] += norm * norm;
+    }
   }
   if (auto* communicator = impl_->options.communicator.get()) {
     // Replicas hold the same (averaged) gradients: count one of them.
@@ -787,6 +843,15 @@ Pipeline::GradientNorm Pipeline::clipGradNorm(double maxNorm) {
       for (auto& gradient : impl_->gradientsOf(stage.index)) {
         if (gradient.defined())
           gradient.mul_(scale);
+      }
+    }
+    std::set<const c10::TensorImpl*> scaled;
+    for (const auto& group : impl_->ties) {
+      for (size_t i = 0; i < group.tensors.size(); ++i) {
+        const at::Tensor& gradient = group.tensors[i].grad();
+        if (impl_->isLocalStage(group.stages[i]) && gradient.defined() &&
+            scaled.insert(group.tensors[i].unsafeGetTensorImpl()).second)
+          group.tensors[i].mutable_grad().mul_(scale);
       }
     }
   }
@@ -815,9 +880,13 @@ torch::Tensor Pipeline::forward(const torch::Tensor& input) {
 }
 
 std::vector<torch::Tensor> Pipeline::parameters() const {
+  // A tensor two layers share is stepped once.
   std::vector<torch::Tensor> all;
-  for (const auto& named : namedParameters())
-    all.push_back(named.second);
+  std::set<const c10::TensorImpl*> seen;
+  for (const auto& named : namedParameters()) {
+    if (seen.insert(named.second.unsafeGetTensorImpl()).second)
+      all.push_back(named.second);
+  }
   return all;
 }
 

@@ -137,13 +137,34 @@ std::vector<std::pair<std::string, torch::Tensor>> checkpointTensors(
   return tensors;
 }
 
+// A tied copy is written as its group's first tensor when the file holds
+// that one: one storage in the file, under every name, as a tied
+// nn.Module's state_dict has it.
+std::vector<std::pair<std::string, torch::Tensor>> withTiesShared(
+    std::vector<std::pair<std::string, torch::Tensor>> tensors,
+    const Pipeline& pipe) {
+  for (const auto& group : pipe.options().tiedParameters) {
+    auto first = std::find_if(tensors.begin(), tensors.end(), [&](auto& t) {
+      return t.first == group.front();
+    });
+    if (first == tensors.end())
+      continue;
+    for (auto& item : tensors) {
+      if (std::find(group.begin() + 1, group.end(), item.first) != group.end())
+        item.second = first->second;
+    }
+  }
+  return tensors;
+}
+
 // The three files of a state, serialized in memory first.
 std::map<std::string, std::string> stateFiles(
     Pipeline& pipe,
     torch::optim::Optimizer& optimizer,
     Communicator* communicator) {
   c10::Dict<std::string, torch::Tensor> weights;
-  for (const auto& item : checkpointTensors(pipe, communicator)) {
+  for (const auto& item :
+       withTiesShared(checkpointTensors(pipe, communicator), pipe)) {
     weights.insert(
         item.first, item.second.detach().to(torch::kCPU).contiguous());
   }

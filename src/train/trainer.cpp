@@ -126,6 +126,7 @@ PipelineOptions pipelineOptions(
   options.layerOutputShapes.assign(
       model.shapes.begin() + 1, model.shapes.end());
   options.communicator = communicator;
+  options.tiedParameters = model.tiedParameters;
   options.overlapGradientSync = p.overlapGradSync;
   for (const auto& device : p.devices) {
     if (device.memoryBytes > 0)

@@ -1,0 +1,184 @@
+#include "runtime/ties.h"
+
+#include <algorithm>
+#include <map>
+#include <sstream>
+
+#include <ATen/core/grad_mode.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Exception.h>
+
+namespace tpipe {
+namespace runtime {
+namespace {
+
+struct Use {
+  std::string name;
+  int stage;
+  at::Tensor tensor;
+};
+
+std::string shapeText(const at::Tensor& tensor) {
+  std::ostringstream out;
+  out << tensor.sizes();
+  return out.str();
+}
+
+std::vector<Use> parameterUses(
+    const LayerList& layers,
+    const std::vector<int>& boundaries) {
+  std::vector<Use> uses;
+  int stage = 0;
+  for (size_t l = 0; l < layers.size(); ++l) {
+    while (static_cast<int>(l) >= boundaries[stage + 1])
+      ++stage;
+    for (const auto& item : layers[l].module.ptr()->named_parameters()) {
+      if (item.value().requires_grad())
+        uses.push_back({layers[l].name + "." + item.key(), stage, item.value()});
+    }
+  }
+  return uses;
+}
+
+TiedGroup declaredGroup(
+    const std::vector<std::string>& names,
+    const std::vector<Use>& uses) {
+  TORCH_CHECK(
+      names.size() >= 2,
+      "a tied group names at least two parameters, got ",
+      names.size());
+  TiedGroup group;
+  for (const auto& name : names) {
+    auto use = std::find_if(uses.begin(), uses.end(), [&](const Use& u) {
+      return u.name == name;
+    });
+    TORCH_CHECK(
+        use != uses.end(),
+        "tied parameter '",
+        name,
+        "' is not a trainable parameter of any layer (names are "
+        "\"<layer>.<parameter>\", e.g. \"0.weight\")");
+    group.names.push_back(use->name);
+    group.stages.push_back(use->stage);
+    group.tensors.push_back(use->tensor);
+  }
+  const at::Tensor& first = group.tensors.front();
+  for (size_t i = 1; i < group.tensors.size(); ++i) {
+    TORCH_CHECK(
+        group.tensors[i].sizes() == first.sizes() &&
+            group.tensors[i].scalar_type() == first.scalar_type(),
+        "tied parameters '",
+        group.names.front(),
+        "' ",
+        shapeText(first),
+        " and '",
+        group.names[i],
+        "' ",
+        shapeText(group.tensors[i]),
+        " differ in shape or dtype");
+  }
+  return group;
+}
+
+bool sameTensor(const at::Tensor& a, const at::Tensor& b) {
+  return a.unsafeGetTensorImpl() == b.unsafeGetTensorImpl();
+}
+
+} // namespace
+
+std::vector<TiedGroup> findTiedGroups(
+    const LayerList& layers,
+    const std::vector<int>& boundaries,
+    const std::vector<std::vector<std::string>>& declared) {
+  const std::vector<Use> uses = parameterUses(layers, boundaries);
+  std::vector<TiedGroup> groups;
+  for (const auto& names : declared)
+    groups.push_back(declaredGroup(names, uses));
+  // One tensor used on two stages is tied without being declared.
+  std::map<const c10::TensorImpl*, TiedGroup> shared;
+  std::vector<const c10::TensorImpl*> order;
+  for (const auto& use : uses) {
+    if (isTied(groups, use.tensor))
+      continue;
+    auto& group = shared[use.tensor.unsafeGetTensorImpl()];
+    if (group.names.empty())
+      order.push_back(use.tensor.unsafeGetTensorImpl());
+    group.names.push_back(use.name);
+    group.stages.push_back(use.stage);
+    group.tensors.push_back(use.tensor);
+  }
+  for (const auto* key : order) {
+    TiedGroup& group = shared[key];
+    const auto [low, high] =
+        std::minmax_element(group.stages.begin(), group.stages.end());
+    if (*low != *high)
+      groups.push_back(std::move(group));
+  }
+  // The copies start equal: each takes the first use's values.
+  at::NoGradGuard noGrad;
+  for (auto& group : groups) {
+    for (size_t i = 1; i < group.tensors.size(); ++i) {
+      if (!sameTensor(group.tensors[i], group.tensors.front()))
+        group.tensors[i].copy_(group.tensors.front());
+    }
+  }
+  return groups;
+}
+
+bool isTied(const std::vector<TiedGroup>& groups, const at::Tensor& tensor) {
+  for (const auto& group : groups) {
+    for (const auto& member : group.tensors) {
+      if (sameTensor(member, tensor))
+        return true;
+    }
+  }
+  return false;
+}
+
+void sumTiedGradients(
+    const std::vector<TiedGroup>& groups,
+    const std::vector<bool>& localStage,
+    Communicator* communicator) {
+  at::NoGradGuard noGrad;
+  for (const auto& group : groups) {
+    std::vector<at::Tensor> copies; // distinct, on this process's stages
+    for (size_t i = 0; i < group.tensors.size(); ++i) {
+      if (!localStage[group.stages[i]])
+        continue;
+      const bool seen = std::any_of(
+          copies.begin(), copies.end(), [&](const at::Tensor& copy) {
+            return sameTensor(copy, group.tensors[i]);
+          });
+      if (!seen)
+        copies.push_back(group.tensors[i]);
+    }
+    if (copies.empty() && !communicator)
+      continue;
+    if (!communicator && copies.size() < 2)
+      continue; // one tensor: autograd summed its uses
+    const at::Tensor& model = group.tensors.front();
+    const c10::Device device =
+        copies.empty() ? c10::Device(at::kCPU) : copies.front().device();
+    at::Tensor total = at::zeros(model.sizes(), model.options().device(device));
+    for (const auto& copy : copies) {
+      if (copy.grad().defined())
+        total.add_(copy.grad().to(device));
+    }
+    if (communicator) {
+      at::Tensor host = total.to(at::kCPU); // the process group is Gloo's
+      communicator->sumInPlace(host);
+      host.div_(communicator->replicas());
+      total = host.to(device);
+    }
+    for (auto& copy : copies) {
+      if (copy.grad().defined()) {
+        copy.mutable_grad().copy_(total);
+      } else {
+        copy.mutable_grad() = total.to(copy.device());
+      }
+    }
+  }
+}
+
+} // namespace runtime
+} // namespace tpipe

@@ -1,0 +1,46 @@
+// Tied parameters: one weight used by layers on different stages (a GPT's
+// token embedding and its LM head). Each stage keeps its own copy; their
+// gradients are summed before the optimizer step, so the copies stay equal
+// bit for bit, as Megatron's embedding group does.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "tpipe/pipeline.h"
+
+namespace tpipe {
+namespace runtime {
+
+struct TiedGroup {
+  // One entry per use, in layer order: "layer.parameter", its stage, its
+  // tensor (a tensor shared by layers appears once per use).
+  std::vector<std::string> names;
+  std::vector<int> stages;
+  std::vector<at::Tensor> tensors;
+};
+
+// The declared groups (parameter names, as namedParameters names them) and
+// the detected ones (one tensor in layers of two stages), whose uses fall on
+// more than one stage. Checks names and shapes (c10::Error naming them) and
+// copies the first use's values into the other copies.
+std::vector<TiedGroup> findTiedGroups(
+    const LayerList& layers,
+    const std::vector<int>& boundaries,
+    const std::vector<std::vector<std::string>>& declared);
+
+bool isTied(const std::vector<TiedGroup>& groups, const at::Tensor& tensor);
+
+// Sums each group's gradient over its copies on this process's stages (in
+// stage order) and, with a communicator, over every process (its replicas'
+// sums averaged), and writes the total into every local copy. Copies that
+// are one tensor count once: autograd has summed their uses already.
+void sumTiedGradients(
+    const std::vector<TiedGroup>& groups,
+    const std::vector<bool>& localStage,
+    Communicator* communicator);
+
+} // namespace runtime
+} // namespace tpipe
