@@ -475,3 +475,48 @@ TEST(TrainTest, TiedCheckpointLoadsIntoATiedTorchModule) {
 
 } // namespace
 } // namespace tpipe
+
+namespace tpipe {
+namespace {
+
+// A flat uint16 token file (as nanoGPT's prepare.py writes train.bin) feeds
+// the tied GPT; bad files are clear errors.
+TEST(TrainTest, ATokenFileTrainsTheTiedGpt) {
+  const fs::path dir = scratch("tokens");
+  fs::create_directories(dir);
+  std::vector<uint16_t> ids;
+  for (int i = 0; i < 6000; ++i)
+    ids.push_back(static_cast<uint16_t>((i * 7 + i / 13) % 200)); // a learnable pattern
+  auto write = [&](const fs::path& path, size_t bytes) {
+    std::ofstream out(path, std::ios::binary);
+    out.write(reinterpret_cast<const char*>(ids.data()), bytes);
+  };
+  write(dir / "train.bin", ids.size() * 2);
+  Json json = tiedGptConfig();
+  json["data"] = {{"dataset", "tokens"}, {"path", (dir / "train.bin").string()}, {"seq_len", 16}};
+  json["train"]["steps"] = 30;
+  const auto summary = quietTrain(parseConfig(json));
+  EXPECT_LT(summary.losses.back(), summary.losses.front() - 1.0);
+
+  write(dir / "odd.bin", 2 * 100 + 1);
+  json["data"]["path"] = (dir / "odd.bin").string();
+  try {
+    quietTrain(parseConfig(json));
+    FAIL() << "expected an error";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("not a whole number of uint16 tokens"), std::string::npos) << e.what();
+  }
+  ids.assign(4000, 300); // beyond 256 embedding rows
+  write(dir / "big.bin", ids.size() * 2);
+  json["data"]["path"] = (dir / "big.bin").string();
+  try {
+    quietTrain(parseConfig(json));
+    FAIL() << "expected an error";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("holds token id 300, but the model has 256 embedding rows"), std::string::npos) << e.what();
+  }
+  fs::remove_all(dir);
+}
+
+} // namespace
+} // namespace tpipe

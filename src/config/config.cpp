@@ -417,9 +417,11 @@ void parseData(const Json& json, Config& config) {
   ObjectReader data(json, "data");
   auto& d = config.data;
   d.dataset =
-      data.choice("dataset", "", {"fashion-mnist", "text", "synthetic"});
+      data.choice("dataset", "", {"fashion-mnist", "text", "tokens", "synthetic"});
   if (d.dataset.empty())
     fail("data.dataset", "missing (required)");
+  if (d.dataset == "tokens" && !data.find("path"))
+    fail("data.path", "missing (required for tokens: a flat uint16 file)");
   const std::string defaultPath = d.dataset == "fashion-mnist"
       ? kFashionMnistPath
       : d.dataset == "text" ? kDefaultTextPath
@@ -437,14 +439,14 @@ void parseData(const Json& json, Config& config) {
 // A text or image dataset fixes the model's input shape.
 void checkInputShape(Config& config) {
   const auto& d = config.data;
-  if (d.dataset == "text") {
+  if (d.dataset == "text" || d.dataset == "tokens") {
     if (config.model.inputShape.empty())
       config.model.inputShape = {d.seqLen};
     if (config.model.inputShape != std::vector<int64_t>{d.seqLen}) {
       fail(
           "model.input_shape",
-          "a text model's input is [seq_len] = [" + std::to_string(d.seqLen) +
-              "]");
+          "a " + d.dataset + " model's input is [seq_len] = [" +
+              std::to_string(d.seqLen) + "]");
     }
   }
   if (d.dataset == "fashion-mnist") {

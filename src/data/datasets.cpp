@@ -140,29 +140,24 @@ Dataset fashionMnist(const Config& config) {
   return data;
 }
 
-// Next-byte prediction. The last tenth of the text is held out, cut into
-// non-overlapping windows of seq_len + 1 bytes; training windows start every
-// data.stride bytes of the rest (overlapping when stride < seq_len), so a
-// small text still yields many distinct samples.
-Dataset text(const Config& config) {
+// Next-symbol prediction over a sequence (bytes of a text, or token ids).
+// The last tenth is held out, cut into non-overlapping windows of seq_len + 1
+// symbols; training windows start every data.stride symbols of the rest
+// (overlapping when stride < seq_len), so a small text still yields many
+// distinct samples.
+Dataset nextSymbol(
+    const std::vector<int64_t>& symbols,
+    const Config& config,
+    const std::string& unit) {
   const std::string& path = config.data.path;
-  if (!fileExists(path)) {
-    throw ConfigError(
-        "data.path: " + path + " not found" +
-        (path == kDefaultTextPath ? " (Debian's package base-files provides it)"
-                                  : ""));
-  }
-  std::ifstream file(path, std::ios::binary);
-  std::vector<char> bytes(
-      (std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
   const int64_t window = config.data.seqLen + 1;
-  const int64_t size = static_cast<int64_t>(bytes.size());
-  const int64_t heldBytes = std::max<int64_t>(window, size / 10);
-  const int64_t trainBytes = size - heldBytes;
-  if (trainBytes < window) {
+  const int64_t size = static_cast<int64_t>(symbols.size());
+  const int64_t held = std::max<int64_t>(window, size / 10);
+  const int64_t trainSize = size - held;
+  if (trainSize < window) {
     throw ConfigError(
-        "data.seq_len: " + path + " has " + std::to_string(size) +
-        " bytes, too few for a training and a held-out window of " +
+        "data.seq_len: " + path + " has " + std::to_string(size) + " " + unit +
+        ", too few for a training and a held-out window of " +
         std::to_string(window));
   }
   const int64_t stride = config.data.stride > 0
@@ -173,32 +168,90 @@ Dataset text(const Config& config) {
     at::Tensor all = at::empty({count, window}, at::kLong);
     auto* out = all.data_ptr<int64_t>();
     for (int64_t w = 0; w < count; ++w) {
-      for (int64_t i = 0; i < window; ++i)
-        out[w * window + i] =
-            static_cast<unsigned char>(bytes[begin + w * step + i]);
+      std::copy_n(symbols.begin() + begin + w * step, window, out + w * window);
     }
     return all;
   };
-  const at::Tensor train = windowsOf(0, trainBytes, stride);
-  const at::Tensor held = windowsOf(trainBytes, size, window);
+  const at::Tensor train = windowsOf(0, trainSize, stride);
+  const at::Tensor heldOut = windowsOf(trainSize, size, window);
   Dataset data;
   data.trainInputs = train.narrow(1, 0, window - 1).contiguous();
   data.trainTargets = train.narrow(1, 1, window - 1).contiguous();
-  data.evalInputs = held.narrow(1, 0, window - 1).contiguous();
-  data.evalTargets = held.narrow(1, 1, window - 1).contiguous();
+  data.evalInputs = heldOut.narrow(1, 0, window - 1).contiguous();
+  data.evalTargets = heldOut.narrow(1, 1, window - 1).contiguous();
+  data.description = path + ": " + std::to_string(size) + " " + unit + ", " +
+      std::to_string(train.size(0)) + " training windows (stride " +
+      std::to_string(stride) + ") and " + std::to_string(heldOut.size(0)) +
+      " held-out windows of " + std::to_string(window - 1);
+  return data;
+}
+
+std::vector<char> readWhole(const std::string& path, const char* hint) {
+  if (!fileExists(path))
+    throw ConfigError("data.path: " + path + " not found" + hint);
+  std::ifstream file(path, std::ios::binary);
+  return std::vector<char>(
+      (std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+}
+
+Dataset text(const Config& config) {
+  const std::string& path = config.data.path;
+  const std::vector<char> bytes = readWhole(
+      path,
+      path == kDefaultTextPath ? " (Debian's package base-files provides it)"
+                               : "");
+  std::vector<int64_t> symbols(bytes.size());
   std::array<double, 256> counts{};
-  for (char c : bytes)
-    counts[static_cast<unsigned char>(c)] += 1;
+  for (size_t i = 0; i < bytes.size(); ++i) {
+    symbols[i] = static_cast<unsigned char>(bytes[i]);
+    counts[symbols[i]] += 1;
+  }
+  Dataset data = nextSymbol(symbols, config, "bytes");
+  const double size = static_cast<double>(bytes.size());
   double entropy = 0.0;
   for (double c : counts) {
     if (c > 0)
       entropy -= c / size * std::log(c / size);
   }
-  data.description = "text " + path + ": " + std::to_string(size) + " bytes, " +
-      std::to_string(train.size(0)) + " training windows (stride " +
-      std::to_string(stride) + ") and " + std::to_string(held.size(0)) +
-      " held-out windows of " + std::to_string(window - 1) +
-      "; unigram entropy " + std::to_string(entropy).substr(0, 5) + " nats";
+  data.description = "text " + data.description + "; unigram entropy " +
+      std::to_string(entropy).substr(0, 5) + " nats";
+  return data;
+}
+
+// A flat little-endian uint16 file of token ids, as GPT training scripts
+// (nanoGPT's prepare.py) write them. Every id must have an embedding row and
+// an output class.
+Dataset tokens(const Config& config, const BuiltModel& model) {
+  const std::string& path = config.data.path;
+  const std::vector<char> bytes = readWhole(path, "");
+  if (bytes.size() % 2 != 0) {
+    throw ConfigError(
+        "data.path: " + path + " has " + std::to_string(bytes.size()) +
+        " bytes, not a whole number of uint16 tokens");
+  }
+  std::vector<int64_t> symbols(bytes.size() / 2);
+  int64_t largest = 0;
+  for (size_t i = 0; i < symbols.size(); ++i) {
+    symbols[i] = static_cast<unsigned char>(bytes[2 * i]) |
+        static_cast<int64_t>(static_cast<unsigned char>(bytes[2 * i + 1]))
+            << 8;
+    largest = std::max(largest, symbols[i]);
+  }
+  const int64_t classes = model.shapes.back().back();
+  int64_t rows = classes;
+  if (!config.model.layers.empty() &&
+      config.model.layers.front().type == "embedding")
+    rows = config.model.layers.front().params["num_embeddings"].get<int64_t>();
+  if (largest >= std::min(classes, rows)) {
+    throw ConfigError(
+        "data.path: " + path + " holds token id " + std::to_string(largest) +
+        ", but the model has " + std::to_string(rows) +
+        " embedding rows and " + std::to_string(classes) +
+        " output classes (both must exceed every id)");
+  }
+  Dataset data = nextSymbol(symbols, config, "tokens");
+  data.description = "tokens " + data.description + "; largest id " +
+      std::to_string(largest);
   return data;
 }
 
@@ -284,6 +337,14 @@ void checkLossFits(const Config& config, const BuiltModel& model) {
           shape(out) +
           " per sample (end with a linear layer of out_features 10)");
     }
+    if (dataset == "tokens" &&
+        (out.size() != 2 || out[0] != config.data.seqLen)) {
+      throw ConfigError(
+          "model.layers: a token model predicts a token at each of " +
+          std::to_string(config.data.seqLen) + " positions, [" +
+          std::to_string(config.data.seqLen) +
+          ", vocabulary]; the model outputs " + shape(out));
+    }
     if (dataset == "text" &&
         (out.size() != 2 || out[0] != config.data.seqLen || out[1] < 256)) {
       throw ConfigError(
@@ -312,6 +373,8 @@ Dataset loadDataset(const Config& config, const BuiltModel& model) {
   }
   if (config.data.dataset == "text")
     return text(config);
+  if (config.data.dataset == "tokens")
+    return tokens(config, model);
   return synthetic(config, model);
 }
 
