@@ -772,3 +772,83 @@ TEST(PipelineTest, BadTiesAreClearErrors) {
 
 } // namespace
 } // namespace tpipe
+
+#include <cstdlib>
+#include <filesystem>
+
+#include "tpipe/torchscript.h"
+
+namespace tpipe {
+namespace {
+
+// Reads a file torch.save wrote (a dict of tensors).
+c10::Dict<c10::IValue, c10::IValue> loadTorchSave(const std::string& path) {
+  std::ifstream file(path, std::ios::binary);
+  std::vector<char> bytes(
+      (std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+  return torch::pickle_load(bytes).toGenericDict();
+}
+
+// A model scripted in Python is the layer list: tpipe's first-step loss and
+// gradients equal PyTorch's on the same batch, parameters keep PyTorch's
+// names, and training updates the loaded module's own tensors.
+TEST(PipelineTest, AModelScriptedInPythonMatchesPyTorch) {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() /
+      ("tpipe-script-" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  const std::string script =
+      "import torch, torch.nn as nn\n"
+      "torch.manual_seed(0)\n"
+      "class Block(nn.Module):\n"
+      "    def __init__(self):\n"
+      "        super().__init__()\n"
+      "        self.fc = nn.Linear(12, 12)\n"
+      "        self.norm = nn.LayerNorm(12)\n"
+      "    def forward(self, x):\n"
+      "        return x + torch.tanh(self.fc(self.norm(x)))\n"
+      "m = nn.Sequential(nn.Linear(6, 12), nn.GELU(), Block(), Block(), nn.Linear(12, 3))\n"
+      "x = torch.randn(10, 6); y = torch.randint(0, 3, (10,))\n"
+      "loss = nn.functional.cross_entropy(m(x), y)\n"
+      "loss.backward()\n"
+      "torch.jit.script(m).save('" + (dir / "m.pt").string() + "')\n"
+      "ref = {'x': x, 'y': y, 'loss': loss.detach()}\n"
+      "for name, p in m.named_parameters(): ref['grad.' + name] = p.grad\n"
+      "torch.save(ref, '" + (dir / "ref.pt").string() + "')\n";
+  std::ofstream(dir / "make.py") << script;
+  ASSERT_EQ(
+      std::system(("/usr/bin/python3 " + (dir / "make.py").string()).c_str()),
+      0)
+      << "python3-torch is needed (scripts/setup installs it)";
+  const auto ref = loadTorchSave((dir / "ref.pt").string());
+  const torch::Tensor x = ref.at("x").toTensor();
+  const torch::Tensor y = ref.at("y").toTensor();
+
+  for (int microBatches : {1, 3}) {
+    SCOPED_TRACE("micro-batches " + std::to_string(microBatches));
+    PipelineOptions options;
+    options.devices = cpuDevices(3);
+    options.microBatches = microBatches;
+    options.schedule = "1f1b";
+    options.checkpoint = CheckpointMode::kAlways;
+    Pipeline pipe(loadTorchScript((dir / "m.pt").string()), options);
+    const torch::Tensor loss = pipe.trainStep(x, y, crossEntropy);
+    EXPECT_LE(relativeError(loss, ref.at("loss").toTensor()), 1e-6);
+    size_t compared = 0;
+    for (const auto& [name, parameter] : pipe.namedParameters()) {
+      ASSERT_TRUE(ref.contains("grad." + name))
+          << name << " is not PyTorch's name";
+      EXPECT_LE(
+          relativeError(parameter.grad(), ref.at("grad." + name).toTensor()),
+          1e-5)
+          << name;
+      ++compared;
+    }
+    EXPECT_EQ(compared, 12u); // 2 + 2 x (2 + 2) + 2
+  }
+  EXPECT_THROW(loadTorchScript((dir / "make.py").string()), UserError);
+  fs::remove_all(dir);
+}
+
+} // namespace
+} // namespace tpipe
