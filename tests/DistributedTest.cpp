@@ -324,7 +324,8 @@ TEST_F(DistributedTest, TiedWeightsStayEqualAcrossProcesses) {
               "optimizer": {"type": "adam", "lr": 0.01}}
   })";
   ASSERT_EQ(
-      shell(binary() + " train " + tied + " --metrics " + path("threaded.jsonl"))
+      shell(
+          binary() + " train " + tied + " --metrics " + path("threaded.jsonl"))
           .status,
       0);
   const Result r = shell(
@@ -339,9 +340,14 @@ TEST_F(DistributedTest, TiedWeightsStayEqualAcrossProcesses) {
   ASSERT_EQ(dp.status, 0) << dp.output;
   expectSameLosses(
       losses(path("threaded.jsonl")), losses(path("dp.jsonl")), 1e-5);
-  const std::string check = "/usr/bin/python3 -c \"import torch; "
-      "a = torch.load('" + path("ckpt/rank-0/model.pt") + "')['0.weight']; "
-      "b = torch.load('" + path("ckpt/rank-1/model.pt") + "')['3.weight']; "
+  const std::string check =
+      "/usr/bin/python3 -c \"import torch; "
+      "a = torch.load('" +
+      path("ckpt/rank-0/model.pt") +
+      "')['0.weight']; "
+      "b = torch.load('" +
+      path("ckpt/rank-1/model.pt") +
+      "')['3.weight']; "
       "assert torch.equal(a, b), (a - b).abs().max()\"";
   EXPECT_EQ(std::system(check.c_str()), 0) << check;
   expectNoOrphans();

@@ -545,8 +545,8 @@ TEST(PipelineTest, ClipGradNormEqualsTheSequentialModels) {
         torch::Tensor x = torch::randn({12, 6});
         torch::Tensor y = torch::randint(0, 3, {12}, torch::kLong);
         crossEntropy(reference->forward(x), y).backward();
-        const double want = torch::nn::utils::clip_grad_norm_(
-            reference->parameters(), maxNorm);
+        const double want =
+            torch::nn::utils::clip_grad_norm_(reference->parameters(), maxNorm);
         PipelineOptions options;
         options.devices = cpuDevices(ranks);
         options.microBatches = 4;
@@ -590,7 +590,8 @@ TEST(PipelineTest, NonFiniteGradientsNameTheirStageAndAreNotScaled) {
   options.microBatches = 2;
   Pipeline pipe(layersOf(net), options);
   const torch::Tensor loss = pipe.trainStep(
-      torch::randn({4, 6}), torch::randint(0, 3, {4}, torch::kLong),
+      torch::randn({4, 6}),
+      torch::randint(0, 3, {4}, torch::kLong),
       crossEntropy);
   EXPECT_TRUE(std::isfinite(loss.item<double>()));
   const Pipeline::GradientNorm norm = pipe.clipGradNorm(1.0);
@@ -670,18 +671,18 @@ TEST(PipelineTest, TiedWeightsAcrossStagesAreTransparent) {
         TiedCase{"1f1b", 1, 1}}) {
     for (auto mode : {CheckpointMode::kAlways, CheckpointMode::kNever}) {
       SCOPED_TRACE(
-          std::string(c.schedule) + " ranks=" + std::to_string(c.ranks) +
-          " " + checkpointModeName(mode));
+          std::string(c.schedule) + " ranks=" + std::to_string(c.ranks) + " " +
+          checkpointModeName(mode));
       torch::nn::Sequential reference = tiedTrunk(3);
-      reference->push_back(TiedHead(
-          reference[0]->as<torch::nn::Embedding>()->weight));
+      reference->push_back(
+          TiedHead(reference[0]->as<torch::nn::Embedding>()->weight));
       tokenLoss(reference->forward(x), y).backward();
       const torch::Tensor shared =
           reference[0]->as<torch::nn::Embedding>()->weight;
 
       torch::nn::Sequential piped = tiedTrunk(3);
-      piped->push_back(
-          torch::nn::Linear(torch::nn::LinearOptions(kDim, kVocab).bias(false)));
+      piped->push_back(torch::nn::Linear(
+          torch::nn::LinearOptions(kDim, kVocab).bias(false)));
       PipelineOptions options;
       options.devices = cpuDevices(c.ranks);
       options.virtualStages = c.virtualStages;
@@ -695,13 +696,13 @@ TEST(PipelineTest, TiedWeightsAcrossStagesAreTransparent) {
       const torch::Tensor head = piped[5]->as<torch::nn::Linear>()->weight;
       EXPECT_TRUE(torch::equal(head, shared)); // the copy took its values
       const torch::Tensor loss = pipe.trainStep(x, y, tokenLoss);
-      EXPECT_LE(
-          relativeError(loss, tokenLoss(reference->forward(x), y)), 1e-5);
+      EXPECT_LE(relativeError(loss, tokenLoss(reference->forward(x), y)), 1e-5);
       EXPECT_LE(relativeError(embedding.grad(), shared.grad()), 1e-5);
       EXPECT_TRUE(torch::equal(embedding.grad(), head.grad()));
       // Each tensor once: the two copies, not the shared one twice.
       EXPECT_EQ(
-          pipe.parameters().size(), distinct(reference->parameters()).size() + 1);
+          pipe.parameters().size(),
+          distinct(reference->parameters()).size() + 1);
       torch::optim::Adam adam(pipe.parameters(), 0.01);
       adam.step();
       EXPECT_TRUE(torch::equal(embedding, head));
@@ -737,8 +738,7 @@ TEST(PipelineTest, OneTensorOnTwoStagesIsFoundTied) {
   const Pipeline::GradientNorm norm = pipe.clipGradNorm(0.0);
   EXPECT_NEAR(
       norm.norm,
-      torch::nn::utils::clip_grad_norm_(
-          distinct(reference->parameters()), 1e9),
+      torch::nn::utils::clip_grad_norm_(distinct(reference->parameters()), 1e9),
       1e-5);
 }
 
@@ -811,10 +811,13 @@ TEST(PipelineTest, AModelScriptedInPythonMatchesPyTorch) {
       "x = torch.randn(10, 6); y = torch.randint(0, 3, (10,))\n"
       "loss = nn.functional.cross_entropy(m(x), y)\n"
       "loss.backward()\n"
-      "torch.jit.script(m).save('" + (dir / "m.pt").string() + "')\n"
+      "torch.jit.script(m).save('" +
+      (dir / "m.pt").string() +
+      "')\n"
       "ref = {'x': x, 'y': y, 'loss': loss.detach()}\n"
       "for name, p in m.named_parameters(): ref['grad.' + name] = p.grad\n"
-      "torch.save(ref, '" + (dir / "ref.pt").string() + "')\n";
+      "torch.save(ref, '" +
+      (dir / "ref.pt").string() + "')\n";
   std::ofstream(dir / "make.py") << script;
   ASSERT_EQ(
       std::system(("/usr/bin/python3 " + (dir / "make.py").string()).c_str()),

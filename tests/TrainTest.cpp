@@ -423,7 +423,8 @@ Json tiedGptConfig() {
 // step, for several schedules and checkpoint modes.
 TEST(TrainTest, TiedGptMatchesTheSequentialModel) {
   const auto sequential = quietTrain(withOverrides(
-      tiedGptConfig(), {"pipeline.devices=[\"cpu:0\"]", "pipeline.micro_batches=3"}));
+      tiedGptConfig(),
+      {"pipeline.devices=[\"cpu:0\"]", "pipeline.micro_batches=3"}));
   for (const char* schedule : {"gpipe", "1f1b", "zb-h1"}) {
     for (const char* checkpoint : {"always", "never"}) {
       SCOPED_TRACE(std::string(schedule) + " " + checkpoint);
@@ -457,7 +458,9 @@ TEST(TrainTest, TiedCheckpointLoadsIntoATiedTorchModule) {
   quietTrain(parseConfig(json), options);
   const std::string script =
       "import torch, torch.nn as nn\n"
-      "d = torch.load('" + (dir / "ckpt" / "model.pt").string() + "')\n"
+      "d = torch.load('" +
+      (dir / "ckpt" / "model.pt").string() +
+      "')\n"
       "assert sorted(d) == ['0.weight', '1.bias', '1.weight', '2.weight'], list(d)\n"
       "assert d['0.weight'].data_ptr() == d['2.weight'].data_ptr(), 'stored twice'\n"
       "m = nn.Sequential(nn.Embedding(256, 16), nn.LayerNorm(16), nn.Linear(16, 256, bias=False))\n"
@@ -486,14 +489,18 @@ TEST(TrainTest, ATokenFileTrainsTheTiedGpt) {
   fs::create_directories(dir);
   std::vector<uint16_t> ids;
   for (int i = 0; i < 6000; ++i)
-    ids.push_back(static_cast<uint16_t>((i * 7 + i / 13) % 200)); // a learnable pattern
+    ids.push_back(
+        static_cast<uint16_t>((i * 7 + i / 13) % 200)); // a learnable pattern
   auto write = [&](const fs::path& path, size_t bytes) {
     std::ofstream out(path, std::ios::binary);
     out.write(reinterpret_cast<const char*>(ids.data()), bytes);
   };
   write(dir / "train.bin", ids.size() * 2);
   Json json = tiedGptConfig();
-  json["data"] = {{"dataset", "tokens"}, {"path", (dir / "train.bin").string()}, {"seq_len", 16}};
+  json["data"] = {
+      {"dataset", "tokens"},
+      {"path", (dir / "train.bin").string()},
+      {"seq_len", 16}};
   json["train"]["steps"] = 30;
   const auto summary = quietTrain(parseConfig(json));
   EXPECT_LT(summary.losses.back(), summary.losses.front() - 1.0);
@@ -504,7 +511,10 @@ TEST(TrainTest, ATokenFileTrainsTheTiedGpt) {
     quietTrain(parseConfig(json));
     FAIL() << "expected an error";
   } catch (const ConfigError& e) {
-    EXPECT_NE(std::string(e.what()).find("not a whole number of uint16 tokens"), std::string::npos) << e.what();
+    EXPECT_NE(
+        std::string(e.what()).find("not a whole number of uint16 tokens"),
+        std::string::npos)
+        << e.what();
   }
   ids.assign(4000, 300); // beyond 256 embedding rows
   write(dir / "big.bin", ids.size() * 2);
@@ -513,7 +523,11 @@ TEST(TrainTest, ATokenFileTrainsTheTiedGpt) {
     quietTrain(parseConfig(json));
     FAIL() << "expected an error";
   } catch (const ConfigError& e) {
-    EXPECT_NE(std::string(e.what()).find("holds token id 300, but the model has 256 embedding rows"), std::string::npos) << e.what();
+    EXPECT_NE(
+        std::string(e.what()).find(
+            "holds token id 300, but the model has 256 embedding rows"),
+        std::string::npos)
+        << e.what();
   }
   fs::remove_all(dir);
 }

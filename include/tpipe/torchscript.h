@@ -2,7 +2,8 @@
 // children, in order, are the layer list.
 //
 //   # Python
-//   torch.jit.script(nn.Sequential(nn.Linear(6, 12), nn.Tanh(), ...)).save("m.pt")
+//   torch.jit.script(nn.Sequential(nn.Linear(6, 12), nn.Tanh(),
+//   ...)).save("m.pt")
 //   // C++
 //   tpipe::Pipeline pipe(tpipe::loadTorchScript("m.pt"), options);
 //

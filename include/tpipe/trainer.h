@@ -22,7 +22,7 @@ struct BuiltModel {
   LayerList layers;
   // shapes[0] is the input (per sample); shapes[i + 1] is layer i's output.
   std::vector<std::vector<int64_t>> shapes;
-  bool integerInput = false; // token ids (embedding first)
+  bool integerInput = false;  // token ids (embedding first)
   int64_t parameterCount = 0; // a tied weight counted once
   // "tied_to" pairs as PipelineOptions::tiedParameters names them.
   std::vector<std::vector<std::string>> tiedParameters;
@@ -127,8 +127,8 @@ struct MemoryRow {
 };
 
 struct TrainSummary {
-  int64_t startStep = 0; // 0 unless resumed
-  int64_t steps = 0;     // optimizer steps taken in total
+  int64_t startStep = 0;    // 0 unless resumed
+  int64_t steps = 0;        // optimizer steps taken in total
   int64_t skippedSteps = 0; // non-finite, skipped (train.on_nonfinite)
   double seconds = 0.0;
   double samplesPerSecond = 0.0;
@@ -206,8 +206,7 @@ nlohmann::json configWithPlan(
 // rank's input batch, on the training thread. For tests: a hook that exits
 // or stops stands in for a crashed or stuck host, one that writes a NaN
 // into the batch for a bad sample. Not thread-safe to change while training.
-using StepHook =
-    std::function<void(int rank, int64_t step, at::Tensor& input)>;
+using StepHook = std::function<void(int rank, int64_t step, at::Tensor& input)>;
 void setStepHook(StepHook hook);
 
 } // namespace tpipe

@@ -405,8 +405,7 @@ void parseModel(const Json& json, Config& config) {
       fail(
           path + ".tied_to",
           std::string("must name an earlier layer (") +
-              (i == 0 ? "there is none"
-                      : "0 to " + std::to_string(i - 1)) +
+              (i == 0 ? "there is none" : "0 to " + std::to_string(i - 1)) +
               "), got " + std::to_string(config.model.layers.back().tiedTo));
     }
   }
@@ -416,8 +415,8 @@ void parseModel(const Json& json, Config& config) {
 void parseData(const Json& json, Config& config) {
   ObjectReader data(json, "data");
   auto& d = config.data;
-  d.dataset =
-      data.choice("dataset", "", {"fashion-mnist", "text", "tokens", "synthetic"});
+  d.dataset = data.choice(
+      "dataset", "", {"fashion-mnist", "text", "tokens", "synthetic"});
   if (d.dataset.empty())
     fail("data.dataset", "missing (required)");
   if (d.dataset == "tokens" && !data.find("path"))
@@ -785,15 +784,24 @@ Config loadConfig(
   return parseConfig(readConfigJson(path, overrides));
 }
 
-nlohmann::json describeConfig(const Config& config) {
+namespace {
+
+nlohmann::json describeLayers(const ModelConfig& model) {
   nlohmann::json layers = nlohmann::json::array();
-  for (const auto& layer : config.model.layers) {
+  for (const auto& layer : model.layers) {
     nlohmann::json item = layer.params;
     item["type"] = layer.type;
     if (layer.tiedTo >= 0)
       item["tied_to"] = layer.tiedTo;
     layers.push_back(item);
   }
+  return layers;
+}
+
+} // namespace
+
+nlohmann::json describeConfig(const Config& config) {
+  const nlohmann::json layers = describeLayers(config.model);
   const auto& d = config.data;
   const auto& p = config.pipeline;
   const auto& t = config.train;

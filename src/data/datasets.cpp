@@ -233,8 +233,7 @@ Dataset tokens(const Config& config, const BuiltModel& model) {
   int64_t largest = 0;
   for (size_t i = 0; i < symbols.size(); ++i) {
     symbols[i] = static_cast<unsigned char>(bytes[2 * i]) |
-        static_cast<int64_t>(static_cast<unsigned char>(bytes[2 * i + 1]))
-            << 8;
+        static_cast<int64_t>(static_cast<unsigned char>(bytes[2 * i + 1])) << 8;
     largest = std::max(largest, symbols[i]);
   }
   const int64_t classes = model.shapes.back().back();
@@ -245,13 +244,13 @@ Dataset tokens(const Config& config, const BuiltModel& model) {
   if (largest >= std::min(classes, rows)) {
     throw ConfigError(
         "data.path: " + path + " holds token id " + std::to_string(largest) +
-        ", but the model has " + std::to_string(rows) +
-        " embedding rows and " + std::to_string(classes) +
+        ", but the model has " + std::to_string(rows) + " embedding rows and " +
+        std::to_string(classes) +
         " output classes (both must exceed every id)");
   }
   Dataset data = nextSymbol(symbols, config, "tokens");
-  data.description = "tokens " + data.description + "; largest id " +
-      std::to_string(largest);
+  data.description =
+      "tokens " + data.description + "; largest id " + std::to_string(largest);
   return data;
 }
 

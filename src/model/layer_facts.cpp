@@ -151,8 +151,7 @@ LayerFacts layernorm(const LayerInput& in) {
 // A learned vector per position of [..., seq, dim], added to it.
 LayerFacts positionEmbedding(const LayerInput& in) {
   in.require(
-      in.shape.size() >= 2,
-      "expects [..., seq, dim] (after an embedding)");
+      in.shape.size() >= 2, "expects [..., seq, dim] (after an embedding)");
   LayerFacts f;
   f.output = in.shape;
   f.parameters = in.shape[in.shape.size() - 2] * in.shape.back();

@@ -87,8 +87,8 @@ TORCH_MODULE(TransformerBlock);
 class PositionEmbeddingImpl : public torch::nn::Module {
  public:
   PositionEmbeddingImpl(int64_t positions, int64_t dim) {
-    weight = register_parameter(
-        "weight", torch::randn({positions, dim}) * 0.02);
+    weight =
+        register_parameter("weight", torch::randn({positions, dim}) * 0.02);
   }
   torch::Tensor forward(const torch::Tensor& x) {
     return x + weight;
@@ -180,8 +180,8 @@ BuiltLayer embedding(const LayerInput& in, const LayerFacts&) {
 }
 
 BuiltLayer positionEmbedding(const LayerInput& in, const LayerFacts&) {
-  return {torch::nn::AnyModule(PositionEmbedding(
-      in.shape[in.shape.size() - 2], in.shape.back()))};
+  return {torch::nn::AnyModule(
+      PositionEmbedding(in.shape[in.shape.size() - 2], in.shape.back()))};
 }
 
 BuiltLayer linear(const LayerInput& in, const LayerFacts& facts) {

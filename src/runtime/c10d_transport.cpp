@@ -202,7 +202,8 @@ struct Communicator::Impl {
   int nextReplica() const {
     const int replicas = world.worldSize / pipelineRanks;
     const int replica = world.rank / pipelineRanks;
-    return (replica + 1) % replicas * pipelineRanks + world.rank % pipelineRanks;
+    return (replica + 1) % replicas * pipelineRanks +
+        world.rank % pipelineRanks;
   }
 
   // Runs `body` (posting or waiting for an operation with `peer`), turning
@@ -647,7 +648,8 @@ std::vector<double> Communicator::sum(const std::vector<double>& values) {
 void Communicator::sumInPlace(at::Tensor& tensor) {
   std::vector<at::Tensor> tensors{tensor};
   impl_->complete(
-      rank() == 0 ? 1 % worldSize() : 0, "summing a tensor across the world",
+      rank() == 0 ? 1 % worldSize() : 0,
+      "summing a tensor across the world",
       [&] { return impl_->worldGroup->allreduce(tensors); });
 }
 

@@ -34,7 +34,8 @@ std::vector<Use> parameterUses(
       ++stage;
     for (const auto& item : layers[l].module.ptr()->named_parameters()) {
       if (item.value().requires_grad())
-        uses.push_back({layers[l].name + "." + item.key(), stage, item.value()});
+        uses.push_back(
+            {layers[l].name + "." + item.key(), stage, item.value()});
     }
   }
   return uses;
@@ -49,9 +50,8 @@ TiedGroup declaredGroup(
       names.size());
   TiedGroup group;
   for (const auto& name : names) {
-    auto use = std::find_if(uses.begin(), uses.end(), [&](const Use& u) {
-      return u.name == name;
-    });
+    auto use = std::find_if(
+        uses.begin(), uses.end(), [&](const Use& u) { return u.name == name; });
     TORCH_CHECK(
         use != uses.end(),
         "tied parameter '",

@@ -21,30 +21,30 @@ int main(int argc, char** argv) {
     char kind[16] = {0};
     if (std::sscanf(fault, "%d:%lld:%15s", &rank, &at, kind) == 3) {
       const std::string what = kind;
-      tpipe::setStepHook([rank, at, what](
-                             int current, int64_t step, at::Tensor& input) {
-        if (current != rank || step != at)
-          return;
-        std::fprintf(
-            stderr,
-            "TPIPE_FAULT: rank %d %s at step %lld\n",
-            rank,
-            what.c_str(),
-            at);
-        if (what == "nan" && input.is_floating_point()) {
-          input = input.clone();
-          input.view({-1})[0] = std::numeric_limits<float>::quiet_NaN();
-          return;
-        }
-        if (what == "exit")
-          std::_Exit(17);
-        if (what == "stop") // the whole process freezes, as under SIGSTOP
-          std::raise(SIGSTOP);
-        if (what == "hang") {
-          for (;;)
-            std::this_thread::sleep_for(std::chrono::hours(1));
-        }
-      });
+      tpipe::setStepHook(
+          [rank, at, what](int current, int64_t step, at::Tensor& input) {
+            if (current != rank || step != at)
+              return;
+            std::fprintf(
+                stderr,
+                "TPIPE_FAULT: rank %d %s at step %lld\n",
+                rank,
+                what.c_str(),
+                at);
+            if (what == "nan" && input.is_floating_point()) {
+              input = input.clone();
+              input.view({-1})[0] = std::numeric_limits<float>::quiet_NaN();
+              return;
+            }
+            if (what == "exit")
+              std::_Exit(17);
+            if (what == "stop") // the whole process freezes, as under SIGSTOP
+              std::raise(SIGSTOP);
+            if (what == "hang") {
+              for (;;)
+                std::this_thread::sleep_for(std::chrono::hours(1));
+            }
+          });
     }
   }
   return tpipe::runCommandLine(argc, argv);
