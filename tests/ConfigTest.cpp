@@ -39,7 +39,10 @@ TEST(ConfigTest, ShippedConfigsParse) {
        {"fashion_mnist_cnn",
         "char_transformer",
         "mlp_synthetic",
-        "beyond_one_device"}) {
+        "beyond_one_device",
+        "gpt_tied",
+        "data_parallel_mlp",
+        "torchscript_mlp"}) {
     const std::string path =
         std::string(TPIPE_SOURCE_DIR) + "/configs/" + name + ".json";
     SCOPED_TRACE(path);

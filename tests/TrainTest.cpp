@@ -534,3 +534,61 @@ TEST(TrainTest, ATokenFileTrainsTheTiedGpt) {
 
 } // namespace
 } // namespace tpipe
+
+namespace tpipe {
+namespace {
+
+// "model": {"torchscript": ...}: a model scripted in Python at test time
+// trains from JSON, saves under the Python module's names (load_state_dict
+// takes them back, strict), and resumes.
+TEST(TrainTest, ATorchScriptModelTrainsFromJsonAndRoundTrips) {
+  const fs::path dir = scratch("torchscript");
+  fs::create_directories(dir);
+  const std::string model = (dir / "m.pt").string();
+  const std::string python =
+      "import torch, torch.nn as nn\n"
+      "def net():\n"
+      "    return nn.Sequential(nn.Linear(12, 16), nn.Tanh(), nn.LayerNorm(16), nn.Linear(16, 4))\n"
+      "import sys\n"
+      "if sys.argv[1] == 'make':\n"
+      "    torch.manual_seed(5); torch.jit.script(net()).save('" +
+      model +
+      "')\n"
+      "else:\n"
+      "    m = net(); first = torch.jit.load('" +
+      model +
+      "')\n"
+      "    m.load_state_dict(torch.load('" +
+      (dir / "ckpt" / "model.pt").string() +
+      "'))\n"
+      "    assert not torch.equal(m[0].weight, first.state_dict()['0.weight']), 'not trained'\n";
+  std::ofstream(dir / "m.py") << python;
+  auto run = [&](const char* what) {
+    return std::system(
+        ("/usr/bin/python3 " + (dir / "m.py").string() + " " + what).c_str());
+  };
+  ASSERT_EQ(run("make"), 0)
+      << "python3-torch is needed (scripts/setup installs it)";
+  Json json = smokeConfig();
+  json["model"] = {{"input_shape", {12}}, {"torchscript", model}};
+  TrainOptions options;
+  options.saveDir = (dir / "ckpt").string();
+  options.stopAfter = 4;
+  const auto first = quietTrain(parseConfig(json), options);
+  EXPECT_EQ(first.losses.size(), 4u);
+  EXPECT_EQ(run("check"), 0) << python;
+  TrainOptions resume;
+  resume.resumeDir = options.saveDir;
+  const auto rest = quietTrain(parseConfig(json), resume);
+  EXPECT_EQ(rest.losses.size(), 4u); // steps 5 to 8
+  // Bad input: a balance for another layer count, a file that is no model.
+  json["pipeline"]["balance"] = {1, 1, 1};
+  EXPECT_THROW(quietTrain(parseConfig(json)), ConfigError);
+  json["pipeline"].erase("balance");
+  json["model"]["torchscript"] = (dir / "m.py").string();
+  EXPECT_THROW(quietTrain(parseConfig(json)), ConfigError);
+  fs::remove_all(dir);
+}
+
+} // namespace
+} // namespace tpipe

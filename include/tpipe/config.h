@@ -29,7 +29,11 @@ struct LayerSpec {
 
 struct ModelConfig {
   std::vector<int64_t> inputShape; // per sample, without the batch dim
-  std::vector<LayerSpec> layers;
+  std::vector<LayerSpec> layers;   // empty with `torchscript`
+  // A model scripted in Python (tpipe/torchscript.h): its children are the
+  // layers, counted only when it is loaded (checkPipelineFitsLayers).
+  std::string torchscript;
+  bool tokenInput = false; // token ids in (text and token data)
 };
 
 struct DataConfig {
@@ -116,6 +120,10 @@ inline int pipelineRanks(const PipelineConfig& pipeline) {
 
 // Parses and checks a config; throws ConfigError.
 Config parseConfig(const nlohmann::json& json);
+
+// The stage count and balance against the model's layer count (parseConfig
+// checks a layer list; a TorchScript model's count is known once loaded).
+void checkPipelineFitsLayers(const PipelineConfig& pipeline, size_t layers);
 
 // Every resolved value, defaults filled, keyed as in the JSON file: what
 // the ranks of one job compare before they train together.

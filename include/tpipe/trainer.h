@@ -22,8 +22,9 @@ struct BuiltModel {
   LayerList layers;
   // shapes[0] is the input (per sample); shapes[i + 1] is layer i's output.
   std::vector<std::vector<int64_t>> shapes;
-  bool integerInput = false;  // token ids (embedding first)
-  int64_t parameterCount = 0; // a tied weight counted once
+  bool integerInput = false;   // token ids (embedding first)
+  int64_t inputVocabulary = 0; // with token ids: the first layer's rows
+  int64_t parameterCount = 0;  // a tied weight counted once
   // "tied_to" pairs as PipelineOptions::tiedParameters names them.
   std::vector<std::vector<std::string>> tiedParameters;
 };
@@ -33,6 +34,9 @@ struct BuiltModel {
 // "model.layers[4] (linear): expects an input of rank >= 1 ...".
 // Weights are initialized from `seed`.
 BuiltModel buildModel(const ModelConfig& model, uint64_t seed);
+// The same, checking the pipeline's stage count and balance against the
+// built model (a TorchScript model's layers are counted once loaded).
+BuiltModel buildModel(const Config& config);
 
 // A layer that tracks statistics over the whole batch while normalizing per
 // micro-batch (torchgpipe's deferred batch norm), named like PyTorch's

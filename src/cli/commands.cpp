@@ -53,7 +53,7 @@ int validateConfig(
     const std::vector<std::string>& overrides) {
   const tpipe::Config config = tpipe::parseConfig(configJson(path, overrides));
   const tpipe::BuiltModel model =
-      tpipe::buildModel(config.model, config.train.seed);
+      tpipe::buildModel(config);
   tpipe::checkLossFits(config, model);
   std::printf("%-6s %-18s %-18s %s\n", "layer", "type", "output", "parameters");
   std::printf(
@@ -187,7 +187,7 @@ int planCommand(
     if (stages > 0)
       config.pipeline.stages = stages;
     const tpipe::BuiltModel model =
-        tpipe::buildModel(config.model, config.train.seed);
+        tpipe::buildModel(config);
     request = tpipe::planRequest(
         config, tpipe::trainingCosts(config, model, profilePath, true));
   }
@@ -221,7 +221,7 @@ int profileCommand(
   const tpipe::Config config =
       tpipe::parseConfig(configJson(configPath, overrides));
   const tpipe::BuiltModel model =
-      tpipe::buildModel(config.model, config.train.seed);
+      tpipe::buildModel(config);
   const tpipe::Profile profile = tpipe::profileModel(config, model);
   std::printf(
       "%-24s %10s %10s %12s %12s %12s\n",

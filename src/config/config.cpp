@@ -392,6 +392,15 @@ void parseModel(const Json& json, Config& config) {
   if (const Json* shape = model.find("input_shape")) {
     config.model.inputShape = parseShape(*shape, "model.input_shape");
   }
+  if (const Json* script = model.find("torchscript")) {
+    if (!script->is_string() || script->get<std::string>().empty())
+      fail("model.torchscript", "expected the path of a TorchScript file");
+    if (model.find("layers"))
+      fail("model.layers", "give either layers or torchscript, not both");
+    config.model.torchscript = script->get<std::string>();
+    model.finish();
+    return;
+  }
   const Json& layers = model.require("layers");
   if (!layers.is_array() || layers.empty()) {
     fail(
@@ -439,6 +448,7 @@ void parseData(const Json& json, Config& config) {
 void checkInputShape(Config& config) {
   const auto& d = config.data;
   if (d.dataset == "text" || d.dataset == "tokens") {
+    config.model.tokenInput = true;
     if (config.model.inputShape.empty())
       config.model.inputShape = {d.seqLen};
     if (config.model.inputShape != std::vector<int64_t>{d.seqLen}) {
@@ -543,22 +553,8 @@ void checkPipeline(const Config& config) {
         "has " + std::to_string(p.balance.size()) + " entries for " +
             std::to_string(stages) + " stages");
   }
-  int balanced = 0;
-  for (int layers : p.balance)
-    balanced += layers;
-  if (!p.balance.empty() &&
-      balanced != static_cast<int>(config.model.layers.size())) {
-    fail(
-        "pipeline.balance",
-        "sums to " + std::to_string(balanced) + " layers, but the model has " +
-            std::to_string(config.model.layers.size()));
-  }
-  if (stages > static_cast<int>(config.model.layers.size())) {
-    fail(
-        "pipeline.stages",
-        "more stages (" + std::to_string(stages) + ") than layers (" +
-            std::to_string(config.model.layers.size()) + ")");
-  }
+  if (config.model.torchscript.empty())
+    checkPipelineFitsLayers(p, config.model.layers.size());
   if (stages % p.virtualStages != 0 ||
       stages / p.virtualStages > static_cast<int>(p.devices.size())) {
     fail(
@@ -710,6 +706,25 @@ void checkBatch(const Config& config) {
 
 } // namespace
 
+void checkPipelineFitsLayers(const PipelineConfig& p, size_t layers) {
+  const int stages = configuredStages(p);
+  int balanced = 0;
+  for (int count : p.balance)
+    balanced += count;
+  if (!p.balance.empty() && balanced != static_cast<int>(layers)) {
+    fail(
+        "pipeline.balance",
+        "sums to " + std::to_string(balanced) + " layers, but the model has " +
+            std::to_string(layers));
+  }
+  if (stages > static_cast<int>(layers)) {
+    fail(
+        "pipeline.stages",
+        "more stages (" + std::to_string(stages) + ") than layers (" +
+            std::to_string(layers) + ")");
+  }
+}
+
 Config parseConfig(const Json& json) {
   Config config;
   ObjectReader root(json, "");
@@ -813,7 +828,12 @@ nlohmann::json describeConfig(const Config& config) {
          {"memory", device.memoryBytes},
          {"speed", device.speed}});
   return {
-      {"model", {{"input_shape", config.model.inputShape}, {"layers", layers}}},
+      {"model",
+       config.model.torchscript.empty()
+           ? nlohmann::json{{"input_shape", config.model.inputShape}, {"layers", layers}}
+           : nlohmann::json{
+                 {"input_shape", config.model.inputShape},
+                 {"torchscript", config.model.torchscript}}},
       {"data",
        {{"dataset", d.dataset},
         {"path", d.path},

@@ -237,10 +237,7 @@ Dataset tokens(const Config& config, const BuiltModel& model) {
     largest = std::max(largest, symbols[i]);
   }
   const int64_t classes = model.shapes.back().back();
-  int64_t rows = classes;
-  if (!config.model.layers.empty() &&
-      config.model.layers.front().type == "embedding")
-    rows = config.model.layers.front().params["num_embeddings"].get<int64_t>();
+  const int64_t rows = model.integerInput ? model.inputVocabulary : classes;
   if (largest >= std::min(classes, rows)) {
     throw ConfigError(
         "data.path: " + path + " holds token id " + std::to_string(largest) +

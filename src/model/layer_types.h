@@ -96,4 +96,9 @@ LayerFacts transformerBlock(const LayerInput& in);
 std::string shapeText(const std::vector<int64_t>& shape);
 } // namespace facts
 
+struct BuiltModel;
+// model.torchscript's children as the layers, shapes from running a sample
+// (torchscript.cpp); throws ConfigError naming the file or the layer.
+BuiltModel buildScriptedModel(const ModelConfig& model);
+
 } // namespace tpipe

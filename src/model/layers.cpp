@@ -364,13 +364,25 @@ void tie(BuiltModel& built, int to, size_t layer) {
 
 } // namespace
 
+BuiltModel buildModel(const Config& config) {
+  BuiltModel built = buildModel(config.model, config.train.seed);
+  checkPipelineFitsLayers(config.pipeline, built.layers.size());
+  return built;
+}
+
 BuiltModel buildModel(const ModelConfig& model, uint64_t seed) {
+  if (!model.torchscript.empty())
+    return buildScriptedModel(model);
   torch::manual_seed(seed);
   BuiltModel built;
   built.shapes.push_back(model.inputShape);
   built.integerInput =
       !model.layers.empty() && model.layers.front().type == "embedding";
   bool integer = built.integerInput;
+  if (integer) {
+    built.inputVocabulary =
+        model.layers.front().params["num_embeddings"].get<int64_t>();
+  }
   for (size_t i = 0; i < model.layers.size(); ++i) {
     const LayerSpec& spec = model.layers[i];
     LayerFacts facts = layerFacts(spec, i, built.shapes.back(), integer);

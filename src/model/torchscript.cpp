@@ -1,9 +1,15 @@
 #include "tpipe/torchscript.h"
 
+#include <sstream>
+
 #include <torch/csrc/jit/serialization/import.h>
 #include <torch/nn/module.h>
+#include <torch/types.h>
+#include <torch/utils.h>
 
+#include "model/layer_types.h"
 #include "tpipe/errors.h"
+#include "tpipe/trainer.h"
 
 namespace tpipe {
 namespace {
@@ -80,6 +86,78 @@ LayerList loadTorchScript(const std::string& path) {
         reason + ")");
   }
   return layersOf(module);
+}
+
+namespace {
+
+// TorchScript's errors end with the Python-style line that says what
+// went wrong, after the interpreter's traceback.
+std::string lastLine(std::string text) {
+  while (!text.empty() && (text.back() == '\n' || text.back() == ' '))
+    text.pop_back();
+  const auto newline = text.rfind('\n');
+  return newline == std::string::npos ? text : text.substr(newline + 1);
+}
+
+std::string shapeText(at::IntArrayRef sizes) {
+  std::ostringstream out;
+  out << sizes;
+  return out.str();
+}
+
+// Each layer's per-sample output shape, from a batch of two through the
+// layers in eval mode (no dropout drawn, no statistics updated).
+void inferShapes(BuiltModel& built) {
+  std::vector<int64_t> sizes{2};
+  sizes.insert(sizes.end(), built.shapes[0].begin(), built.shapes[0].end());
+  torch::Tensor x = built.integerInput ? torch::zeros(sizes, torch::kLong)
+                                       : torch::ones(sizes);
+  torch::NoGradGuard noGrad;
+  for (size_t l = 0; l < built.layers.size(); ++l) {
+    auto& module = *built.layers[l].module.ptr();
+    module.eval();
+    try {
+      x = built.layers[l].module.forward(x);
+    } catch (const std::exception& error) {
+      throw ConfigError(
+          "model.torchscript: layer " + built.layers[l].name +
+          " fails on an input of " + shapeText(x.sizes()) +
+          " (check model.input_shape): " + lastLine(error.what()));
+    }
+    module.train();
+    built.shapes.emplace_back(x.sizes().begin() + 1, x.sizes().end());
+  }
+}
+
+} // namespace
+
+BuiltModel buildScriptedModel(const ModelConfig& model) {
+  BuiltModel built;
+  try {
+    built.layers = loadTorchScript(model.torchscript);
+  } catch (const UserError& error) {
+    throw ConfigError(std::string("model.torchscript: ") + error.what());
+  }
+  if (model.inputShape.empty())
+    throw ConfigError("model.input_shape: missing (required with torchscript)");
+  built.shapes.push_back(model.inputShape);
+  built.integerInput = model.tokenInput;
+  for (const auto& layer : built.layers) {
+    for (const auto& parameter : layer.module.ptr()->parameters())
+      built.parameterCount += parameter.numel();
+  }
+  if (built.integerInput) {
+    auto* weight =
+        built.layers.front().module.ptr()->named_parameters().find("weight");
+    if (weight == nullptr) {
+      throw ConfigError(
+          "model.torchscript: token ids need an embedding first; layer " +
+          built.layers.front().name + " has no weight");
+    }
+    built.inputVocabulary = weight->size(0);
+  }
+  inferShapes(built);
+  return built;
 }
 
 } // namespace tpipe

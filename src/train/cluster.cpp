@@ -137,6 +137,11 @@ CostModel analyticModel(const Config& config, const Cluster& cluster) {
   CostModel model;
   model.threads = {1};
   model.instructionMs = cluster.instructionMs;
+  if (!config.model.torchscript.empty()) {
+    throw ConfigError(
+        "model.torchscript: tune --cluster derives costs from a layer list's "
+        "facts; a TorchScript model's are known only by running it");
+  }
   const std::vector<LayerFacts> facts = modelFacts(config.model);
   double input = cluster.bytesPerValue;
   for (int64_t d : config.model.inputShape)

@@ -109,9 +109,8 @@ Profile profileModelWith(
     sizes.insert(sizes.end(), shape.begin(), shape.end());
     if (!model.integerInput)
       return torch::randn(sizes, generator);
-    const int64_t vocab =
-        config.model.layers.front().params["num_embeddings"].get<int64_t>();
-    return torch::randint(vocab, sizes, generator, torch::kLong);
+    return torch::randint(
+        model.inputVocabulary, sizes, generator, torch::kLong);
   };
   return profileLayers(model.layers, sample, options);
 }

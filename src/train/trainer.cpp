@@ -209,7 +209,7 @@ class TrainingRun {
           options_.overwrite,
           options_.resumeDir == options_.saveDir);
     }
-    model_ = buildModel(config_.model, config_.train.seed);
+    model_ = buildModel(config_);
     setBatchNormMicroBatches(model_, config_.pipeline.microBatches);
     data_ = loadDataset(config_, model_);
     bool capped = false;

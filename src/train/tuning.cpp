@@ -82,12 +82,12 @@ class StepMeter {
  public:
   explicit StepMeter(const Config& config)
       : config_(config),
-        shapes_(buildModel(config.model, config.train.seed)),
+        shapes_(buildModel(config)),
         data_(loadDataset(config, shapes_)),
         loss_(makeLoss(config.train.loss)) {}
 
   std::vector<StepTiming> run(const TuneCandidate& c, int warmup, int steps) {
-    BuiltModel model = buildModel(config_.model, config_.train.seed);
+    BuiltModel model = buildModel(config_);
     setBatchNormMicroBatches(model, c.microBatches);
     Pipeline pipe(model.layers, optionsFor(model, c));
     auto optimizer = makeOptimizer(config_.train.optimizer, pipe.parameters());
