@@ -102,6 +102,8 @@ struct TrainConfig {
   // A non-finite loss or gradient: "stop" ends the run naming the step and
   // stage; "skip" skips that step's update on every stage and rank.
   std::string onNonFinite = "stop";
+  // "fp32", or "bf16": forwards under bf16 autocast (PipelineOptions).
+  std::string precision = "fp32";
 };
 
 struct Config {

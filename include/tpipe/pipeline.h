@@ -141,6 +141,10 @@ struct PipelineOptions {
   // it receives, which undoes 1F1B's bound on held activations. The
   // trainer keeps 2 x ranks posted when a device declares its memory.
   int receivesAhead = 0;
+  // Mixed precision: forwards and recomputes of every stage run under
+  // autocast to this dtype (at::kBFloat16), parameters and gradients stay
+  // in their own dtype, and the loss is computed in float. Unset: off.
+  c10::optional<at::ScalarType> autocast;
   // Tied parameters, as groups of names ("0.weight", "9.weight"): one weight
   // the model uses in several layers, e.g. a GPT's token embedding and LM
   // head. Each layer keeps its own tensor (the pipeline copies the first's

@@ -645,6 +645,7 @@ void parseTrain(const Json& json, Config& config) {
   t.clipGradNorm = train.number(
       "clip_grad_norm", 0.0, 0.0, 1e30, "a non-negative number (0: off)");
   t.onNonFinite = train.choice("on_nonfinite", "stop", {"stop", "skip"});
+  t.precision = train.choice("precision", "fp32", {"fp32", "bf16"});
   if (const Json* optimizer = train.find("optimizer"))
     t.optimizer = parseOptimizer(*optimizer);
   train.finish();
@@ -866,6 +867,7 @@ nlohmann::json describeConfig(const Config& config) {
         {"checkpoint_every", t.checkpointEvery},
         {"clip_grad_norm", t.clipGradNorm},
         {"on_nonfinite", t.onNonFinite},
+        {"precision", t.precision},
         {"optimizer",
          {{"type", o.type},
           {"lr", o.lr},

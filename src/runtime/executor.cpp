@@ -5,11 +5,13 @@
 #include <ATen/core/grad_mode.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Context.h>
+#include <ATen/autocast_mode.h>
 #include <ATen/ops/zeros_like.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/autograd.h>
+#include <torch/version.h>
 
 #include "overloaded.h"
 
@@ -72,6 +74,72 @@ class StageGeneratorScope {
   at::Tensor saved_;
 };
 
+// Autocast for one stage's forward, on the worker's thread (autocast is
+// per thread). The cast cache is cleared when the outermost scope ends: a
+// cached low-precision copy of a weight must not outlive the optimizer step
+// that changes the weight.
+class AutocastScope {
+ public:
+  AutocastScope(c10::DeviceType type, c10::optional<at::ScalarType> dtype)
+      : type_(type), on_(dtype.has_value()) {
+    if (!on_)
+      return;
+#if TORCH_VERSION_MAJOR > 2 || \
+    (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
+    wasEnabled_ = at::autocast::is_autocast_enabled(type);
+    previousDtype_ = at::autocast::get_autocast_dtype(type);
+#else
+    const bool cpu = type == c10::kCPU;
+    wasEnabled_ =
+        cpu ? at::autocast::is_cpu_enabled() : at::autocast::is_enabled();
+    previousDtype_ = cpu ? at::autocast::get_autocast_cpu_dtype()
+                         : at::autocast::get_autocast_gpu_dtype();
+#endif
+    set(true, *dtype);
+    at::autocast::increment_nesting();
+  }
+  ~AutocastScope() {
+    if (!on_)
+      return;
+    if (at::autocast::decrement_nesting() == 0)
+      at::autocast::clear_cache();
+    set(wasEnabled_, previousDtype_);
+  }
+  AutocastScope(const AutocastScope&) = delete;
+  AutocastScope& operator=(const AutocastScope&) = delete;
+
+ private:
+  void set(bool enabled, at::ScalarType dtype) const {
+#if TORCH_VERSION_MAJOR > 2 || \
+    (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
+    at::autocast::set_autocast_dtype(type_, dtype);
+    at::autocast::set_autocast_enabled(type_, enabled);
+#else
+    if (type_ == c10::kCPU) {
+      at::autocast::set_autocast_cpu_dtype(dtype);
+      at::autocast::set_cpu_enabled(enabled);
+    } else {
+      at::autocast::set_autocast_gpu_dtype(dtype);
+      at::autocast::set_enabled(enabled);
+    }
+#endif
+  }
+
+  c10::DeviceType type_;
+  bool on_;
+  bool wasEnabled_ = false;
+  at::ScalarType previousDtype_ = at::kFloat;
+};
+
+// Under autocast a stage's output may be bf16; losses and returned outputs
+// are computed and kept in float.
+at::Tensor fullPrecision(const at::Tensor& tensor) {
+  return tensor.is_floating_point() && tensor.scalar_type() != at::kFloat &&
+          tensor.scalar_type() != at::kDouble
+      ? tensor.to(at::kFloat)
+      : tensor;
+}
+
 class RankExecutor {
  public:
   explicit RankExecutor(StepState& state) : state_(state) {}
@@ -102,7 +170,8 @@ class RankExecutor {
       if (training) {
         state_.losses[op.microBatch] = output.detach();
       } else {
-        state_.outputs[op.microBatch] = output;
+        state_.outputs[op.microBatch] =
+            state_.autocast ? fullPrecision(output) : output;
       }
     }
     stash.output = std::move(output);
@@ -330,10 +399,11 @@ class RankExecutor {
 
   // With `record`, keeps the output of every layer that owns parameters,
   // for a split backward's weight pass.
-  static at::Tensor runLayers(
+  at::Tensor runLayers(
       StageRuntime& stage,
       at::Tensor x,
       Stash* record = nullptr) {
+    AutocastScope autocast(stage.device.type(), state_.autocast);
     if (record) {
       record->weightOutputs.clear();
       record->weightLayers.clear();
@@ -349,7 +419,9 @@ class RankExecutor {
   }
 
   at::Tensor weightedLoss(const at::Tensor& output, const Forward& op) {
-    at::Tensor loss = (*state_.lossFn)(output, state_.targets[op.microBatch]);
+    at::Tensor loss = (*state_.lossFn)(
+        state_.autocast ? fullPrecision(output) : output,
+        state_.targets[op.microBatch]);
     TORCH_CHECK(
         loss.defined() && loss.numel() == 1,
         "the loss function must return a scalar, got shape ",

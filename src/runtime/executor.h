@@ -63,6 +63,9 @@ struct StepState {
   std::vector<double> weights;     // micro-batch size / batch size
   std::vector<int64_t> microBatchSizes;
   const LossFunction* lossFn = nullptr;
+  // Forwards and recomputes run under autocast to this dtype (bf16); the
+  // loss and inference outputs come back in float. Unset: full precision.
+  c10::optional<at::ScalarType> autocast;
   // The schedule splits backwards into input and weight passes: forwards
   // record what the weight pass needs.
   bool splitBackward = false;

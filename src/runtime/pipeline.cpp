@@ -534,7 +534,8 @@ void Pipeline::Impl::checkSharedTensorsStayOnOneDevice() const {
 // known (shape inference) and one floating dtype throughout. Parameters
 // keep their dtype, so this is decided once.
 c10::optional<at::ScalarType> Pipeline::Impl::fixedTransferDtype() const {
-  if (options.layerOutputShapes.size() != layers.size())
+  // Under autocast a boundary's dtype is the last op's (float or bf16).
+  if (options.layerOutputShapes.size() != layers.size() || options.autocast)
     return c10::nullopt;
   c10::optional<at::ScalarType> dtype;
   for (const auto& layer : layers) {
@@ -656,6 +657,7 @@ void Pipeline::Impl::run(runtime::StepState& state, const Schedule& plan) {
   state.outputs.assign(m, {});
   state.record = options.record && plan.training;
   state.splitBackward = splitsBackward(plan);
+  state.autocast = options.autocast;
   state.copyOnReceive = !memorySlots.empty() && !remoteTransport;
   if (state.record)
     state.events.assign(plan.ranks, {});

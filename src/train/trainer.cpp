@@ -127,6 +127,8 @@ PipelineOptions pipelineOptions(
       model.shapes.begin() + 1, model.shapes.end());
   options.communicator = communicator;
   options.tiedParameters = model.tiedParameters;
+  if (config.train.precision == "bf16")
+    options.autocast = at::kBFloat16;
   options.overlapGradientSync = p.overlapGradSync;
   for (const auto& device : p.devices) {
     if (device.memoryBytes > 0)
