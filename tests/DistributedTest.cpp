@@ -82,6 +82,16 @@ class DistributedTest : public ::testing::Test {
     return (dir_ / name).string();
   }
 
+  // The one-process run of this test's config (plus `settings`) that the
+  // process runs are compared with; its exit status.
+  int trainThreaded(const std::string& settings, const std::string& metrics)
+      const {
+    return shell(
+               binary() + " train " + config_ + settings + " --metrics " +
+               path(metrics))
+        .status;
+  }
+
   static std::vector<double> losses(const std::string& file) {
     std::vector<double> values;
     std::ifstream in(file);
@@ -130,12 +140,7 @@ class DistributedTest : public ::testing::Test {
 TEST_F(DistributedTest, TwoAndFourProcessesMatchTheThreadedRun) {
   const std::string four =
       " --set 'pipeline.devices=[\"cpu:0\",\"cpu:1\",\"cpu:2\",\"cpu:3\"]'";
-  ASSERT_EQ(
-      shell(
-          binary() + " train " + config_ + " --metrics " +
-          path("threaded.jsonl"))
-          .status,
-      0);
+  ASSERT_EQ(trainThreaded("", "threaded.jsonl"), 0);
   const Result two = shell(
       binary() + " launch --nproc 2 " + config_ + " --metrics " +
       path("two.jsonl"));
@@ -148,12 +153,7 @@ TEST_F(DistributedTest, TwoAndFourProcessesMatchTheThreadedRun) {
   expectSameLosses(
       losses(path("threaded.jsonl")), losses(path("two.jsonl")), 1e-7);
 
-  ASSERT_EQ(
-      shell(
-          binary() + " train " + config_ + four + " --metrics " +
-          path("threaded4.jsonl"))
-          .status,
-      0);
+  ASSERT_EQ(trainThreaded(four, "threaded4.jsonl"), 0);
   const Result r4 = shell(
       binary() + " launch --nproc 4 " + config_ + four + " --metrics " +
       path("four.jsonl"));
@@ -167,12 +167,7 @@ TEST_F(DistributedTest, TwoAndFourProcessesMatchTheThreadedRun) {
 // placement, and the losses equal the threaded run's.
 TEST_F(DistributedTest, AVShapedScheduleMatchesTheThreadedRun) {
   const std::string v = " --set pipeline.schedule=zb-v";
-  ASSERT_EQ(
-      shell(
-          binary() + " train " + config_ + v + " --metrics " +
-          path("threaded.jsonl"))
-          .status,
-      0);
+  ASSERT_EQ(trainThreaded(v, "threaded.jsonl"), 0);
   const Result r = shell(
       binary() + " launch --nproc 2 " + config_ + v + " --metrics " +
       path("two.jsonl"));
@@ -188,12 +183,7 @@ TEST_F(DistributedTest, AVShapedScheduleMatchesTheThreadedRun) {
 TEST_F(
     DistributedTest,
     DataParallelTimesPipelineMatchesOneProcessOverTheGlobalBatch) {
-  ASSERT_EQ(
-      shell(
-          binary() + " train " + config_ + " --metrics " +
-          path("threaded.jsonl"))
-          .status,
-      0);
+  ASSERT_EQ(trainThreaded("", "threaded.jsonl"), 0);
   const Result r = shell(
       binary() + " launch --nproc 4 " + config_ +
       " --set pipeline.data_parallel=2 --metrics " + path("dp.jsonl"));
@@ -218,12 +208,7 @@ TEST_F(
 // reduced after the step, bit for bit, and the one-process run's.
 TEST_F(DistributedTest, GradientSyncOverlappedWithTheBackwardChangesNoResult) {
   const std::string v = " --set pipeline.schedule=zb-v";
-  ASSERT_EQ(
-      shell(
-          binary() + " train " + config_ + v + " --metrics " +
-          path("threaded.jsonl"))
-          .status,
-      0);
+  ASSERT_EQ(trainThreaded(v, "threaded.jsonl"), 0);
   const std::string dp = " --set pipeline.data_parallel=2";
   const Result overlapped = shell(
       binary() + " launch --nproc 4 " + config_ + v + dp + " --metrics " +
@@ -286,12 +271,7 @@ TEST_F(DistributedTest, ANonFiniteStepIsSkippedOrStopsOnEveryRankAlike) {
 // (equal, averaged) gradients counted once: clipped runs match.
 TEST_F(DistributedTest, GradientClippingMatchesAcrossProcessesAndReplicas) {
   const std::string clip = " --set train.clip_grad_norm=0.05";
-  ASSERT_EQ(
-      shell(
-          binary() + " train " + config_ + clip + " --metrics " +
-          path("threaded.jsonl"))
-          .status,
-      0);
+  ASSERT_EQ(trainThreaded(clip, "threaded.jsonl"), 0);
   const Result r = shell(
       binary() + " launch --nproc 4 " + config_ + clip +
       " --set pipeline.data_parallel=2 --metrics " + path("dp.jsonl"));

@@ -93,13 +93,12 @@ class Communicator {
   // Rank 0's values, on every process.
   std::vector<int64_t> broadcast(const std::vector<int64_t>& values);
   // Averages gradients across the replicas of this process's pipeline rank,
-  // in buckets of about 25 MB.
-  void averageAcrossReplicas(const std::vector<at::Tensor>& gradients);
-  // The same in two halves, so the reduction overlaps what runs between
-  // them: startAveraging posts the buckets and returns; finishAveraging
-  // waits for every started one and writes the means into the gradients,
-  // which must not be read or written in between. Every replica starts the
-  // same gradients in the same order, so results do not vary run to run.
+  // in buckets of about 25 MB, in two halves so the reduction overlaps what
+  // runs between them: startAveraging posts the buckets and returns;
+  // finishAveraging waits for every started one and writes the means into the
+  // gradients, which must not be read or written in between. Every replica
+  // starts the same gradients in the same order, so results do not vary run to
+  // run.
   void startAveraging(const std::vector<at::Tensor>& gradients);
   void finishAveraging();
   void barrier();

@@ -52,8 +52,7 @@ int validateConfig(
     const std::string& path,
     const std::vector<std::string>& overrides) {
   const tpipe::Config config = tpipe::parseConfig(configJson(path, overrides));
-  const tpipe::BuiltModel model =
-      tpipe::buildModel(config);
+  const tpipe::BuiltModel model = tpipe::buildModel(config);
   tpipe::checkLossFits(config, model);
   std::printf("%-6s %-18s %-18s %s\n", "layer", "type", "output", "parameters");
   std::printf(
@@ -186,8 +185,7 @@ int planCommand(
     }
     if (stages > 0)
       config.pipeline.stages = stages;
-    const tpipe::BuiltModel model =
-        tpipe::buildModel(config);
+    const tpipe::BuiltModel model = tpipe::buildModel(config);
     request = tpipe::planRequest(
         config, tpipe::trainingCosts(config, model, profilePath, true));
   }
@@ -220,8 +218,7 @@ int profileCommand(
     const std::string& outPath) {
   const tpipe::Config config =
       tpipe::parseConfig(configJson(configPath, overrides));
-  const tpipe::BuiltModel model =
-      tpipe::buildModel(config);
+  const tpipe::BuiltModel model = tpipe::buildModel(config);
   const tpipe::Profile profile = tpipe::profileModel(config, model);
   std::printf(
       "%-24s %10s %10s %12s %12s %12s\n",

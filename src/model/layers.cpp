@@ -1,7 +1,6 @@
 // Layer list from a config: shape inference, the layer types, and the
 // transformer block and deferred batch norm that LibTorch lacks.
 #include <cmath>
-#include <sstream>
 
 #include <torch/nn/functional/activation.h>
 #include <torch/nn/modules/activation.h>
@@ -348,10 +347,9 @@ void tie(BuiltModel& built, int to, size_t layer) {
   const at::Tensor source = weightOf(static_cast<size_t>(to));
   at::Tensor target = weightOf(layer);
   if (source.sizes() != target.sizes()) {
-    std::ostringstream shapes;
-    shapes << target.sizes() << " and layer " << to << "'s " << source.sizes();
     throw ConfigError(
-        where + ": its weight " + shapes.str() +
+        where + ": its weight " +
+        c10::str(target.sizes(), " and layer ", to, "'s ", source.sizes()) +
         " differ in shape (a linear head tied to an embedding of V x D "
         "has out_features V and input D, bias false)");
   }

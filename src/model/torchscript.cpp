@@ -1,7 +1,5 @@
 #include "tpipe/torchscript.h"
 
-#include <sstream>
-
 #include <torch/csrc/jit/serialization/import.h>
 #include <torch/nn/module.h>
 #include <torch/types.h>
@@ -99,12 +97,6 @@ std::string lastLine(std::string text) {
   return newline == std::string::npos ? text : text.substr(newline + 1);
 }
 
-std::string shapeText(at::IntArrayRef sizes) {
-  std::ostringstream out;
-  out << sizes;
-  return out.str();
-}
-
 // Each layer's per-sample output shape, from a batch of two through the
 // layers in eval mode (no dropout drawn, no statistics updated).
 void inferShapes(BuiltModel& built) {
@@ -121,7 +113,7 @@ void inferShapes(BuiltModel& built) {
     } catch (const std::exception& error) {
       throw ConfigError(
           "model.torchscript: layer " + built.layers[l].name +
-          " fails on an input of " + shapeText(x.sizes()) +
+          " fails on an input of " + c10::str(x.sizes()) +
           " (check model.input_shape): " + lastLine(error.what()));
     }
     module.train();

@@ -80,7 +80,6 @@ std::vector<int64_t> Communicator::broadcast(
     const std::vector<int64_t>& values) {
   return values;
 }
-void Communicator::averageAcrossReplicas(const std::vector<at::Tensor>&) {}
 void Communicator::startAveraging(const std::vector<at::Tensor>&) {}
 void Communicator::finishAveraging() {}
 void Communicator::barrier() {}
@@ -674,12 +673,6 @@ std::vector<int64_t> Communicator::broadcast(
   return std::vector<int64_t>(data, data + values.size());
 }
 
-void Communicator::averageAcrossReplicas(
-    const std::vector<at::Tensor>& gradients) {
-  startAveraging(gradients);
-  finishAveraging();
-}
-
 void Communicator::startAveraging(const std::vector<at::Tensor>& gradients) {
   if (replicas() == 1)
     return;
@@ -870,8 +863,7 @@ class ProcessGroupTransport final : public Transport {
       if (peerOf(r.direction, r.boundary, false) != communicator_.rank())
         toPost_.push_back(r);
     }
-    while (nextPost_ < toPost_.size() && posted_.size() < postAhead())
-      postNext();
+    fillPostWindow();
   }
 
   void send(Direction direction, int boundary, int microBatch, Payload payload)
@@ -903,29 +895,15 @@ class ProcessGroupTransport final : public Transport {
     h[5] = tensor.dim();
     for (int64_t d = 0; d < tensor.dim(); ++d)
       h[6 + d] = tensor.size(d);
-    std::vector<at::Tensor> headerList{header};
-    std::vector<at::Tensor> dataList{tensor.contiguous()};
-    const std::string what =
-        "sending the " + describe(direction, boundary, microBatch);
-    for (int part = 0; part < 2; ++part) {
-      auto& tensors = part == 0 ? headerList : dataList;
-      sends_.add(
-          {impl_.withPeer(
-               peer,
-               what,
-               [&] {
-                 return impl_.worldGroup->send(
-                     tensors, peer, tag(direction, boundary, microBatch, part));
-               }),
-           peer});
-    }
+    postSend(header, peer, direction, boundary, microBatch, 0);
+    postSend(tensor.contiguous(), peer, direction, boundary, microBatch, 1);
   }
 
   Payload receive(Direction direction, int boundary, int microBatch) override {
     const int peer = peerOf(direction, boundary, false);
     if (peer == communicator_.rank())
       return local_.receive(direction, boundary, microBatch);
-    if (isPosted(key(direction, boundary, microBatch)))
+    if (postThrough(key(direction, boundary, microBatch)))
       return takePosted(direction, boundary, microBatch, peer);
     const char* what =
         direction == Direction::kActivation ? "activation" : "gradient";
@@ -1036,33 +1014,46 @@ class ProcessGroupTransport final : public Transport {
         " (",
         shapes_->dtype,
         ") to the rank receiving it");
-    std::vector<at::Tensor> data{tensor.contiguous()};
-    const std::string what =
-        "sending the " + describe(direction, boundary, microBatch);
+    postSend(tensor.contiguous(), peer, direction, boundary, microBatch, 1);
+  }
+
+  // Part 0 is a header, part 1 the data; the send thread waits for it.
+  void postSend(
+      const at::Tensor& tensor,
+      int peer,
+      Direction direction,
+      int boundary,
+      int microBatch,
+      int part) {
+    std::vector<at::Tensor> tensors{tensor};
     sends_.add(
         {impl_.withPeer(
              peer,
-             what,
+             "sending the " + describe(direction, boundary, microBatch),
              [&] {
                return impl_.worldGroup->send(
-                   data, peer, tag(direction, boundary, microBatch, 1));
+                   tensors, peer, tag(direction, boundary, microBatch, part));
              }),
          peer});
   }
 
-  // Whether the receive is (now) posted: a receive the executor reaches
-  // before its turn to be posted ahead is posted at once, with those before it.
-  bool isPosted(int64_t k) {
+  // Whether the receive is posted, posting it first (with those before it)
+  // when the executor reaches it before its turn in the window.
+  bool postThrough(int64_t k) {
     std::lock_guard<std::mutex> lock(receiving_);
     while (!posted_.count(k) && nextPost_ < toPost_.size())
       postNext();
     return posted_.count(k) > 0;
   }
 
-  size_t postAhead() const {
-    return shapes_->receivesAhead > 0
+  // Posts receives in schedule order until the window is full; under
+  // receiving_.
+  void fillPostWindow() {
+    const size_t window = shapes_->receivesAhead > 0
         ? static_cast<size_t>(shapes_->receivesAhead)
         : toPost_.size();
+    while (nextPost_ < toPost_.size() && posted_.size() < window)
+      postNext();
   }
 
   // Posts the next receive of toPost_; under receiving_.
@@ -1097,8 +1088,7 @@ class ProcessGroupTransport final : public Transport {
         "receiving the " + describe(direction, boundary, microBatch));
     std::lock_guard<std::mutex> lock(receiving_);
     posted_.erase(key(direction, boundary, microBatch));
-    while (nextPost_ < toPost_.size() && posted_.size() < postAhead())
-      postNext();
+    fillPostWindow();
     return {posted.tensor, nullptr};
   }
 

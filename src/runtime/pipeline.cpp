@@ -239,12 +239,6 @@ struct Pipeline::Impl {
   void place();
   void checkSharedTensorsStayOnOneDevice() const;
   void placeStage(int s);
-  std::vector<bool> localStages() const {
-    std::vector<bool> local(schedule.stages());
-    for (int s = 0; s < schedule.stages(); ++s)
-      local[s] = isLocalStage(s);
-    return local;
-  }
   void startWorkers();
   void run(runtime::StepState& state, const Schedule& plan);
   std::vector<at::Tensor> gradientsOf(int stage) const {
@@ -775,8 +769,9 @@ torch::Tensor Pipeline::trainStep(
     for (int mb = 1; mb < m; ++mb)
       total = total + state.losses[mb];
   }
+  auto isLocal = [this](int stage) { return impl_->isLocalStage(stage); };
   if (!communicator) {
-    runtime::sumTiedGradients(impl_->ties, impl_->localStages(), nullptr);
+    runtime::sumTiedGradients(impl_->ties, isLocal, nullptr);
     return total;
   }
   // Every process returns the mean over replicas; gradients likewise, their
@@ -790,7 +785,7 @@ torch::Tensor Pipeline::trainStep(
     }
   }
   communicator->finishAveraging();
-  runtime::sumTiedGradients(impl_->ties, impl_->localStages(), communicator);
+  runtime::sumTiedGradients(impl_->ties, isLocal, communicator);
   return torch::tensor(
       mean,
       torch::TensorOptions().dtype(
@@ -838,22 +833,18 @@ Pipeline::GradientNorm Pipeline::clipGradNorm(double maxNorm) {
   if (result.nonFiniteStage >= 0 || maxNorm <= 0.0)
     return result;
   const double scale = maxNorm / (result.norm + 1e-6);
-  if (scale < 1.0) {
-    for (const auto& stage : impl_->stages) {
-      if (!impl_->isLocalStage(stage.index))
-        continue;
-      for (auto& gradient : impl_->gradientsOf(stage.index)) {
-        if (gradient.defined())
-          gradient.mul_(scale);
-      }
-    }
-    std::set<const c10::TensorImpl*> scaled;
-    for (const auto& group : impl_->ties) {
-      for (size_t i = 0; i < group.tensors.size(); ++i) {
-        const at::Tensor& gradient = group.tensors[i].grad();
-        if (impl_->isLocalStage(group.stages[i]) && gradient.defined() &&
-            scaled.insert(group.tensors[i].unsafeGetTensorImpl()).second)
-          group.tensors[i].mutable_grad().mul_(scale);
+  if (scale >= 1.0)
+    return result;
+  // Every parameter a local layer uses (tied copies too), each tensor once.
+  std::set<const c10::TensorImpl*> scaled;
+  for (const auto& stage : impl_->stages) {
+    if (!impl_->isLocalStage(stage.index))
+      continue;
+    for (const auto& layer : stage.layerParameters) {
+      for (const auto& parameter : layer) {
+        if (parameter.grad().defined() &&
+            scaled.insert(parameter.unsafeGetTensorImpl()).second)
+          parameter.mutable_grad().mul_(scale);
       }
     }
   }

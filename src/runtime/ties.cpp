@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <map>
-#include <sstream>
 
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/zeros.h>
@@ -17,12 +16,6 @@ struct Use {
   int stage;
   at::Tensor tensor;
 };
-
-std::string shapeText(const at::Tensor& tensor) {
-  std::ostringstream out;
-  out << tensor.sizes();
-  return out.str();
-}
 
 std::vector<Use> parameterUses(
     const LayerList& layers,
@@ -70,11 +63,11 @@ TiedGroup declaredGroup(
         "tied parameters '",
         group.names.front(),
         "' ",
-        shapeText(first),
+        first.sizes(),
         " and '",
         group.names[i],
         "' ",
-        shapeText(group.tensors[i]),
+        group.tensors[i].sizes(),
         " differ in shape or dtype");
   }
   return group;
@@ -137,13 +130,13 @@ bool isTied(const std::vector<TiedGroup>& groups, const at::Tensor& tensor) {
 
 void sumTiedGradients(
     const std::vector<TiedGroup>& groups,
-    const std::vector<bool>& localStage,
+    const std::function<bool(int stage)>& isLocalStage,
     Communicator* communicator) {
   at::NoGradGuard noGrad;
   for (const auto& group : groups) {
     std::vector<at::Tensor> copies; // distinct, on this process's stages
     for (size_t i = 0; i < group.tensors.size(); ++i) {
-      if (!localStage[group.stages[i]])
+      if (!isLocalStage(group.stages[i]))
         continue;
       const bool seen = std::any_of(
           copies.begin(), copies.end(), [&](const at::Tensor& copy) {

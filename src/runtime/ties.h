@@ -4,6 +4,7 @@
 // bit for bit, as Megatron's embedding group does.
 #pragma once
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -39,7 +40,7 @@ bool isTied(const std::vector<TiedGroup>& groups, const at::Tensor& tensor);
 // are one tensor count once: autograd has summed their uses already.
 void sumTiedGradients(
     const std::vector<TiedGroup>& groups,
-    const std::vector<bool>& localStage,
+    const std::function<bool(int stage)>& isLocalStage,
     Communicator* communicator);
 
 } // namespace runtime
