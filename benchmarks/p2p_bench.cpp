@@ -31,7 +31,7 @@ double pingPong(
     bool known) {
   const at::Tensor payload = at::zeros({1, std::max<int64_t>(1, bytes / 4)});
   tpipe::runtime::StepShapes shapes;
-  shapes.perSample = {{payload.size(1)}};
+  shapes.perSample = {{{payload.size(1)}}};
   shapes.microBatchSizes = {1};
   shapes.receives = {
       {rank == 0 ? Direction::kGradient : Direction::kActivation, 0, 0}};
@@ -42,7 +42,7 @@ double pingPong(
       transport.expect(shapes);
     const auto start = std::chrono::steady_clock::now();
     if (rank == 0) {
-      transport.send(Direction::kActivation, 0, 0, {payload, nullptr});
+      transport.send(Direction::kActivation, 0, 0, {{payload}, nullptr});
       transport.receive(Direction::kGradient, 0, 0);
     } else {
       tpipe::runtime::Payload got =
@@ -67,7 +67,7 @@ int runRank(int rank, int port, const std::string& out) {
   world.masterPort = port;
   tpipe::Communicator communicator(world, 2, std::chrono::seconds(60));
   auto transport =
-      tpipe::runtime::makeProcessGroupTransport({}, communicator, 2, 1);
+      tpipe::runtime::makeProcessGroupTransport({}, communicator, 2, 1, 1);
   nlohmann::json rows = nlohmann::json::array();
   if (rank == 0) {
     std::printf(

@@ -42,7 +42,8 @@ TEST(ConfigTest, ShippedConfigsParse) {
         "beyond_one_device",
         "gpt_tied",
         "data_parallel_mlp",
-        "torchscript_mlp"}) {
+        "torchscript_mlp",
+        "skip_cnn"}) {
     const std::string path =
         std::string(TPIPE_SOURCE_DIR) + "/configs/" + name + ".json";
     SCOPED_TRACE(path);
@@ -127,6 +128,26 @@ TEST(ConfigTest, EveryBadConfigNamesItsPath) {
        "train.optimizer.decay: unknown value 'linear'; expected one of none, cosine"},
       {{"train.steps=1.5"},
        "train.steps: expected a non-negative integer, got 1.5"},
+      {{"model.layers.1.pop=s"},
+       "model.layers[1].pop: 's' is popped before any layer stashes it"},
+      {{"model.layers.0.stash=s"},
+       "model.layers[0].stash: 's' is stashed but no later layer pops it"},
+      {{"model.layers.0.stash=s", "model.layers.1.stash=[\"t\",\"s\"]"},
+       "model.layers[1].stash: 's' is stashed twice"},
+      {{"model.layers.0.stash=s",
+        "model.layers.1.pop=s",
+        "model.layers.2.pop=s"},
+       "model.layers[2].pop: 's' is popped twice"},
+      {{"model.layers.1.merge=concat"},
+       "model.layers[1].merge: needs a pop (the skip it merges)"},
+      {{"model.layers.0.stash=s",
+        "model.layers.1.pop=s",
+        "model.layers.1.merge=mul"},
+       "model.layers[1].merge: unknown value 'mul'; expected one of add, concat"},
+      {{"model.layers.0.stash=5"},
+       "model.layers[0].stash: expected a name or a list of names, got 5"},
+      {{"model.layers.0.stash=[]"},
+       "model.layers[0].stash: expected a name or a list of names, got []"},
   };
   for (const BadCase& c : cases) {
     Json json = baseConfig();

@@ -333,6 +333,49 @@ TEST_F(DistributedTest, TiedWeightsStayEqualAcrossProcesses) {
   expectNoOrphans();
 }
 
+// Skips across processes: "a" passes a whole stage by, "b" is a residual
+// into the next stage, "c" a concat two stages on. Each transfer carries the
+// activation and the skips crossing its boundary, with known shapes (one
+// message per tensor) and, under bf16 autocast, with headers.
+TEST_F(DistributedTest, SkipConnectionsCrossProcessesAsInOne) {
+  const std::string skips = path("skips.json");
+  std::ofstream(skips) << R"({
+    "model": {"input_shape": [24], "layers": [
+      {"type": "linear", "out_features": 16, "stash": ["a", "c"]},
+      {"type": "tanh", "stash": "b"},
+      {"type": "linear", "out_features": 16, "pop": "b"},
+      {"type": "relu"},
+      {"type": "linear", "out_features": 16},
+      {"type": "tanh", "pop": "a"},
+      {"type": "linear", "out_features": 16, "pop": "c", "merge": "concat"},
+      {"type": "linear", "out_features": 5}]},
+    "data": {"dataset": "synthetic", "samples": 256},
+    "pipeline": {"devices": ["cpu:0", "cpu:1", "cpu:2", "cpu:3"], "micro_batches": 4,
+                 "schedule": "1f1b", "balance": [2, 2, 2, 2]},
+    "train": {"batch_size": 16, "steps": 6, "seed": 2,
+              "optimizer": {"type": "sgd", "lr": 0.1, "momentum": 0.9}}
+  })";
+  for (const std::string precision : {"fp32", "bf16"}) {
+    SCOPED_TRACE(precision);
+    const std::string set = " --set train.precision=" + precision;
+    ASSERT_EQ(
+        shell(
+            binary() + " train " + skips + set + " --metrics " +
+            path("threaded-" + precision + ".jsonl"))
+            .status,
+        0);
+    const Result r = shell(
+        binary() + " launch --nproc 4 " + skips + set + " --metrics " +
+        path("four-" + precision + ".jsonl"));
+    ASSERT_EQ(r.status, 0) << r.output;
+    expectSameLosses(
+        losses(path("threaded-" + precision + ".jsonl")),
+        losses(path("four-" + precision + ".jsonl")),
+        1e-6);
+  }
+  expectNoOrphans();
+}
+
 TEST_F(DistributedTest, ADeadRankIsNamedAtOnceWithoutALauncher) {
   const int port = 20000 + static_cast<int>(::getpid() % 20000);
   const std::string env =

@@ -828,3 +828,168 @@ TEST(PipelineTest, AModelScriptedInPythonMatchesPyTorch) {
 
 } // namespace
 } // namespace tpipe
+
+namespace tpipe {
+namespace {
+
+// A layer whose forward takes the popped skip as its second argument: an
+// activation gated by an earlier one (the shape of "hidden state plus
+// mask").
+struct GateImpl : torch::nn::Module {
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& gate) {
+    return x * torch::sigmoid(gate);
+  }
+};
+TORCH_MODULE(Gate);
+
+// Skips of every kind across stages: "a" jumps from the first layer to the
+// last (passing through every stage between), "b" is a short residual,
+// "c" an argument, "d" is stashed by the layer that pops "b".
+LayerList skipNet(uint64_t seed) {
+  torch::manual_seed(seed);
+  LayerList layers;
+  auto add = [&](torch::nn::AnyModule module,
+                 std::vector<std::string> stash,
+                 std::vector<std::string> pop,
+                 SkipMerge merge = SkipMerge::kAdd) {
+    layers.push_back(
+        {std::to_string(layers.size()),
+         std::move(module),
+         Randomness::kNone,
+         std::move(stash),
+         std::move(pop),
+         merge});
+  };
+  add(torch::nn::AnyModule(torch::nn::Linear(6, 8)), {"a"}, {});
+  add(torch::nn::AnyModule(torch::nn::Tanh()), {"c"}, {});
+  add(torch::nn::AnyModule(torch::nn::Linear(8, 8)), {"b"}, {});
+  add(torch::nn::AnyModule(torch::nn::GELU()), {}, {});
+  add(torch::nn::AnyModule(torch::nn::Linear(8, 8)), {"d"}, {"b"});
+  add(torch::nn::AnyModule(Gate()), {}, {"c"}, SkipMerge::kArgument);
+  add(torch::nn::AnyModule(torch::nn::Linear(8, 8)), {}, {"d"});
+  add(torch::nn::AnyModule(torch::nn::Sigmoid()),
+      {},
+      {"a"},
+      SkipMerge::kConcat);
+  add(torch::nn::AnyModule(torch::nn::Linear(16, 3)), {}, {});
+  for (auto& layer : layers)
+    layer.module.ptr()->to(torch::kDouble);
+  return layers;
+}
+
+std::vector<torch::Tensor> parametersOf(const LayerList& layers) {
+  std::vector<torch::Tensor> parameters;
+  for (const auto& layer : layers) {
+    for (const auto& parameter : layer.module.ptr()->parameters())
+      parameters.push_back(parameter);
+  }
+  return parameters;
+}
+
+TEST(PipelineTest, SkipConnectionsAcrossStagesAreTransparent) {
+  torch::manual_seed(12);
+  const torch::Tensor x = torch::randn({7, 6}, torch::kDouble);
+  const torch::Tensor y = torch::randint(0, 3, {7});
+  const LayerList reference = skipNet(5);
+  const torch::Tensor expected = crossEntropy(runSequential(reference, x), y);
+  expected.backward();
+  struct SkipCase {
+    const char* schedule;
+    int ranks, virtualStages;
+  };
+  std::vector<SkipCase> cases;
+  for (int ranks = 1; ranks <= 4; ++ranks) {
+    for (const char* schedule : {"gpipe", "1f1b", "zb-h1"})
+      cases.push_back({schedule, ranks, 1});
+    if (ranks <= 4)
+      cases.push_back({"zb-v", ranks, 2});
+    if (ranks == 2)
+      cases.push_back({"interleaved-1f1b", ranks, 2});
+  }
+  for (const SkipCase& c : cases) {
+    for (int m : {1, 2, 4}) {
+      for (auto mode :
+           {CheckpointMode::kAlways,
+            CheckpointMode::kExceptLast,
+            CheckpointMode::kNever}) {
+        SCOPED_TRACE(
+            std::string(c.schedule) + " ranks=" + std::to_string(c.ranks) +
+            " m=" + std::to_string(m) + " " + checkpointModeName(mode));
+        const LayerList layers = skipNet(5);
+        PipelineOptions options;
+        options.devices = cpuDevices(c.ranks);
+        options.virtualStages = c.virtualStages;
+        options.microBatches = m;
+        options.schedule = c.schedule;
+        options.checkpoint = mode;
+        if (std::string(c.schedule) == "interleaved-1f1b" && m % c.ranks)
+          continue;
+        Pipeline pipe(layers, options);
+        const torch::Tensor loss = pipe.trainStep(x, y, crossEntropy);
+        EXPECT_LE(relativeError(loss, expected.detach()), 1e-12);
+        const auto want = parametersOf(reference);
+        const auto got = parametersOf(layers);
+        ASSERT_EQ(want.size(), got.size());
+        for (size_t i = 0; i < want.size(); ++i) {
+          ASSERT_TRUE(got[i].grad().defined()) << "parameter " << i;
+          EXPECT_LE(relativeError(got[i].grad(), want[i].grad()), 1e-12)
+              << "parameter " << i;
+        }
+        EXPECT_TRUE(
+            torch::allclose(pipe.forward(x), runSequential(reference, x)));
+      }
+    }
+  }
+}
+
+TEST(PipelineTest, BadSkipsAreClearErrors) {
+  auto errorOf = [](LayerList layers) {
+    PipelineOptions options;
+    options.devices = cpuDevices(2);
+    return constructionError(options, std::move(layers));
+  };
+  LayerList popFirst = skipNet(1);
+  popFirst[0].pop = {"z"};
+  EXPECT_NE(
+      errorOf(popFirst).find(
+          "layer '0': 'z' is popped before any layer stashes it"),
+      std::string::npos)
+      << errorOf(popFirst);
+  LayerList twice = skipNet(1);
+  twice[3].stash = {"a"};
+  EXPECT_NE(
+      errorOf(twice).find("layer '3': 'a' is stashed twice"), std::string::npos)
+      << errorOf(twice);
+  LayerList never = skipNet(1);
+  never[8].stash = {"e"};
+  EXPECT_NE(
+      errorOf(never).find("'e' is stashed but no later layer pops it"),
+      std::string::npos)
+      << errorOf(never);
+  // A shape that cannot merge is named, with the layer, at the step.
+  LayerList wrongShape = skipNet(1);
+  torch::nn::Linear narrow(8, 5);
+  narrow->to(torch::kDouble);
+  wrongShape[4].module = torch::nn::AnyModule(narrow);
+  PipelineOptions options;
+  options.devices = cpuDevices(2);
+  Pipeline pipe(wrongShape, options);
+  try {
+    pipe.trainStep(
+        torch::randn({2, 6}, torch::kDouble),
+        torch::randint(0, 3, {2}),
+        crossEntropy);
+    ADD_FAILURE() << "no error";
+  } catch (const c10::Error& error) {
+    EXPECT_NE(
+        std::string(error.what())
+            .find(
+                "layer '4' cannot add the skip 'b' of shape [2, 8] to its output "
+                "of shape [2, 5]"),
+        std::string::npos)
+        << error.what();
+  }
+}
+
+} // namespace
+} // namespace tpipe

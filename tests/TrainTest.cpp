@@ -252,6 +252,66 @@ TEST(TrainTest, AConvolutionalPipelineEqualsOneStage) {
     EXPECT_NEAR(piped.losses[i], single.losses[i], 1e-5);
 }
 
+// Skips from JSON: a residual ("res") inside a stage or across one, a
+// channel concat ("wide") across stages.
+Json skipCnnConfig() {
+  Json json = smokeConfig();
+  json["model"] = Json::parse(R"({"input_shape": [1, 12, 12], "layers": [
+      {"type": "conv2d", "out_channels": 4, "kernel_size": 3, "padding": 1},
+      {"type": "relu"},
+      {"type": "maxpool2d", "kernel_size": 2, "stash": "wide"},
+      {"type": "conv2d", "out_channels": 4, "kernel_size": 3, "padding": 1, "stash": "res"},
+      {"type": "tanh"},
+      {"type": "conv2d", "out_channels": 4, "kernel_size": 3, "padding": 1, "pop": "res"},
+      {"type": "identity", "pop": "wide", "merge": "concat"},
+      {"type": "conv2d", "out_channels": 4, "kernel_size": 3, "padding": 1},
+      {"type": "flatten"},
+      {"type": "linear", "out_features": 4}]})");
+  json["pipeline"]["devices"] =
+      Json::array({"cpu:0", "cpu:1", "cpu:2", "cpu:3"});
+  return json;
+}
+
+// Inferred shapes include the merges, and the pipelined run's losses equal
+// one stage's, for several schedules and checkpoint modes.
+TEST(TrainTest, ASkipConnectedCnnFromJsonEqualsOneStage) {
+  const BuiltModel model = buildModel(parseConfig(skipCnnConfig()).model, 0);
+  EXPECT_EQ(model.shapes[7], (std::vector<int64_t>{8, 6, 6}));
+  EXPECT_EQ(
+      runSequential(model.layers, torch::randn({2, 1, 12, 12})).sizes().vec(),
+      (std::vector<int64_t>{2, 4}));
+  const auto single = quietTrain(
+      withOverrides(skipCnnConfig(), {"pipeline.devices=[\"cpu:0\"]"}));
+  for (const char* schedule : {"gpipe", "1f1b", "zb-h1"}) {
+    for (const char* checkpoint : {"always", "never"}) {
+      SCOPED_TRACE(std::string(schedule) + " " + checkpoint);
+      const auto piped = quietTrain(withOverrides(
+          skipCnnConfig(),
+          {std::string("pipeline.schedule=") + schedule,
+           std::string("pipeline.checkpoint=") + checkpoint}));
+      ASSERT_EQ(piped.losses.size(), single.losses.size());
+      for (size_t i = 0; i < piped.losses.size(); ++i)
+        EXPECT_NEAR(piped.losses[i], single.losses[i], 1e-5) << i;
+    }
+  }
+}
+
+TEST(TrainTest, ASkipThatCannotMergeIsNamedWithItsShapes) {
+  Json json = skipCnnConfig();
+  json["model"]["layers"][2].erase("stash");
+  json["model"]["layers"][1]["stash"] = "wide"; // [4, 12, 12]
+  try {
+    buildModel(parseConfig(json).model, 0);
+    ADD_FAILURE() << "no error";
+  } catch (const ConfigError& error) {
+    EXPECT_EQ(
+        std::string(error.what()),
+        "model.layers[6] (identity): cannot concatenate the skip 'wide' of "
+        "shape [4, 12, 12] to its output of shape [4, 6, 6] (all sizes but "
+        "the first, the channels, must agree)");
+  }
+}
+
 TEST(TrainTest, ResumeReproducesTheUninterruptedLosses) {
   for (const char* optimizer : {"adam", "sgd"}) {
     SCOPED_TRACE(optimizer);

@@ -25,6 +25,12 @@ struct LayerSpec {
   // "tied_to": an earlier layer whose weight this layer's weight is (same
   // shape): a GPT's LM head tied to its token embedding. -1: none.
   int tiedTo = -1;
+  // Skip connections (tpipe/pipeline.h, NamedLayer): "stash": "s1" keeps
+  // this layer's output as s1; "pop": "s1" merges s1 into this layer's
+  // output by "merge": "add" (the default) or "concat" (along dim 1 of the
+  // batch, the channels or features). Names are stashed and popped once.
+  std::vector<std::string> stash{}, pop{};
+  std::string merge = "add";
 };
 
 struct ModelConfig {

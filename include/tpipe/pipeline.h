@@ -72,12 +72,35 @@ enum class Randomness {
   kDraws, // declared random: its stage's numbers are replayed on recompute
 };
 
+// How a layer takes back the skip tensor it pops (NamedLayer::pop).
+enum class SkipMerge {
+  kAdd,      // output = layer(x) + skip (a residual)
+  kConcat,   // output = cat({layer(x), skip}, 1): channels (a U-Net)
+  kArgument, // output = layer(x, skip): a module whose forward takes both
+};
+
 struct NamedLayer {
   std::string name; // parameter names are "<name>.<parameter>"
   torch::nn::AnyModule module;
   Randomness randomness = Randomness::kAuto;
+  // Skip connections that may jump over stages (torchgpipe's stash and
+  // pop). The layer's output, after its own merge, is also kept under each
+  // name in `stash`; the later layer naming it in `pop` takes it back,
+  // merged into that layer's output by `merge` (kArgument: passed to its
+  // forward, exactly one pop). Each name is stashed once and popped once.
+  // A stashed tensor travels with the activations over every stage
+  // boundary it crosses, and its gradient back with theirs.
+  std::vector<std::string> stash{};
+  std::vector<std::string> pop{};
+  SkipMerge merge = SkipMerge::kAdd;
 };
 using LayerList = std::vector<NamedLayer>;
+
+// The plain sequential model: each layer in order, with its skips. A
+// pipelined step is transparent against this. Throws c10::Error naming the
+// layer when the skips are malformed (a name popped before it is stashed,
+// stashed twice, never popped).
+torch::Tensor runSequential(const LayerList& layers, const torch::Tensor& x);
 
 // The children of a Sequential, named "0", "1", ... as PyTorch names them.
 LayerList layersOf(const torch::nn::Sequential& sequential);

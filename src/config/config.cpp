@@ -10,6 +10,7 @@
 
 #include "json_input.h"
 #include "model/layer_types.h"
+#include "model/skip_rules.h"
 #include "tpipe/schedule.h"
 
 namespace tpipe {
@@ -161,6 +162,25 @@ class ObjectReader {
     return text;
   }
 
+  // A name or a list of names ("s1" or ["s1", "s2"]); absent: none.
+  std::vector<std::string> names(const std::string& key) {
+    const Json* value = find(key);
+    if (value == nullptr)
+      return {};
+    const bool one = value->is_string();
+    std::vector<std::string> names;
+    for (const Json& item : one ? Json::array({*value}) : *value) {
+      if (!item.is_string() || item.get<std::string>().empty())
+        break;
+      names.push_back(item.get<std::string>());
+    }
+    if ((!one && !value->is_array()) || value->empty() ||
+        names.size() != (one ? 1 : value->size())) {
+      fail(at(key), "expected a name or a list of names, got " + shown(*value));
+    }
+    return names;
+  }
+
   std::string string(const std::string& key, const std::string& fallback) {
     const Json* value = find(key);
     if (value == nullptr)
@@ -293,8 +313,28 @@ LayerSpec parseLayer(const Json& json, const std::string& path) {
   }
   spec.tiedTo = static_cast<int>(reader.integer(
       "tied_to", -1, 0, "the index of an earlier layer", 1 << 30));
+  spec.stash = reader.names("stash");
+  spec.pop = reader.names("pop");
+  spec.merge = reader.choice("merge", "add", {"add", "concat"});
+  if (spec.pop.empty() && reader.find("merge") != nullptr)
+    fail(reader.at("merge"), "needs a pop (the skip it merges)");
   reader.finish();
   return spec;
+}
+
+// Stashes and pops pair up (model/skip_rules.h), named by the layer.
+void checkSkipNames(const std::vector<LayerSpec>& layers) {
+  std::vector<LayerSkips> skips;
+  for (const auto& layer : layers)
+    skips.push_back({layer.stash, layer.pop, false});
+  if (const auto problem = findSkipProblem(skips)) {
+    const auto& layer = layers[problem->layer];
+    const bool popping = problem->what.find("popped") != std::string::npos;
+    fail(
+        "model.layers[" + std::to_string(problem->layer) + "]." +
+            (popping && !layer.pop.empty() ? "pop" : "stash"),
+        problem->what);
+  }
 }
 
 std::vector<int64_t> parseShape(const Json& json, const std::string& path) {
@@ -418,6 +458,7 @@ void parseModel(const Json& json, Config& config) {
               "), got " + std::to_string(config.model.layers.back().tiedTo));
     }
   }
+  checkSkipNames(config.model.layers);
   model.finish();
 }
 
@@ -809,6 +850,12 @@ nlohmann::json describeLayers(const ModelConfig& model) {
     item["type"] = layer.type;
     if (layer.tiedTo >= 0)
       item["tied_to"] = layer.tiedTo;
+    if (!layer.stash.empty())
+      item["stash"] = layer.stash;
+    if (!layer.pop.empty()) {
+      item["pop"] = layer.pop;
+      item["merge"] = layer.merge;
+    }
     layers.push_back(item);
   }
   return layers;

@@ -235,13 +235,48 @@ LayerFacts layerFacts(
   return type->facts(input);
 }
 
+void mergeSkipShapes(
+    const LayerSpec& spec,
+    size_t index,
+    LayerFacts& facts,
+    SkipShapes& live) {
+  const std::string where =
+      "model.layers[" + std::to_string(index) + "] (" + spec.type + ")";
+  for (const auto& name : spec.pop) {
+    auto found = live.find(name);
+    if (found == live.end())
+      throw ConfigError(where + ": pops '" + name + "', which is not stashed");
+    const std::vector<int64_t>& skip = found->second;
+    std::vector<int64_t>& out = facts.output;
+    const bool concat = spec.merge == "concat";
+    const bool fits = concat ? !out.empty() && skip.size() == out.size() &&
+            std::equal(out.begin() + 1, out.end(), skip.begin() + 1)
+                             : skip == out;
+    if (!fits) {
+      throw ConfigError(
+          where + ": cannot " + (concat ? "concatenate" : "add") +
+          " the skip '" + name + "' of shape " + facts::shapeText(skip) +
+          " to its output of shape " + facts::shapeText(out) +
+          (concat ? " (all sizes but the first, the channels, must agree)"
+                  : " (shapes must agree)"));
+    }
+    if (concat)
+      out.front() += skip.front();
+    live.erase(found);
+  }
+  for (const auto& name : spec.stash)
+    live[name] = facts.output;
+}
+
 std::vector<LayerFacts> modelFacts(const ModelConfig& model) {
   std::vector<LayerFacts> all;
   std::vector<int64_t> shape = model.inputShape;
   bool integer =
       !model.layers.empty() && model.layers.front().type == "embedding";
+  SkipShapes skips;
   for (size_t i = 0; i < model.layers.size(); ++i) {
     all.push_back(layerFacts(model.layers[i], i, shape, integer));
+    mergeSkipShapes(model.layers[i], i, all.back(), skips);
     shape = all.back().output;
     integer = false;
   }

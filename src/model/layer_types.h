@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -77,6 +78,16 @@ LayerFacts layerFacts(
     size_t index,
     const std::vector<int64_t>& shape,
     bool integer);
+// The skips alive between two layers: per name, one sample's shape.
+using SkipShapes = std::map<std::string, std::vector<int64_t>>;
+// A layer's pops merged into its facts' output shape ("add": equal shapes;
+// "concat": along the first per-sample dimension), then its stashes kept;
+// throws ConfigError naming the layer.
+void mergeSkipShapes(
+    const LayerSpec& spec,
+    size_t index,
+    LayerFacts& facts,
+    SkipShapes& live);
 // Every layer's facts, in order: shape inference without building anything.
 std::vector<LayerFacts> modelFacts(const ModelConfig& model);
 

@@ -275,6 +275,11 @@ const std::vector<LayerType>& layerTypes() {
        facts::pool2d,
        pool2d<torch::nn::AvgPool2d, torch::nn::AvgPool2dOptions>},
       {"flatten", {}, "[...] -> [product]", facts::flatten, flatten},
+      {"identity",
+       {},
+       "same",
+       facts::elementwise,
+       elementwise<torch::nn::Identity>},
       {"relu", {}, "same", facts::elementwise, elementwise<torch::nn::ReLU>},
       {"gelu", {}, "same", facts::elementwise, elementwise<torch::nn::GELU>},
       {"tanh", {}, "same", facts::elementwise, elementwise<torch::nn::Tanh>},
@@ -381,16 +386,22 @@ BuiltModel buildModel(const ModelConfig& model, uint64_t seed) {
     built.inputVocabulary =
         model.layers.front().params["num_embeddings"].get<int64_t>();
   }
+  SkipShapes skips;
   for (size_t i = 0; i < model.layers.size(); ++i) {
     const LayerSpec& spec = model.layers[i];
     LayerFacts facts = layerFacts(spec, i, built.shapes.back(), integer);
     const LayerInput input{spec.params, built.shapes.back(), integer, ""};
     BuiltLayer layer = findLayerType(spec.type)->build(input, facts);
+    mergeSkipShapes(spec, i, facts, skips);
     integer = false;
     for (const auto& parameter : layer.module.ptr()->parameters()) {
       built.parameterCount += parameter.numel();
     }
     built.layers.push_back({std::to_string(i), std::move(layer.module)});
+    built.layers.back().stash = spec.stash;
+    built.layers.back().pop = spec.pop;
+    built.layers.back().merge =
+        spec.merge == "concat" ? SkipMerge::kConcat : SkipMerge::kAdd;
     if (spec.tiedTo >= 0)
       tie(built, spec.tiedTo, i);
     built.shapes.push_back(std::move(facts.output));

@@ -13,6 +13,7 @@
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/cuda.h>
 
+#include "model/skips.h"
 #include "runtime/memory.h"
 
 namespace tpipe {
@@ -34,21 +35,31 @@ void synchronize(const at::Tensor& tensor) {
 struct Measurement {
   std::vector<double> forwardMs, backwardMs; // one per measured run
   at::Tensor output;
+  SkipStore after; // the skips alive after the layer, detached
 };
 
-Measurement measure(
-    torch::nn::AnyModule& layer,
-    const at::Tensor& x,
-    const ProfileOptions& options) {
+// A detached copy that a backward can start a walk at.
+at::Tensor leaf(const at::Tensor& x) {
   at::Tensor input = x.detach();
   if (input.is_floating_point())
     input.requires_grad_(true);
+  return input;
+}
+
+// The layer with its skips: each run takes its pops from a copy of `live`.
+Measurement measure(
+    const NamedLayer& layer,
+    const at::Tensor& x,
+    const SkipStore& live,
+    const ProfileOptions& options) {
+  at::Tensor input = leaf(x);
   std::vector<double> forward, backward;
   Measurement result;
   for (int run = 0; run < options.warmup + options.repeats; ++run) {
     synchronize(input);
+    SkipStore skips = live;
     const auto t0 = Clock::now();
-    at::Tensor y = layer.forward(input);
+    at::Tensor y = runLayer(layer, input, skips);
     synchronize(y);
     const auto t1 = Clock::now();
     if (y.requires_grad())
@@ -62,8 +73,11 @@ Measurement measure(
           std::chrono::duration<double, std::milli>(t2 - t1).count());
     }
     result.output = y.detach();
+    for (auto& item : skips.items())
+      item.second = leaf(item.second);
+    result.after = std::move(skips);
   }
-  for (auto& parameter : layer.ptr()->parameters())
+  for (auto& parameter : layer.module.ptr()->parameters())
     parameter.mutable_grad() = at::Tensor();
   result.forwardMs = std::move(forward);
   result.backwardMs = std::move(backward);
@@ -155,15 +169,18 @@ class ModuleSnapshot {
 
 // Bytes a forward with grad leaves alive (the output and whatever the graph
 // saved for the backward), from the device's own allocator.
-int64_t stashBytes(torch::nn::AnyModule& layer, const at::Tensor& x, int slot) {
-  at::Tensor input = x.detach();
-  if (input.is_floating_point())
-    input.requires_grad_(true);
+int64_t stashBytes(
+    const NamedLayer& layer,
+    const at::Tensor& x,
+    const SkipStore& skips,
+    int slot) {
+  at::Tensor input = leaf(x);
+  SkipStore scratch = skips;
   int64_t live = 0, peak = 0;
   const bool accelerator = memory::acceleratorStats(x.device(), &live, &peak);
   memory::DeviceScope scope(slot);
   const int64_t before = accelerator ? live : memory::liveBytes(slot);
-  at::Tensor y = layer.forward(input);
+  at::Tensor y = runLayer(layer, input, scratch);
   synchronize(y);
   if (accelerator) {
     memory::acceleratorStats(x.device(), &live, &peak);
@@ -249,10 +266,11 @@ void measureRound(
     const bool atProfiledSize = n == profile.microBatchSize;
     if (atProfiledSize)
       profile.inputBytes = static_cast<int64_t>(x.nbytes());
+    SkipStore skips;
     for (size_t l = 0; l < layers.size(); ++l) {
       auto layer = layers[l].module;
       layer.ptr()->to(device);
-      const Measurement m = measure(layer, x, options);
+      Measurement m = measure(layers[l], x, skips, options);
       auto& f = forward[l][size];
       auto& b = backward[l][size];
       f.insert(f.end(), m.forwardMs.begin(), m.forwardMs.end());
@@ -263,10 +281,14 @@ void measureRound(
         for (const auto& parameter : layer.ptr()->parameters()) {
           cost.paramBytes += static_cast<int64_t>(parameter.nbytes());
         }
+        // A stage ending here sends, and its next keeps, the skips too.
         cost.activationBytes = static_cast<int64_t>(m.output.nbytes());
-        cost.stashBytes = stashBytes(layer, x, slot);
+        for (const auto& item : m.after.items())
+          cost.activationBytes += static_cast<int64_t>(item.second.nbytes());
+        cost.stashBytes = stashBytes(layers[l], x, skips, slot);
       }
       x = m.output;
+      skips = std::move(m.after);
     }
   }
 }
@@ -311,6 +333,7 @@ Profile profileLayers(
       options.microBatchSize >= 1, "profile: micro-batch size must be >= 1");
   TORCH_CHECK(options.repeats >= 1, "profile: repeats must be >= 1");
   TORCH_CHECK(options.maxRounds >= 1, "profile: rounds must be >= 1");
+  checkSkips(layers);
   memory::install();
   const int slot = memory::acquireSlot();
   ModuleSnapshot snapshot(layers);

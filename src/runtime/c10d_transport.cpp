@@ -88,6 +88,7 @@ std::unique_ptr<Transport> makeProcessGroupTransport(
     const std::vector<int>&,
     Communicator&,
     int,
+    int,
     int) {
   TORCH_CHECK(
       false, "this tpipe was built without c10d (Gloo headers missing)");
@@ -731,8 +732,8 @@ namespace runtime {
 namespace {
 
 constexpr int64_t kMagic = 0x7470697065; // "tpipe"
-constexpr int kHeaderSize = 12;
-constexpr int kMaxDims = kHeaderSize - 6;
+constexpr int kHeaderSize = 14;
+constexpr int kMaxDims = kHeaderSize - 8;
 
 struct PendingSend {
   c10::intrusive_ptr<c10d::Work> work;
@@ -833,12 +834,14 @@ class ProcessGroupTransport final : public Transport {
       std::vector<int> placement,
       Communicator& communicator,
       int stages,
-      int microBatches)
+      int microBatches,
+      int slots)
       : placement_(std::move(placement)),
         communicator_(communicator),
         impl_(communicator.impl()),
         stages_(stages),
         microBatches_(microBatches),
+        partsPerTransfer_(2 * std::max(slots, 1)),
         sends_([this](const PendingSend& send) {
           impl_.wait(send.work, send.peer, "sending to it");
         }) {}
@@ -871,32 +874,51 @@ class ProcessGroupTransport final : public Transport {
     const int peer = peerOf(direction, boundary, true);
     if (peer == communicator_.rank())
       return local_.send(direction, boundary, microBatch, std::move(payload));
-    const at::Tensor& tensor =
-        payload.tensor; // on the CPU: remote stages receive CPU tensors
-    if (shapes_) {
-      sendData(direction, boundary, microBatch, tensor, peer);
-      return;
-    }
+    // On the CPU: remote stages receive CPU tensors.
+    const auto& tensors = payload.tensors;
+    const int count = static_cast<int>(tensors.size());
     TORCH_CHECK(
-        tensor.dim() <= kMaxDims,
-        "cannot send a tensor of ",
-        tensor.dim(),
-        " dimensions (at most ",
-        kMaxDims,
+        2 * count <= partsPerTransfer_,
+        "cannot send ",
+        count,
+        " tensors in one transfer (at most ",
+        partsPerTransfer_ / 2,
         ")");
-    at::Tensor header = at::empty({kHeaderSize}, at::kLong);
-    int64_t* h = header.data_ptr<int64_t>();
-    std::fill(h, h + kHeaderSize, 0);
-    h[0] = kMagic;
-    h[1] = microBatch;
-    h[2] = boundary;
-    h[3] = static_cast<int64_t>(direction);
-    h[4] = static_cast<int64_t>(tensor.scalar_type());
-    h[5] = tensor.dim();
-    for (int64_t d = 0; d < tensor.dim(); ++d)
-      h[6 + d] = tensor.size(d);
-    postSend(header, peer, direction, boundary, microBatch, 0);
-    postSend(tensor.contiguous(), peer, direction, boundary, microBatch, 1);
+    for (int slot = 0; slot < count; ++slot) {
+      const at::Tensor& tensor = tensors[slot];
+      if (shapes_) {
+        sendData(direction, boundary, microBatch, slot, tensor, peer);
+        continue;
+      }
+      TORCH_CHECK(
+          tensor.dim() <= kMaxDims,
+          "cannot send a tensor of ",
+          tensor.dim(),
+          " dimensions (at most ",
+          kMaxDims,
+          ")");
+      at::Tensor header = at::empty({kHeaderSize}, at::kLong);
+      int64_t* h = header.data_ptr<int64_t>();
+      std::fill(h, h + kHeaderSize, 0);
+      h[0] = kMagic;
+      h[1] = microBatch;
+      h[2] = boundary;
+      h[3] = static_cast<int64_t>(direction);
+      h[4] = static_cast<int64_t>(tensor.scalar_type());
+      h[5] = tensor.dim();
+      h[6] = slot;
+      h[7] = count;
+      for (int64_t d = 0; d < tensor.dim(); ++d)
+        h[8 + d] = tensor.size(d);
+      postSend(header, peer, direction, boundary, microBatch, 2 * slot);
+      postSend(
+          tensor.contiguous(),
+          peer,
+          direction,
+          boundary,
+          microBatch,
+          2 * slot + 1);
+    }
   }
 
   Payload receive(Direction direction, int boundary, int microBatch) override {
@@ -905,51 +927,13 @@ class ProcessGroupTransport final : public Transport {
       return local_.receive(direction, boundary, microBatch);
     if (postThrough(key(direction, boundary, microBatch)))
       return takePosted(direction, boundary, microBatch, peer);
-    const char* what =
-        direction == Direction::kActivation ? "activation" : "gradient";
-    const std::string receiving =
-        "receiving the " + describe(direction, boundary, microBatch);
-    // Part 0 is the header, part 1 the data.
-    auto receiveInto = [&](std::vector<at::Tensor>& tensors, int part) {
-      waitReceive(
-          impl_.withPeer(
-              peer,
-              receiving,
-              [&] {
-                return impl_.worldGroup->recv(
-                    tensors, peer, tag(direction, boundary, microBatch, part));
-              }),
-          peer,
-          receiving);
-    };
-    std::vector<at::Tensor> header{at::empty({kHeaderSize}, at::kLong)};
-    receiveInto(header, 0);
-    const int64_t* h = header[0].data_ptr<int64_t>();
-    TORCH_CHECK(
-        h[0] == kMagic && h[1] == microBatch && h[2] == boundary &&
-            h[3] == static_cast<int64_t>(direction) && h[5] >= 0 &&
-            h[5] <= kMaxDims,
-        "rank ",
-        peer,
-        " sent a message tpipe did not expect for the ",
-        what,
-        " of micro-batch ",
-        microBatch,
-        " over boundary ",
-        boundary,
-        " (a different config or version on that rank?)");
-    const auto dtype = static_cast<c10::ScalarType>(h[4]);
-    TORCH_CHECK(
-        h[4] >= 0 && h[4] < static_cast<int64_t>(c10::ScalarType::NumOptions),
-        "rank ",
-        peer,
-        " sent an unknown dtype code ",
-        h[4]);
-    std::vector<int64_t> shape(h + 6, h + 6 + h[5]);
-    std::vector<at::Tensor> data{
-        at::empty(shape, at::TensorOptions().dtype(dtype))};
-    receiveInto(data, 1);
-    return {data[0], nullptr};
+    Payload payload;
+    int count = 1;
+    for (int slot = 0; slot < count; ++slot) {
+      payload.tensors.push_back(
+          receiveSlot(direction, boundary, microBatch, slot, peer, &count));
+    }
+    return payload;
   }
 
   void abort() override {
@@ -957,8 +941,7 @@ class ProcessGroupTransport final : public Transport {
     std::lock_guard<std::mutex> lock(receiving_);
     if (current_)
       current_->abort();
-    for (auto& [k, posted] : posted_)
-      posted.work->abort();
+    abortAllPosted();
   }
 
   void end() override {
@@ -966,9 +949,10 @@ class ProcessGroupTransport final : public Transport {
   }
 
  private:
+  // One transfer's receives, a message per tensor.
   struct Posted {
-    c10::intrusive_ptr<c10d::Work> work;
-    at::Tensor tensor;
+    std::vector<c10::intrusive_ptr<c10d::Work>> works;
+    std::vector<at::Tensor> tensors;
     int peer;
   };
 
@@ -992,14 +976,78 @@ class ProcessGroupTransport final : public Transport {
         std::to_string(tag(direction, boundary, microBatch, 1)) + ")";
   }
 
-  // One message: the receiver knows the shape, and says what it expects.
+  // Slot `slot` of a transfer without known shapes: its header (whose
+  // first says how many tensors follow), then its data.
+  at::Tensor receiveSlot(
+      Direction direction,
+      int boundary,
+      int microBatch,
+      int slot,
+      int peer,
+      int* count) {
+    const std::string receiving =
+        "receiving the " + describe(direction, boundary, microBatch);
+    auto receiveInto = [&](std::vector<at::Tensor>& tensors, int part) {
+      waitReceive(
+          impl_.withPeer(
+              peer,
+              receiving,
+              [&] {
+                return impl_.worldGroup->recv(
+                    tensors, peer, tag(direction, boundary, microBatch, part));
+              }),
+          peer,
+          receiving);
+    };
+    std::vector<at::Tensor> header{at::empty({kHeaderSize}, at::kLong)};
+    receiveInto(header, 2 * slot);
+    const int64_t* h = header[0].data_ptr<int64_t>();
+    TORCH_CHECK(
+        h[0] == kMagic && h[1] == microBatch && h[2] == boundary &&
+            h[3] == static_cast<int64_t>(direction) && h[5] >= 0 &&
+            h[5] <= kMaxDims && h[6] == slot && h[7] > slot &&
+            2 * h[7] <= partsPerTransfer_ && (slot == 0 || h[7] == *count),
+        "rank ",
+        peer,
+        " sent a message tpipe did not expect for the ",
+        describe(direction, boundary, microBatch),
+        " over boundary ",
+        boundary,
+        " (a different config or version on that rank?)");
+    *count = static_cast<int>(h[7]);
+    TORCH_CHECK(
+        h[4] >= 0 && h[4] < static_cast<int64_t>(c10::ScalarType::NumOptions),
+        "rank ",
+        peer,
+        " sent an unknown dtype code ",
+        h[4]);
+    const auto dtype = static_cast<c10::ScalarType>(h[4]);
+    std::vector<int64_t> shape(h + 8, h + 8 + h[5]);
+    std::vector<at::Tensor> data{
+        at::empty(shape, at::TensorOptions().dtype(dtype))};
+    receiveInto(data, 2 * slot + 1);
+    return data[0];
+  }
+
+  // One message per tensor: the receiver knows the shape, and says what it
+  // expects.
   void sendData(
       Direction direction,
       int boundary,
       int microBatch,
+      int slot,
       const at::Tensor& tensor,
       int peer) {
-    const std::vector<int64_t> shape = shapes_->shapeOf(boundary, microBatch);
+    const auto& slots = shapes_->perSample.at(boundary);
+    TORCH_CHECK(
+        slot < static_cast<int>(slots.size()),
+        "the ",
+        describe(direction, boundary, microBatch),
+        " has more tensors than the ",
+        slots.size(),
+        " shape inference promised");
+    const std::vector<int64_t> shape =
+        shapes_->shapeOf(boundary, slot, microBatch);
     TORCH_CHECK(
         tensor.sizes() == at::IntArrayRef(shape) &&
             tensor.scalar_type() == shapes_->dtype,
@@ -1014,7 +1062,13 @@ class ProcessGroupTransport final : public Transport {
         " (",
         shapes_->dtype,
         ") to the rank receiving it");
-    postSend(tensor.contiguous(), peer, direction, boundary, microBatch, 1);
+    postSend(
+        tensor.contiguous(),
+        peer,
+        direction,
+        boundary,
+        microBatch,
+        2 * slot + 1);
   }
 
   // Part 0 is a header, part 1 the data; the send thread waits for it.
@@ -1056,20 +1110,29 @@ class ProcessGroupTransport final : public Transport {
       postNext();
   }
 
-  // Posts the next receive of toPost_; under receiving_.
+  // Posts the next receive of toPost_, a message per tensor; under
+  // receiving_.
   void postNext() {
     const StepShapes::Receive& r = toPost_[nextPost_++];
-    const int peer = peerOf(r.direction, r.boundary, false);
-    std::vector<at::Tensor> buffer{at::empty(
-        shapes_->shapeOf(r.boundary, r.microBatch),
-        at::TensorOptions().dtype(shapes_->dtype))};
+    Posted posted;
+    posted.peer = peerOf(r.direction, r.boundary, false);
     const std::string what = describe(r.direction, r.boundary, r.microBatch);
-    auto work = impl_.withPeer(peer, "receiving the " + what, [&] {
-      return impl_.worldGroup->recv(
-          buffer, peer, tag(r.direction, r.boundary, r.microBatch, 1));
-    });
-    posted_[key(r.direction, r.boundary, r.microBatch)] = {
-        work, buffer[0], peer};
+    const int slots =
+        static_cast<int>(shapes_->perSample.at(r.boundary).size());
+    for (int slot = 0; slot < slots; ++slot) {
+      std::vector<at::Tensor> buffer{at::empty(
+          shapes_->shapeOf(r.boundary, slot, r.microBatch),
+          at::TensorOptions().dtype(shapes_->dtype))};
+      posted.works.push_back(
+          impl_.withPeer(posted.peer, "receiving the " + what, [&] {
+            return impl_.worldGroup->recv(
+                buffer,
+                posted.peer,
+                tag(r.direction, r.boundary, r.microBatch, 2 * slot + 1));
+          }));
+      posted.tensors.push_back(buffer[0]);
+    }
+    posted_[key(r.direction, r.boundary, r.microBatch)] = std::move(posted);
   }
 
   Payload takePosted(
@@ -1082,23 +1145,32 @@ class ProcessGroupTransport final : public Transport {
       std::lock_guard<std::mutex> lock(receiving_);
       posted = posted_.at(key(direction, boundary, microBatch));
     }
-    waitReceive(
-        posted.work,
-        peer,
-        "receiving the " + describe(direction, boundary, microBatch));
+    for (const auto& work : posted.works) {
+      waitReceive(
+          work,
+          peer,
+          "receiving the " + describe(direction, boundary, microBatch));
+    }
     std::lock_guard<std::mutex> lock(receiving_);
     posted_.erase(key(direction, boundary, microBatch));
     fillPostWindow();
-    return {posted.tensor, nullptr};
+    return {std::move(posted.tensors), nullptr};
   }
 
   void abortPosted() {
     std::lock_guard<std::mutex> lock(receiving_);
-    for (auto& [k, posted] : posted_)
-      posted.work->abort();
+    abortAllPosted();
     posted_.clear();
     toPost_.clear();
     nextPost_ = 0;
+  }
+
+  // Under receiving_.
+  void abortAllPosted() {
+    for (auto& [k, posted] : posted_) {
+      for (auto& work : posted.works)
+        work->abort();
+    }
   }
 
   int processOf(int stage) const {
@@ -1110,7 +1182,7 @@ class ProcessGroupTransport final : public Transport {
   int tag(Direction direction, int boundary, int microBatch, int part) const {
     return ((boundary * 2 + static_cast<int>(direction)) * microBatches_ +
             microBatch) *
-        2 +
+        partsPerTransfer_ +
         part;
   }
 
@@ -1138,6 +1210,7 @@ class ProcessGroupTransport final : public Transport {
   Communicator::Impl& impl_;
   int stages_;
   int microBatches_;
+  int partsPerTransfer_; // a header and a data message per tensor
   LocalTransport local_;
   std::mutex receiving_;
   c10::intrusive_ptr<c10d::Work> current_;
@@ -1152,9 +1225,10 @@ std::unique_ptr<Transport> makeProcessGroupTransport(
     const std::vector<int>& placement,
     Communicator& communicator,
     int stages,
-    int microBatches) {
+    int microBatches,
+    int slots) {
   return std::make_unique<ProcessGroupTransport>(
-      placement, communicator, stages, microBatches);
+      placement, communicator, stages, microBatches, slots);
 }
 
 } // namespace runtime

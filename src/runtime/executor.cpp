@@ -13,6 +13,7 @@
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/version.h>
 
+#include "model/skips.h"
 #include "overloaded.h"
 
 namespace tpipe {
@@ -148,35 +149,37 @@ class RankExecutor {
     StageRuntime& stage = stageAt(op.stage);
     Stash& stash = state_.at(op.stage, op.microBatch);
     if (op.stage == 0)
-      stash.input = state_.inputs[op.microBatch];
-    TORCH_CHECK(stash.input.defined(), "no input received");
+      stash.inputs = {state_.inputs[op.microBatch]};
+    TORCH_CHECK(
+        !stash.inputs.empty() && stash.inputs.front().defined(),
+        "no input received");
     stash.checkpointed = op.checkpointed;
     const bool training = state_.schedule->training;
     if (training && stage.stochastic)
       stash.rngState = stage.rngState;
-    at::Tensor output;
+    std::vector<at::Tensor> outputs;
     {
       at::AutoGradMode gradMode(training && !op.checkpointed);
       StageGeneratorScope generator(
           training && stage.stochastic, stage.rngState, stage.device);
       const bool record = training && !op.checkpointed && state_.splitBackward;
-      output = runLayers(stage, stash.input, record ? &stash : nullptr);
+      outputs = runLayers(stage, stash.inputs, record ? &stash : nullptr);
       if (training && stage.stochastic)
         stage.rngState = generator.current();
       if (isLast(op.stage) && training)
-        output = weightedLoss(output, op);
+        outputs.front() = weightedLoss(outputs.front(), op);
     }
     if (isLast(op.stage)) {
       if (training) {
-        state_.losses[op.microBatch] = output.detach();
+        state_.losses[op.microBatch] = outputs.front().detach();
       } else {
         state_.outputs[op.microBatch] =
-            state_.autocast ? fullPrecision(output) : output;
+            state_.autocast ? fullPrecision(outputs.front()) : outputs.front();
       }
     }
-    stash.output = std::move(output);
+    stash.outputs = std::move(outputs);
     if (!training)
-      stash.input = at::Tensor();
+      stash.inputs.clear();
   }
 
   void operator()(const Recompute& op) {
@@ -186,54 +189,65 @@ class RankExecutor {
     RecomputeScope recomputeScope;
     StageGeneratorScope generator(
         stage.stochastic, stash.rngState, stage.device);
-    at::Tensor output =
-        runLayers(stage, stash.input, state_.splitBackward ? &stash : nullptr);
+    std::vector<at::Tensor> outputs =
+        runLayers(stage, stash.inputs, state_.splitBackward ? &stash : nullptr);
     if (isLast(op.stage)) {
-      output = weightedLoss(output, Forward{op.stage, op.microBatch, true});
+      outputs.front() =
+          weightedLoss(outputs.front(), Forward{op.stage, op.microBatch, true});
     }
-    stash.output = std::move(output);
+    stash.outputs = std::move(outputs);
   }
 
   void operator()(const Backward& op) {
+    const StageRuntime& stage = stageAt(op.stage);
     Stash& stash = state_.at(op.stage, op.microBatch);
     at::AutoGradMode gradMode(true);
-    if (stash.output.requires_grad()) {
-      torch::autograd::backward({stash.output}, gradientsFor(stash));
-    }
+    std::vector<at::Tensor> roots, grads;
+    differentiable(stage, stash, roots, grads);
+    if (!roots.empty())
+      torch::autograd::backward(roots, grads);
     if (op.stage > 0)
-      stash.inputGrad = inputGradient(stash);
+      stash.inputGrads = inputGradients(stage, stash);
     release(stash);
   }
 
-  // The input pass: the gradient of the stage input (for the previous
+  // The input pass: the gradient of the stage inputs (for the previous
   // stage) and of each parameter-owning layer's output (for the weight
   // pass), in one walk that computes no weight gradient. The graph is kept
   // for the weight pass.
   void operator()(const BackwardInput& op) {
+    const StageRuntime& stage = stageAt(op.stage);
     Stash& stash = state_.at(op.stage, op.microBatch);
     at::AutoGradMode gradMode(true);
-    const bool wantInput = op.stage > 0 && stash.input.requires_grad();
-    std::vector<at::Tensor> wanted;
-    if (wantInput)
-      wanted.push_back(stash.input);
+    std::vector<at::Tensor> roots, grads, wanted;
+    differentiable(stage, stash, roots, grads);
+    std::vector<size_t> wantedSlots;
+    for (size_t i = 0; op.stage > 0 && i < stash.inputs.size(); ++i) {
+      if (stash.inputs[i].requires_grad() && !passesThrough(stage, i)) {
+        wanted.push_back(stash.inputs[i]);
+        wantedSlots.push_back(i);
+      }
+    }
     wanted.insert(
         wanted.end(), stash.weightOutputs.begin(), stash.weightOutputs.end());
-    std::vector<at::Tensor> grads(wanted.size());
-    if (stash.output.requires_grad() && !wanted.empty()) {
-      grads = torch::autograd::grad(
-          {stash.output},
+    std::vector<at::Tensor> found(wanted.size());
+    if (!roots.empty() && !wanted.empty()) {
+      found = torch::autograd::grad(
+          roots,
           wanted,
-          gradientsFor(stash),
+          grads,
           /*retain_graph=*/true,
           /*create_graph=*/false,
           /*allow_unused=*/true);
     }
-    if (wantInput)
-      stash.inputGrad = grads.front();
+    stash.inputGrads.assign(stash.inputs.size(), at::Tensor());
+    for (size_t k = 0; k < wantedSlots.size(); ++k)
+      stash.inputGrads[wantedSlots[k]] = found[k];
     stash.weightOutputGrads.assign(
-        grads.begin() + (wantInput ? 1 : 0), grads.end());
+        found.begin() + static_cast<std::ptrdiff_t>(wantedSlots.size()),
+        found.end());
     if (op.stage > 0)
-      stash.inputGrad = inputGradient(stash);
+      stash.inputGrads = inputGradients(stage, stash);
   }
 
   // The weight pass: each layer's parameter gradients from the gradient at
@@ -258,70 +272,61 @@ class RankExecutor {
 
   void operator()(const SendActivation& op) {
     Stash& stash = state_.at(op.stage, op.microBatch);
-    // Built in a statement of its own: every temporary sharing the tensor
-    // dies before another thread can own it.
-    Payload sent =
-        ship(stash.output.detach(), stageAt(op.stage), stageAt(op.stage + 1));
-    transferred = static_cast<int64_t>(sent.tensor.nbytes());
+    std::vector<at::Tensor> detached;
+    for (const auto& output : stash.outputs)
+      detached.push_back(output.detach());
+    // Built in a statement of its own: every temporary sharing the tensors
+    // dies before another thread can own them.
+    Payload sent = ship(detached, stageAt(op.stage), stageAt(op.stage + 1));
+    detached.clear();
+    transferred = bytesOf(sent.tensors);
     state_.transport->send(
         Direction::kActivation, op.stage, op.microBatch, std::move(sent));
     if (stash.checkpointed || !state_.schedule->training) {
-      stash.output = at::Tensor(); // recompute rebuilds it
+      stash.outputs.clear(); // recompute rebuilds them
     }
   }
 
   void operator()(const RecvActivation& op) {
-    at::Tensor input = land(
+    const StageRuntime& stage = stageAt(op.stage);
+    std::vector<at::Tensor> inputs = land(
         state_.transport->receive(
             Direction::kActivation, op.stage - 1, op.microBatch),
-        stageAt(op.stage));
-    if (state_.copyOnReceive)
-      input = input.clone();
-    checkActivation(input, op);
-    transferred = static_cast<int64_t>(input.nbytes());
-    if (state_.schedule->training && input.is_floating_point()) {
-      input.requires_grad_(true);
+        stage);
+    checkActivation(inputs, stage, op);
+    transferred = bytesOf(inputs);
+    for (auto& input : inputs) {
+      if (state_.copyOnReceive)
+        input = input.clone();
+      if (state_.schedule->training && input.is_floating_point())
+        input.requires_grad_(true);
     }
-    state_.at(op.stage, op.microBatch).input = std::move(input);
+    state_.at(op.stage, op.microBatch).inputs = std::move(inputs);
   }
 
   void operator()(const SendGrad& op) {
     Stash& stash = state_.at(op.stage, op.microBatch);
     Payload sent =
-        ship(stash.inputGrad, stageAt(op.stage), stageAt(op.stage - 1));
-    stash.inputGrad = at::Tensor();
-    stash.input = at::Tensor(); // its .grad() may be `sent`: drop it first
-    transferred = static_cast<int64_t>(sent.tensor.nbytes());
+        ship(stash.inputGrads, stageAt(op.stage), stageAt(op.stage - 1));
+    stash.inputGrads.clear();
+    stash.inputs.clear(); // their .grad() may be `sent`: drop them first
+    transferred = bytesOf(sent.tensors);
     state_.transport->send(
         Direction::kGradient, op.stage - 1, op.microBatch, std::move(sent));
   }
 
   void operator()(const RecvGrad& op) {
     Stash& stash = state_.at(op.stage, op.microBatch);
-    stash.gradOutput = land(
+    stash.gradOutputs = land(
         state_.transport->receive(
             Direction::kGradient, op.stage, op.microBatch),
         stageAt(op.stage));
-    if (state_.copyOnReceive)
-      stash.gradOutput = stash.gradOutput.clone();
-    // The gradient must match the output this stage sent.
-    const at::Tensor& output = stash.output;
-    TORCH_CHECK(
-        !output.defined() ||
-            (stash.gradOutput.sizes() == output.sizes() &&
-             stash.gradOutput.scalar_type() == output.scalar_type()),
-        "received a gradient of shape ",
-        stash.gradOutput.sizes(),
-        " (",
-        stash.gradOutput.scalar_type(),
-        ") from stage ",
-        op.stage + 1,
-        " for an output of shape ",
-        output.sizes(),
-        " (",
-        output.scalar_type(),
-        ")");
-    transferred = static_cast<int64_t>(stash.gradOutput.nbytes());
+    if (state_.copyOnReceive) {
+      for (auto& grad : stash.gradOutputs)
+        grad = grad.clone();
+    }
+    checkGradients(stash, stageAt(op.stage), op);
+    transferred = bytesOf(stash.gradOutputs);
   }
 
   int64_t transferred = 0; // bytes moved by the last transfer instruction
@@ -333,89 +338,166 @@ class RankExecutor {
   bool isLast(int stage) const {
     return stage == state_.schedule->stages() - 1;
   }
+  static bool passesThrough(const StageRuntime& stage, size_t inputSlot) {
+    return std::find(
+               stage.passedFrom.begin(),
+               stage.passedFrom.end(),
+               static_cast<int>(inputSlot)) != stage.passedFrom.end();
+  }
 
-  // Moves a tensor toward another stage's device. From an accelerator the
-  // copy runs on the sender's copy stream after the kernels that produced
-  // the tensor, and the caching allocator learns that stream uses it.
+  // Moves tensors toward another stage's device. From an accelerator the
+  // copies run on the sender's copy stream after the kernels that produced
+  // them, and the caching allocator learns that stream uses them.
   static Payload ship(
-      const at::Tensor& tensor,
+      const std::vector<at::Tensor>& tensors,
       const StageRuntime& from,
       const StageRuntime& to) {
-    if (!from.computeStream || tensor.device().is_cpu()) {
-      return {tensor.to(to.device), nullptr};
+    Payload payload;
+    if (!from.computeStream || tensors.front().device().is_cpu()) {
+      for (const auto& tensor : tensors)
+        payload.tensors.push_back(tensor.to(to.device));
+      return payload;
     }
     const c10::DeviceType type = from.device.type();
     c10::Event produced(type);
     produced.record(*from.computeStream);
     produced.block(*from.copyStream);
-    at::Tensor sent;
     {
       c10::StreamGuard onCopy(*from.copyStream);
-      sent = tensor.to(to.device, /*non_blocking=*/!to.device.is_cpu());
+      for (const auto& tensor : tensors) {
+        payload.tensors.push_back(
+            tensor.to(to.device, /*non_blocking=*/!to.device.is_cpu()));
+      }
     }
-    c10::impl::VirtualGuardImpl(type).recordDataPtrOnStream(
-        tensor.storage().data_ptr(), *from.copyStream);
-    auto ready = std::make_shared<c10::Event>(type);
-    ready->record(*from.copyStream);
-    return {sent, std::move(ready)};
+    for (const auto& tensor : tensors) {
+      c10::impl::VirtualGuardImpl(type).recordDataPtrOnStream(
+          tensor.storage().data_ptr(), *from.copyStream);
+    }
+    payload.ready = std::make_shared<c10::Event>(type);
+    payload.ready->record(*from.copyStream);
+    return payload;
   }
 
-  // Makes an arrived tensor safe to use on this stage's stream.
-  static at::Tensor land(Payload payload, const StageRuntime& here) {
+  // Makes arrived tensors safe to use on this stage's stream.
+  static std::vector<at::Tensor> land(
+      Payload payload,
+      const StageRuntime& here) {
     if (payload.ready && here.computeStream) {
       payload.ready->block(*here.computeStream);
-      c10::impl::VirtualGuardImpl(here.device.type())
-          .recordDataPtrOnStream(
-              payload.tensor.storage().data_ptr(), *here.computeStream);
+      for (const auto& tensor : payload.tensors) {
+        c10::impl::VirtualGuardImpl(here.device.type())
+            .recordDataPtrOnStream(
+                tensor.storage().data_ptr(), *here.computeStream);
+      }
     }
-    return std::move(payload.tensor);
+    return std::move(payload.tensors);
   }
 
-  // Against shape inference, when the pipeline was given it: the batch
-  // dimension is the micro-batch's size, the rest the boundary's shape.
-  void checkActivation(const at::Tensor& input, const RecvActivation& op)
-      const {
-    const auto* shapes = state_.layerOutputShapes;
-    if (shapes == nullptr || shapes->empty() || state_.boundaries == nullptr)
-      return;
-    const int boundary = op.stage - 1;
-    const int lastLayer = (*state_.boundaries)[op.stage] - 1; // the sender's
-    if (lastLayer < 0 || lastLayer >= static_cast<int>(shapes->size()))
-      return;
-    std::vector<int64_t> expected{
-        state_.microBatchSizes.empty() ? input.size(0)
-                                       : state_.microBatchSizes[op.microBatch]};
-    const auto& sample = (*shapes)[lastLayer];
-    expected.insert(expected.end(), sample.begin(), sample.end());
+  // As many tensors as the stage takes and, when the pipeline was given
+  // shape inference, each of the shape of the layer that made it (the
+  // batch dimension: the micro-batch's size).
+  void checkActivation(
+      const std::vector<at::Tensor>& inputs,
+      const StageRuntime& stage,
+      const RecvActivation& op) const {
     TORCH_CHECK(
-        input.sizes().vec() == expected,
-        "received an activation of shape ",
-        input.sizes(),
-        " from stage ",
-        boundary,
+        inputs.size() == stage.sourceLayers.size(),
+        "received ",
+        inputs.size(),
+        " tensors from stage ",
+        op.stage - 1,
         ", expected ",
-        c10::IntArrayRef(expected));
+        stage.sourceLayers.size(),
+        " (the activation and ",
+        stage.skipsIn.size(),
+        " skips)");
+    const auto* shapes = state_.layerOutputShapes;
+    if (shapes == nullptr || shapes->empty())
+      return;
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      const int layer = stage.sourceLayers[i];
+      if (layer < 0 || layer >= static_cast<int>(shapes->size()))
+        continue;
+      std::vector<int64_t> expected{
+          state_.microBatchSizes.empty()
+              ? inputs[i].size(0)
+              : state_.microBatchSizes[op.microBatch]};
+      const auto& sample = (*shapes)[layer];
+      expected.insert(expected.end(), sample.begin(), sample.end());
+      TORCH_CHECK(
+          inputs[i].sizes().vec() == expected,
+          "received ",
+          i == 0 ? std::string("an activation")
+                 : "the skip '" + stage.skipsIn[i - 1] + "'",
+          " of shape ",
+          inputs[i].sizes(),
+          " from stage ",
+          op.stage - 1,
+          ", expected ",
+          c10::IntArrayRef(expected));
+    }
+  }
+
+  // The gradients must match the outputs this stage sent.
+  static void checkGradients(
+      const Stash& stash,
+      const StageRuntime& stage,
+      const RecvGrad& op) {
+    TORCH_CHECK(
+        stash.gradOutputs.size() == 1 + stage.skipsOut.size(),
+        "received ",
+        stash.gradOutputs.size(),
+        " gradients from stage ",
+        op.stage + 1,
+        " for ",
+        1 + stage.skipsOut.size(),
+        " outputs");
+    for (size_t o = 0; o < stash.outputs.size(); ++o) {
+      const at::Tensor& output = stash.outputs[o];
+      const at::Tensor& grad = stash.gradOutputs[o];
+      TORCH_CHECK(
+          (grad.sizes() == output.sizes() &&
+           grad.scalar_type() == output.scalar_type()),
+          "received a gradient of shape ",
+          grad.sizes(),
+          " (",
+          grad.scalar_type(),
+          ") from stage ",
+          op.stage + 1,
+          " for an output of shape ",
+          output.sizes(),
+          " (",
+          output.scalar_type(),
+          ")");
+    }
   }
 
   // With `record`, keeps the output of every layer that owns parameters,
   // for a split backward's weight pass.
-  at::Tensor runLayers(
+  std::vector<at::Tensor> runLayers(
       StageRuntime& stage,
-      at::Tensor x,
+      const std::vector<at::Tensor>& inputs,
       Stash* record = nullptr) {
     AutocastScope autocast(stage.device.type(), state_.autocast);
     if (record) {
       record->weightOutputs.clear();
       record->weightLayers.clear();
     }
+    SkipStore live;
+    for (size_t k = 0; k < stage.skipsIn.size(); ++k)
+      live.put(stage.skipsIn[k], inputs.at(k + 1));
+    at::Tensor x = inputs.front();
     for (size_t l = 0; l < stage.layers.size(); ++l) {
-      x = stage.layers[l].forward(x);
+      x = runLayer(stage.layers[l], x, live);
       if (record && !stage.layerParameters[l].empty() && x.requires_grad()) {
         record->weightOutputs.push_back(x);
         record->weightLayers.push_back(static_cast<int>(l));
       }
     }
-    return x;
+    std::vector<at::Tensor> outputs{x};
+    for (const auto& name : stage.skipsOut)
+      outputs.push_back(live.at(name));
+    return outputs;
   }
 
   at::Tensor weightedLoss(const at::Tensor& output, const Forward& op) {
@@ -429,27 +511,50 @@ class RankExecutor {
     return loss.reshape({}) * state_.weights[op.microBatch];
   }
 
-  // The last stage's output is the loss itself: its gradient is implicit.
-  static std::vector<at::Tensor> gradientsFor(const Stash& stash) {
-    if (!stash.gradOutput.defined())
-      return {};
-    return {stash.gradOutput};
+  // The outputs a backward starts from, with their gradients: those the
+  // stage computed (a skip passing through is handed back as it came). The
+  // last stage's output is the loss itself: its gradient is implicit.
+  static void differentiable(
+      const StageRuntime& stage,
+      const Stash& stash,
+      std::vector<at::Tensor>& roots,
+      std::vector<at::Tensor>& grads) {
+    for (size_t o = 0; o < stash.outputs.size(); ++o) {
+      const bool passed =
+          o < stage.passedFrom.size() && stage.passedFrom[o] >= 0;
+      if (passed || !stash.outputs[o].requires_grad())
+        continue;
+      roots.push_back(stash.outputs[o]);
+      if (!stash.gradOutputs.empty())
+        grads.push_back(stash.gradOutputs.at(o));
+    }
   }
 
-  // A stage input no gradient reached (an integer tensor, or an output the
-  // stage ignored) has gradient zero, which the previous stage still awaits.
-  static at::Tensor inputGradient(const Stash& stash) {
-    at::Tensor grad = stash.inputGrad.defined() ? stash.inputGrad
-        : stash.input.grad().defined()          ? stash.input.grad()
-                                                : at::Tensor();
-    if (grad.defined())
-      return grad;
-    return at::zeros_like(stash.input);
+  // Per input slot, the gradient the previous stage awaits: a passed-through
+  // skip's as received; an input no gradient reached (an integer tensor, or
+  // one the stage ignored) gets zeros.
+  static std::vector<at::Tensor> inputGradients(
+      const StageRuntime& stage,
+      const Stash& stash) {
+    std::vector<at::Tensor> grads(stash.inputs.size());
+    for (size_t i = 0; i < grads.size(); ++i) {
+      if (i < stash.inputGrads.size() && stash.inputGrads[i].defined())
+        grads[i] = stash.inputGrads[i];
+      else if (stash.inputs[i].grad().defined())
+        grads[i] = stash.inputs[i].grad();
+      else
+        grads[i] = at::zeros_like(stash.inputs[i]);
+    }
+    for (size_t o = 0; o < stage.passedFrom.size(); ++o) {
+      if (stage.passedFrom[o] >= 0)
+        grads.at(stage.passedFrom[o]) = stash.gradOutputs.at(o);
+    }
+    return grads;
   }
 
   static void release(Stash& stash) {
-    stash.output = at::Tensor();
-    stash.gradOutput = at::Tensor();
+    stash.outputs.clear();
+    stash.gradOutputs.clear();
     stash.rngState = at::Tensor();
     stash.weightOutputs.clear();
     stash.weightOutputGrads.clear();

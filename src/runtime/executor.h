@@ -27,7 +27,15 @@ struct StageRuntime {
   int index = 0;
   std::string deviceName; // as in the options, e.g. "cpu:1"
   c10::Device device{c10::kCPU};
-  std::vector<torch::nn::AnyModule> layers;
+  std::vector<NamedLayer> layers; // modules with their skips
+  // Slot 0 of a stage's input and output is the activation; then come the
+  // skips that arrive with the input (skipsIn) and leave with the output
+  // (skipsOut), by name in stash order. A skip in both passes through the
+  // stage untouched: passedFrom[o] is the input slot output slot o is, or
+  // -1. sourceLayers[i]: the layer whose output input slot i is (shape
+  // checks).
+  std::vector<std::string> skipsIn, skipsOut;
+  std::vector<int> passedFrom, sourceLayers;
   std::vector<at::Tensor> parameters; // those requiring grad
   // Per layer, its parameters requiring grad (the weight pass's targets).
   std::vector<std::vector<at::Tensor>> layerParameters;
@@ -38,13 +46,14 @@ struct StageRuntime {
   c10::optional<c10::Stream> computeStream, copyStream;
 };
 
-// What one (stage, micro-batch) keeps between its instructions.
+// What one (stage, micro-batch) keeps between its instructions, per slot
+// (StageRuntime: the activation, then the skips).
 struct Stash {
-  at::Tensor input;      // the stage input (a grad-requiring leaf if float)
-  at::Tensor output;     // stage output, or the weighted loss on the last
-  at::Tensor gradOutput; // gradient received for `output`
-  at::Tensor inputGrad;  // gradient to send to the previous stage
-  at::Tensor rngState;   // generator state at the forward, for recompute
+  std::vector<at::Tensor> inputs;      // grad-requiring leaves where float
+  std::vector<at::Tensor> outputs;     // or the weighted loss on the last stage
+  std::vector<at::Tensor> gradOutputs; // received for `outputs`
+  std::vector<at::Tensor> inputGrads;  // to send to the previous stage
+  at::Tensor rngState; // generator state at the forward, for recompute
   bool checkpointed = false;
   // Split backward: the outputs of the stage's layers that own parameters
   // (recorded at the forward or recompute), and the gradients the input pass

@@ -17,6 +17,7 @@
 #include <torch/cuda.h>
 #include <torch/types.h>
 
+#include "model/skips.h"
 #include "runtime/c10d_transport.h"
 #include "runtime/executor.h"
 #include "runtime/memory.h"
@@ -248,6 +249,14 @@ struct Pipeline::Impl {
     return gradients;
   }
   void expectShapes(const runtime::StepState& state, const Schedule& plan);
+  void routeSkips(runtime::StageRuntime& stage) const;
+  // The most tensors one transfer carries (the activation and its skips).
+  int mostSlots() const {
+    size_t most = 1;
+    for (const auto& stage : stages)
+      most = std::max(most, stage.sourceLayers.size());
+    return static_cast<int>(most);
+  }
   void keepTrace(runtime::StepState& state, double wallUs);
   c10::optional<at::ScalarType> fixedTransferDtype() const;
   std::vector<at::Tensor> split(
@@ -274,6 +283,7 @@ std::vector<c10::Device> Pipeline::Impl::checkLayersAndDevices() const {
         layers[i].name,
         "'");
   }
+  checkSkips(layers);
   TORCH_CHECK(
       options.threadsPerDevice >= 0,
       "threads per device must be >= 0, got ",
@@ -390,6 +400,31 @@ void Pipeline::Impl::checkAgreesWithPlan() const {
       "checkpoint");
 }
 
+// Which skips a stage takes and hands on, and the layers that made them.
+void Pipeline::Impl::routeSkips(runtime::StageRuntime& stage) const {
+  const std::vector<LayerSkips> skips = skipsOf(layers);
+  const int first = boundaries[stage.index];
+  stage.skipsIn = skipsAcross(skips, static_cast<size_t>(first));
+  stage.skipsOut =
+      skipsAcross(skips, static_cast<size_t>(boundaries[stage.index + 1]));
+  stage.sourceLayers = {first - 1};
+  for (const auto& name : stage.skipsIn) {
+    for (size_t l = 0; l < skips.size(); ++l) {
+      const auto& stash = skips[l].stash;
+      if (std::find(stash.begin(), stash.end(), name) != stash.end())
+        stage.sourceLayers.push_back(static_cast<int>(l));
+    }
+  }
+  stage.passedFrom = {-1};
+  for (const auto& name : stage.skipsOut) {
+    auto in = std::find(stage.skipsIn.begin(), stage.skipsIn.end(), name);
+    stage.passedFrom.push_back(
+        in == stage.skipsIn.end()
+            ? -1
+            : static_cast<int>(in - stage.skipsIn.begin()) + 1);
+  }
+}
+
 // Stage s: its device, layers (moved there when local), parameters, streams
 // and its own random generator.
 void Pipeline::Impl::placeStage(int s) {
@@ -405,7 +440,7 @@ void Pipeline::Impl::placeStage(int s) {
     torch::nn::AnyModule& layer = layers[l].module;
     if (local)
       layer.ptr()->to(stage.device);
-    stage.layers.push_back(layer);
+    stage.layers.push_back(layers[l]);
     stage.stochastic = stage.stochastic || drawsRandomness(layers[l]);
     stage.layerParameters.emplace_back();
     for (const auto& parameter : layer.ptr()->parameters()) {
@@ -417,6 +452,7 @@ void Pipeline::Impl::placeStage(int s) {
       stage.layerParameters.back().push_back(parameter);
     }
   }
+  routeSkips(stage);
   if (local && !stage.device.is_cpu()) {
     // One pair of streams per rank: its virtual stages share them.
     const int first = schedule.stagesOfRank(schedule.rankOfStage(s)).front();
@@ -487,7 +523,8 @@ void Pipeline::Impl::place() {
         schedule.placement,
         *options.communicator,
         schedule.stages(),
-        schedule.microBatches);
+        schedule.microBatches,
+        mostSlots());
     transport = remoteTransport.get();
     transferDtype = fixedTransferDtype();
   }
@@ -616,9 +653,11 @@ void Pipeline::Impl::expectShapes(
   shapes.dtype = *transferDtype;
   shapes.microBatchSizes = state.microBatchSizes;
   shapes.receivesAhead = options.receivesAhead;
-  for (int b = 0; b + 1 < plan.stages(); ++b)
-    shapes.perSample.push_back(
-        options.layerOutputShapes[boundaries[b + 1] - 1]);
+  for (int b = 0; b + 1 < plan.stages(); ++b) {
+    shapes.perSample.emplace_back();
+    for (int layer : stages[b + 1].sourceLayers)
+      shapes.perSample.back().push_back(options.layerOutputShapes[layer]);
+  }
   for (int rank : localRanks) {
     for (const auto& instruction : plan.perRank[rank]) {
       if (const auto* r = std::get_if<RecvActivation>(&instruction)) {

@@ -27,17 +27,27 @@ class StepAborted : public std::runtime_error {
 
 enum class Direction { kActivation = 0, kGradient = 1 };
 
-// A tensor in transit. On an accelerator, `ready` is recorded on the
-// sender's copy stream: the receiver's stream waits for it before use.
+// What crosses a boundary for one micro-batch: the activation (or its
+// gradient), then the skips travelling with it. On an accelerator, `ready`
+// is recorded on the sender's copy stream: the receiver's stream waits for
+// it before use.
 struct Payload {
-  at::Tensor tensor;
+  std::vector<at::Tensor> tensors;
   std::shared_ptr<c10::Event> ready;
 };
+
+inline int64_t bytesOf(const std::vector<at::Tensor>& tensors) {
+  int64_t bytes = 0;
+  for (const auto& tensor : tensors)
+    bytes += tensor.defined() ? static_cast<int64_t>(tensor.nbytes()) : 0;
+  return bytes;
+}
 
 // What will cross each boundary in a step, when every transfer's shape is
 // known ahead (fixed-shape models).
 struct StepShapes {
-  std::vector<std::vector<int64_t>> perSample; // per boundary
+  // Per boundary, per slot (the activation, then its skips), one sample's.
+  std::vector<std::vector<std::vector<int64_t>>> perSample;
   std::vector<int64_t> microBatchSizes;
   at::ScalarType dtype = at::kFloat;
   // The receives of this process's ranks, in schedule order.
@@ -47,9 +57,9 @@ struct StepShapes {
   };
   std::vector<Receive> receives;
   int receivesAhead = 0; // posted at once; 0: all
-  std::vector<int64_t> shapeOf(int boundary, int microBatch) const {
+  std::vector<int64_t> shapeOf(int boundary, int slot, int microBatch) const {
     std::vector<int64_t> shape{microBatchSizes.at(microBatch)};
-    const auto& rest = perSample.at(boundary);
+    const auto& rest = perSample.at(boundary).at(slot);
     shape.insert(shape.end(), rest.begin(), rest.end());
     return shape;
   }

@@ -1,0 +1,120 @@
+#include "model/skips.h"
+
+#include <algorithm>
+
+#include <ATen/ops/cat.h>
+#include <c10/util/Exception.h>
+
+namespace tpipe {
+
+void SkipStore::put(const std::string& name, at::Tensor tensor) {
+  items_.emplace_back(name, std::move(tensor));
+}
+
+at::Tensor SkipStore::take(const std::string& name, const std::string& layer) {
+  auto found =
+      std::find_if(items_.begin(), items_.end(), [&](const auto& item) {
+        return item.first == name;
+      });
+  TORCH_CHECK(
+      found != items_.end(),
+      "layer '",
+      layer,
+      "' pops '",
+      name,
+      "', which no earlier layer stashed");
+  at::Tensor tensor = std::move(found->second);
+  items_.erase(found);
+  return tensor;
+}
+
+const at::Tensor& SkipStore::at(const std::string& name) const {
+  auto found =
+      std::find_if(items_.begin(), items_.end(), [&](const auto& item) {
+        return item.first == name;
+      });
+  TORCH_INTERNAL_ASSERT(found != items_.end(), "no skip named ", name);
+  return found->second;
+}
+
+namespace {
+
+at::Tensor merged(
+    const NamedLayer& layer,
+    const at::Tensor& output,
+    const at::Tensor& skip,
+    const std::string& name) {
+  const bool concat = layer.merge == SkipMerge::kConcat;
+  const bool fits = concat ? output.dim() >= 2 && output.dim() == skip.dim() &&
+          output.sizes().slice(2) == skip.sizes().slice(2) &&
+          output.size(0) == skip.size(0)
+                           : output.sizes() == skip.sizes();
+  TORCH_CHECK(
+      fits,
+      "layer '",
+      layer.name,
+      "' cannot ",
+      concat ? "concatenate" : "add",
+      " the skip '",
+      name,
+      "' of shape ",
+      skip.sizes(),
+      " to its output of shape ",
+      output.sizes(),
+      concat ? " (all sizes but dim 1 must agree)" : " (shapes must agree)");
+  return concat ? at::cat({output, skip}, 1) : output + skip;
+}
+
+} // namespace
+
+at::Tensor runLayer(
+    const NamedLayer& layer,
+    const at::Tensor& x,
+    SkipStore& live) {
+  // AnyModule::forward is not const, though it changes only the module.
+  auto& module = const_cast<torch::nn::AnyModule&>(layer.module);
+  at::Tensor y;
+  if (layer.merge == SkipMerge::kArgument && !layer.pop.empty()) {
+    y = module.forward(x, live.take(layer.pop.front(), layer.name));
+  } else {
+    y = module.forward(x);
+    for (const auto& name : layer.pop)
+      y = merged(layer, y, live.take(name, layer.name), name);
+  }
+  for (const auto& name : layer.stash)
+    live.put(name, y);
+  return y;
+}
+
+std::vector<LayerSkips> skipsOf(const LayerList& layers) {
+  std::vector<LayerSkips> skips;
+  for (const auto& layer : layers) {
+    skips.push_back(
+        {layer.stash, layer.pop, layer.merge == SkipMerge::kArgument});
+  }
+  return skips;
+}
+
+bool hasSkips(const LayerList& layers) {
+  return std::any_of(layers.begin(), layers.end(), [](const auto& layer) {
+    return !layer.stash.empty() || !layer.pop.empty();
+  });
+}
+
+void checkSkips(const LayerList& layers) {
+  if (const auto problem = findSkipProblem(skipsOf(layers))) {
+    TORCH_CHECK(
+        false, "layer '", layers[problem->layer].name, "': ", problem->what);
+  }
+}
+
+torch::Tensor runSequential(const LayerList& layers, const torch::Tensor& x) {
+  checkSkips(layers);
+  SkipStore live;
+  at::Tensor y = x;
+  for (const auto& layer : layers)
+    y = runLayer(layer, y, live);
+  return y;
+}
+
+} // namespace tpipe
