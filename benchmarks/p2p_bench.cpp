@@ -66,8 +66,8 @@ int runRank(int rank, int port, const std::string& out) {
   world.worldSize = 2;
   world.masterPort = port;
   tpipe::Communicator communicator(world, 2, std::chrono::seconds(60));
-  auto transport =
-      tpipe::runtime::makeProcessGroupTransport({}, communicator, 2, 1, 1);
+  auto transport = tpipe::runtime::makeProcessGroupTransport(
+      {}, communicator, 2, 1, 1, c10::Device(c10::kCPU));
   nlohmann::json rows = nlohmann::json::array();
   if (rank == 0) {
     std::printf(

@@ -4,6 +4,13 @@
 
 #include <torch/torch.h>
 
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+
 #include "tpipe/pipeline.h"
 
 namespace tpipe {
@@ -146,6 +153,93 @@ TEST(CudaTest, MemoryComesFromTheCachingAllocator) {
 #ifdef TPIPE_USE_CUDA
   EXPECT_GT(memory[0].peakBytes, 64 * 64 * 4);
 #endif
+}
+
+// Runs a command through the shell; its output and exit status.
+std::pair<std::string, int> shell(const std::string& command) {
+  std::string output;
+  FILE* pipe = ::popen((command + " 2>&1").c_str(), "r");
+  char buffer[4096];
+  while (pipe && std::fgets(buffer, sizeof buffer, pipe))
+    output += buffer;
+  const int status = pipe ? ::pclose(pipe) : -1;
+  return {output, WIFEXITED(status) ? WEXITSTATUS(status) : -1};
+}
+
+std::vector<double> lossesIn(const std::string& file) {
+  std::vector<double> losses;
+  std::ifstream in(file);
+  std::string line;
+  while (std::getline(in, line)) {
+    const auto at = line.find("\"loss\":");
+    if (at != std::string::npos)
+      losses.push_back(std::stod(line.substr(at + 7)));
+  }
+  return losses;
+}
+
+// `tpipe launch --nproc 2` on `devices` against `tpipe train` (one process)
+// on the same devices: equal losses, and the start line naming how
+// transfers go (`transfers`). The model has a skip across the boundary.
+void expectProcessesMatchOneProcess(
+    const std::string& devices,
+    const std::string& transfers) {
+  namespace fs = std::filesystem;
+  const fs::path dir =
+      fs::temp_directory_path() / ("tpipe-cuda-" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  const std::string binary =
+      (fs::read_symlink("/proc/self/exe").parent_path() / "tpipe").string();
+  const std::string config = (dir / "config.json").string();
+  std::ofstream(config) << R"({
+    "model": {"input_shape": [24], "layers": [
+      {"type": "linear", "out_features": 32, "stash": "s"}, {"type": "tanh"},
+      {"type": "linear", "out_features": 32}, {"type": "relu", "pop": "s"},
+      {"type": "linear", "out_features": 5}]},
+    "data": {"dataset": "synthetic", "samples": 512},
+    "pipeline": {"devices": )"
+                        << devices << R"(, "micro_batches": 4,
+                 "schedule": "1f1b", "balance": [2, 3]},
+    "train": {"batch_size": 32, "steps": 8, "seed": 4,
+              "optimizer": {"type": "sgd", "lr": 0.1, "momentum": 0.9}}
+  })";
+  const std::string threaded = (dir / "threaded.jsonl").string();
+  const std::string two = (dir / "two.jsonl").string();
+  const auto one =
+      shell(binary + " train " + config + " --metrics " + threaded);
+  ASSERT_EQ(one.second, 0) << one.first;
+  const auto launched =
+      shell(binary + " launch --nproc 2 " + config + " --metrics " + two);
+  ASSERT_EQ(launched.second, 0) << launched.first;
+  EXPECT_NE(launched.first.find(transfers), std::string::npos)
+      << launched.first;
+  const auto a = lossesIn(threaded), b = lossesIn(two);
+  ASSERT_EQ(a.size(), b.size());
+  ASSERT_FALSE(a.empty());
+  for (size_t i = 0; i < a.size(); ++i)
+    EXPECT_NEAR(a[i], b[i], 1e-5) << "step " << i + 1;
+  fs::remove_all(dir);
+}
+
+// Two processes sharing the one GPU: NCCL cannot pair a GPU with itself,
+// so activations and gradients are staged through host memory over Gloo.
+TEST(CudaTest, TwoProcessesOnOneGpuStageThroughHostMemory) {
+  REQUIRE_GPU();
+  expectProcessesMatchOneProcess(
+      R"(["cuda:0", "cuda:0"])", "transfers over Gloo through host memory");
+}
+
+// Two processes, one GPU each, joined by NCCL: activations, gradients and
+// the skip never leave the GPUs. Needs two GPUs.
+TEST(CudaTest, TwoProcessesOverNcclMatchOneProcess) {
+  REQUIRE_GPU();
+  if (torch::cuda::device_count() < 2)
+    GTEST_SKIP() << "needs two GPUs (NCCL refuses two ranks on one GPU)";
+#ifndef TPIPE_USE_NCCL_TEST
+  GTEST_SKIP() << "this tpipe was built without NCCL (TPIPE_USE_NCCL=OFF)";
+#endif
+  expectProcessesMatchOneProcess(
+      R"(["cuda:0", "cuda:1"])", "transfers over NCCL from cuda:");
 }
 
 } // namespace

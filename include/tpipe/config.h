@@ -75,6 +75,9 @@ struct PipelineConfig {
   // With data_parallel > 1: reduce each stage's gradients as soon as its
   // backward ends (PipelineOptions::overlapGradientSync).
   bool overlapGradSync = true;
+  // Across processes: GPU tensors go over NCCL where it can pair the two
+  // GPUs; false stages them through host memory over Gloo.
+  bool nccl = true;
   // "auto": `tpipe train` tunes first (tpipe/tune.h) and trains with the
   // choice; the devices are what it may use.
   bool autoTune = false;

@@ -156,6 +156,12 @@ struct PipelineOptions {
   // its last backward (or weight pass) ends, while other stages on the rank
   // and the rest of the step go on; false reduces them all after the step.
   bool overlapGradientSync = true;
+  // Across processes, with this process's stage on a GPU: tensors go to
+  // other processes over NCCL, never through host memory (in builds with
+  // TPIPE_USE_NCCL, and when no two pipeline ranks name the same GPU, which
+  // NCCL cannot pair). False, or otherwise: staged through host memory over
+  // Gloo. runtime::transferDevice decides.
+  bool nccl = true;
   // Across processes, with fixed transfer shapes: how many receives each
   // process keeps posted ahead of its worker, each holding its buffer. 0
   // posts all of a step's at its start: fastest (data lands during compute;

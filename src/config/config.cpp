@@ -656,6 +656,7 @@ void parsePipeline(const Json& json, Config& config) {
   p.timeoutS = pipeline.number(
       "timeout_s", 60.0, 0.1, 86400.0, "a number of seconds in [0.1, 86400]");
   p.overlapGradSync = pipeline.boolean("overlap_grad_sync", true);
+  p.nccl = pipeline.boolean("nccl", true);
   p.autoTune = pipeline.boolean("auto", false);
   pipeline.finish();
   if (p.autoTune)
@@ -904,6 +905,7 @@ nlohmann::json describeConfig(const Config& config) {
         {"data_parallel", p.dataParallel},
         {"timeout_s", p.timeoutS},
         {"overlap_grad_sync", p.overlapGradSync},
+        {"nccl", p.nccl},
         {"auto", p.autoTune}}},
       {"train",
        {{"batch_size", t.batchSize},

@@ -11,6 +11,7 @@
 
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 
 #ifdef TPIPE_NO_C10D
@@ -89,9 +90,13 @@ std::unique_ptr<Transport> makeProcessGroupTransport(
     Communicator&,
     int,
     int,
-    int) {
+    int,
+    c10::Device) {
   TORCH_CHECK(
       false, "this tpipe was built without c10d (Gloo headers missing)");
+}
+c10::Device transferDevice(const std::vector<c10::Device>&, int, bool) {
+  return c10::kCPU;
 }
 } // namespace runtime
 } // namespace tpipe
@@ -103,9 +108,16 @@ std::unique_ptr<Transport> makeProcessGroupTransport(
 #include <iostream>
 #include <thread>
 
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <nlohmann/json.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#ifdef TPIPE_USE_NCCL
+#ifndef USE_C10D_NCCL
+#define USE_C10D_NCCL // the header's guard; a CUDA LibTorch may not define it
+#endif
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
 
 #include "runtime/network.h"
 #include "runtime/store.h"
@@ -735,6 +747,15 @@ constexpr int64_t kMagic = 0x7470697065; // "tpipe"
 constexpr int kHeaderSize = 14;
 constexpr int kMaxDims = kHeaderSize - 8;
 
+// Gives up on a transfer after a failure. Not every backend can abort one
+// (NCCL's work in some versions): it is then left to the run's end.
+void abandon(const c10::intrusive_ptr<c10d::Work>& work) {
+  try {
+    work->abort();
+  } catch (const std::exception&) {
+  }
+}
+
 struct PendingSend {
   c10::intrusive_ptr<c10d::Work> work;
   int peer;
@@ -755,7 +776,7 @@ class SendReaper {
       std::lock_guard<std::mutex> lock(mutex_);
       stopping_ = true;
       for (auto& send : queue_)
-        send.work->abort();
+        abandon(send.work);
     }
     wake_.notify_all();
     thread_.join();
@@ -785,7 +806,7 @@ class SendReaper {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       for (auto& send : queue_)
-        send.work->abort();
+        abandon(send.work);
     }
     std::unique_lock<std::mutex> lock(mutex_);
     wake_.wait(lock, [&] { return queue_.empty(); });
@@ -835,16 +856,21 @@ class ProcessGroupTransport final : public Transport {
       Communicator& communicator,
       int stages,
       int microBatches,
-      int slots)
+      int slots,
+      c10::Device dataDevice)
       : placement_(std::move(placement)),
         communicator_(communicator),
         impl_(communicator.impl()),
         stages_(stages),
         microBatches_(microBatches),
         partsPerTransfer_(2 * std::max(slots, 1)),
+        dataDevice_(dataDevice),
         sends_([this](const PendingSend& send) {
           impl_.wait(send.work, send.peer, "sending to it");
-        }) {}
+        }) {
+    if (!dataDevice_.is_cpu())
+      joinDeviceGroups();
+  }
 
   void begin(int boundaries) override {
     local_.begin(boundaries);
@@ -874,8 +900,13 @@ class ProcessGroupTransport final : public Transport {
     const int peer = peerOf(direction, boundary, true);
     if (peer == communicator_.rank())
       return local_.send(direction, boundary, microBatch, std::move(payload));
-    // On the CPU: remote stages receive CPU tensors.
+    // On the CPU for Gloo; on this process's GPU for NCCL, which starts
+    // once the current stream reaches it: first, the sender's copies.
     const auto& tensors = payload.tensors;
+    if (payload.ready && !dataDevice_.is_cpu()) {
+      payload.ready->block(c10::impl::VirtualGuardImpl(dataDevice_.type())
+                               .getStream(dataDevice_));
+    }
     const int count = static_cast<int>(tensors.size());
     TORCH_CHECK(
         2 * count <= partsPerTransfer_,
@@ -910,7 +941,13 @@ class ProcessGroupTransport final : public Transport {
       h[7] = count;
       for (int64_t d = 0; d < tensor.dim(); ++d)
         h[8 + d] = tensor.size(d);
-      postSend(header, peer, direction, boundary, microBatch, 2 * slot);
+      postSend(
+          header.to(dataDevice_),
+          peer,
+          direction,
+          boundary,
+          microBatch,
+          2 * slot);
       postSend(
           tensor.contiguous(),
           peer,
@@ -940,7 +977,7 @@ class ProcessGroupTransport final : public Transport {
     local_.abort();
     std::lock_guard<std::mutex> lock(receiving_);
     if (current_)
-      current_->abort();
+      abandon(current_);
     abortAllPosted();
   }
 
@@ -993,15 +1030,21 @@ class ProcessGroupTransport final : public Transport {
               peer,
               receiving,
               [&] {
-                return impl_.worldGroup->recv(
-                    tensors, peer, tag(direction, boundary, microBatch, part));
+                return receiveFrom(
+                    tensors,
+                    direction,
+                    boundary,
+                    peer,
+                    tag(direction, boundary, microBatch, part));
               }),
           peer,
           receiving);
     };
-    std::vector<at::Tensor> header{at::empty({kHeaderSize}, at::kLong)};
+    std::vector<at::Tensor> header{
+        at::empty({kHeaderSize}, onDevice(at::kLong))};
     receiveInto(header, 2 * slot);
-    const int64_t* h = header[0].data_ptr<int64_t>();
+    const at::Tensor hostHeader = header[0].to(at::kCPU);
+    const int64_t* h = hostHeader.data_ptr<int64_t>();
     TORCH_CHECK(
         h[0] == kMagic && h[1] == microBatch && h[2] == boundary &&
             h[3] == static_cast<int64_t>(direction) && h[5] >= 0 &&
@@ -1023,8 +1066,7 @@ class ProcessGroupTransport final : public Transport {
         h[4]);
     const auto dtype = static_cast<c10::ScalarType>(h[4]);
     std::vector<int64_t> shape(h + 8, h + 8 + h[5]);
-    std::vector<at::Tensor> data{
-        at::empty(shape, at::TensorOptions().dtype(dtype))};
+    std::vector<at::Tensor> data{at::empty(shape, onDevice(dtype))};
     receiveInto(data, 2 * slot + 1);
     return data[0];
   }
@@ -1085,8 +1127,12 @@ class ProcessGroupTransport final : public Transport {
              peer,
              "sending the " + describe(direction, boundary, microBatch),
              [&] {
-               return impl_.worldGroup->send(
-                   tensors, peer, tag(direction, boundary, microBatch, part));
+               return sendTo(
+                   tensors,
+                   direction,
+                   boundary,
+                   peer,
+                   tag(direction, boundary, microBatch, part));
              }),
          peer});
   }
@@ -1122,11 +1168,13 @@ class ProcessGroupTransport final : public Transport {
     for (int slot = 0; slot < slots; ++slot) {
       std::vector<at::Tensor> buffer{at::empty(
           shapes_->shapeOf(r.boundary, slot, r.microBatch),
-          at::TensorOptions().dtype(shapes_->dtype))};
+          onDevice(shapes_->dtype))};
       posted.works.push_back(
           impl_.withPeer(posted.peer, "receiving the " + what, [&] {
-            return impl_.worldGroup->recv(
+            return receiveFrom(
                 buffer,
+                r.direction,
+                r.boundary,
                 posted.peer,
                 tag(r.direction, r.boundary, r.microBatch, 2 * slot + 1));
           }));
@@ -1169,8 +1217,101 @@ class ProcessGroupTransport final : public Transport {
   void abortAllPosted() {
     for (auto& [k, posted] : posted_) {
       for (auto& work : posted.works)
-        work->abort();
+        abandon(work);
     }
+  }
+
+  at::TensorOptions onDevice(at::ScalarType dtype) const {
+    return at::TensorOptions().dtype(dtype).device(dataDevice_);
+  }
+
+  // Which group carries a boundary's transfers in one direction: Gloo's
+  // world group, or the NCCL group of that boundary's two processes (NCCL
+  // matches sends to receives by order, not tag: one group per boundary and
+  // direction keeps each in micro-batch order on both sides).
+  c10::intrusive_ptr<c10d::Work> sendTo(
+      std::vector<at::Tensor>& tensors,
+      Direction direction,
+      int boundary,
+      int peer,
+      int tag) {
+#ifdef TPIPE_USE_NCCL
+    if (!dataDevice_.is_cpu()) {
+      return deviceGroups_.at(groupKey(direction, boundary))
+          ->send(tensors, groupRank(boundary, peer), tag);
+    }
+#endif
+    return impl_.worldGroup->send(tensors, peer, tag);
+  }
+
+  c10::intrusive_ptr<c10d::Work> receiveFrom(
+      std::vector<at::Tensor>& tensors,
+      Direction direction,
+      int boundary,
+      int peer,
+      int tag) {
+#ifdef TPIPE_USE_NCCL
+    if (!dataDevice_.is_cpu()) {
+      return deviceGroups_.at(groupKey(direction, boundary))
+          ->recv(tensors, groupRank(boundary, peer), tag);
+    }
+#endif
+    return impl_.worldGroup->recv(tensors, peer, tag);
+  }
+
+  static int groupKey(Direction direction, int boundary) {
+    return boundary * 2 + static_cast<int>(direction);
+  }
+
+  // In a boundary's group the earlier stage's process is 0, the later 1.
+  int groupRank(int boundary, int process) const {
+    return process == processOf(boundary) ? 0 : 1;
+  }
+
+  // A two-process NCCL group per remote boundary of this process and
+  // direction (communicators are made at the first transfer).
+  void joinDeviceGroups() {
+#ifdef TPIPE_USE_NCCL
+    const int me = communicator_.rank();
+    for (int b = 0; b + 1 < stages_; ++b) {
+      const int earlier = processOf(b), later = processOf(b + 1);
+      if (earlier == later || (me != earlier && me != later))
+        continue;
+      for (Direction direction :
+           {Direction::kActivation, Direction::kGradient}) {
+        auto options = c10d::ProcessGroupNCCL::Options::create();
+        options->timeout = impl_.timeout;
+        const std::string prefix = "tpipe/nccl/replica" +
+            std::to_string(communicator_.replica()) + "/boundary" +
+            std::to_string(b) + "/" + std::to_string(groupKey(direction, b));
+        auto group = c10::make_intrusive<c10d::ProcessGroupNCCL>(
+            c10::make_intrusive<c10d::PrefixStore>(prefix, impl_.store),
+            me == earlier ? 0 : 1,
+            2,
+            options);
+        // NCCL makes a group's communicator at its first transfer, blocking
+        // until both processes take part. Made lazily, a process posting
+        // its receives could wait in one group while its peer waits in
+        // another; made here, in one order on every process, they cannot.
+        std::vector<at::Tensor> probe{at::zeros({1}, onDevice(at::kFloat))};
+        const int peer = me == earlier ? later : earlier;
+        impl_.complete(
+            peer,
+            "joining the NCCL group of boundary " + std::to_string(b),
+            [&] {
+              return me == earlier ? group->send(probe, 1, 0)
+                                   : group->recv(probe, 0, 0);
+            });
+        deviceGroups_[groupKey(direction, b)] = std::move(group);
+      }
+    }
+#else
+    TORCH_CHECK(
+        false,
+        "tensors on ",
+        dataDevice_,
+        " need the NCCL transport, which this tpipe was built without");
+#endif
   }
 
   int processOf(int stage) const {
@@ -1210,7 +1351,11 @@ class ProcessGroupTransport final : public Transport {
   Communicator::Impl& impl_;
   int stages_;
   int microBatches_;
-  int partsPerTransfer_; // a header and a data message per tensor
+  int partsPerTransfer_;   // a header and a data message per tensor
+  c10::Device dataDevice_; // where transfers live: CPU (Gloo) or a GPU
+#ifdef TPIPE_USE_NCCL
+  std::map<int, c10::intrusive_ptr<c10d::ProcessGroupNCCL>> deviceGroups_;
+#endif
   LocalTransport local_;
   std::mutex receiving_;
   c10::intrusive_ptr<c10d::Work> current_;
@@ -1226,9 +1371,24 @@ std::unique_ptr<Transport> makeProcessGroupTransport(
     Communicator& communicator,
     int stages,
     int microBatches,
-    int slots) {
+    int slots,
+    c10::Device dataDevice) {
   return std::make_unique<ProcessGroupTransport>(
-      placement, communicator, stages, microBatches, slots);
+      placement, communicator, stages, microBatches, slots, dataDevice);
+}
+
+c10::Device transferDevice(
+    const std::vector<c10::Device>& rankDevices,
+    int rank,
+    bool nccl) {
+#ifdef TPIPE_USE_NCCL
+  const c10::Device mine = rankDevices.at(rank);
+  const bool shared =
+      std::count(rankDevices.begin(), rankDevices.end(), mine) > 1;
+  return nccl && mine.is_cuda() && !shared ? mine : c10::Device(c10::kCPU);
+#else
+  return c10::kCPU;
+#endif
 }
 
 } // namespace runtime

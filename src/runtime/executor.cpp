@@ -378,17 +378,23 @@ class RankExecutor {
     return payload;
   }
 
-  // Makes arrived tensors safe to use on this stage's stream.
+  // Makes arrived tensors safe to use on this stage's stream: it waits for
+  // the sender's copies, and the caching allocator learns that it uses them
+  // (a buffer received across processes was made on another stream). What
+  // Gloo brought to host memory moves to the device here.
   static std::vector<at::Tensor> land(
       Payload payload,
       const StageRuntime& here) {
-    if (payload.ready && here.computeStream) {
+    if (!here.computeStream)
+      return std::move(payload.tensors);
+    if (payload.ready)
       payload.ready->block(*here.computeStream);
-      for (const auto& tensor : payload.tensors) {
-        c10::impl::VirtualGuardImpl(here.device.type())
-            .recordDataPtrOnStream(
-                tensor.storage().data_ptr(), *here.computeStream);
-      }
+    for (auto& tensor : payload.tensors) {
+      if (tensor.device() != here.device)
+        tensor = tensor.to(here.device);
+      c10::impl::VirtualGuardImpl(here.device.type())
+          .recordDataPtrOnStream(
+              tensor.storage().data_ptr(), *here.computeStream);
     }
     return std::move(payload.tensors);
   }

@@ -198,6 +198,7 @@ struct Pipeline::Impl {
   std::vector<int> boundaries;
   Schedule schedule;
   std::vector<runtime::StageRuntime> stages;
+  c10::Device remoteDevice{c10::kCPU};  // see place()
   std::vector<runtime::TiedGroup> ties; // parameters used on several stages
   runtime::LocalTransport localTransport;
   std::unique_ptr<runtime::Transport> remoteTransport;
@@ -250,6 +251,7 @@ struct Pipeline::Impl {
   }
   void expectShapes(const runtime::StepState& state, const Schedule& plan);
   void routeSkips(runtime::StageRuntime& stage) const;
+  void checkTransfersInOrder(const Schedule& plan) const;
   // The most tensors one transfer carries (the activation and its skips).
   int mostSlots() const {
     size_t most = 1;
@@ -400,6 +402,61 @@ void Pipeline::Impl::checkAgreesWithPlan() const {
       "checkpoint");
 }
 
+namespace {
+
+// Per boundary and direction, the micro-batches in the order `rank` sends
+// (or receives) them.
+std::vector<int> transferOrder(
+    const Schedule& schedule,
+    int boundary,
+    bool activations,
+    bool sending) {
+  const int stage = activations == sending ? boundary : boundary + 1;
+  std::vector<int> order;
+  for (const auto& instruction :
+       schedule.perRank[schedule.rankOfStage(stage)]) {
+    const bool match = std::visit(
+        [&](const auto& op) {
+          using Op = std::decay_t<decltype(op)>;
+          if (activations && sending)
+            return std::is_same_v<Op, SendActivation> && op.stage == stage;
+          if (activations)
+            return std::is_same_v<Op, RecvActivation> && op.stage == stage;
+          if (sending)
+            return std::is_same_v<Op, SendGrad> && op.stage == stage;
+          return std::is_same_v<Op, RecvGrad> && op.stage == stage;
+        },
+        instruction);
+    if (match)
+      order.push_back(microBatchOf(instruction));
+  }
+  return order;
+}
+
+} // namespace
+
+// NCCL pairs a boundary's sends with its receives by order alone.
+void Pipeline::Impl::checkTransfersInOrder(const Schedule& plan) const {
+  for (int b = 0; b + 1 < plan.stages(); ++b) {
+    for (bool activations : {true, false}) {
+      const auto sent = transferOrder(plan, b, activations, true);
+      const auto received = transferOrder(plan, b, activations, false);
+      TORCH_CHECK(
+          sent == received,
+          "the NCCL transport pairs transfers by order, but the schedule "
+          "sends boundary ",
+          b,
+          "'s ",
+          activations ? "activations" : "gradients",
+          " in micro-batch order ",
+          c10::IntArrayRef(std::vector<int64_t>(sent.begin(), sent.end())),
+          " and receives them in ",
+          c10::IntArrayRef(
+              std::vector<int64_t>(received.begin(), received.end())));
+    }
+  }
+}
+
 // Which skips a stage takes and hands on, and the layers that made them.
 void Pipeline::Impl::routeSkips(runtime::StageRuntime& stage) const {
   const std::vector<LayerSkips> skips = skipsOf(layers);
@@ -434,8 +491,7 @@ void Pipeline::Impl::placeStage(int s) {
   const bool local = isLocalStage(s);
   // A stage in another process receives what this one sends as a CPU
   // tensor; the transport moves it.
-  stage.device =
-      local ? rankDevices[schedule.rankOfStage(s)] : c10::Device(c10::kCPU);
+  stage.device = local ? rankDevices[schedule.rankOfStage(s)] : remoteDevice;
   for (int l = boundaries[s]; l < boundaries[s + 1]; ++l) {
     torch::nn::AnyModule& layer = layers[l].module;
     if (local)
@@ -515,6 +571,15 @@ void Pipeline::Impl::startWorkers() {
 void Pipeline::Impl::place() {
   ties = runtime::findTiedGroups(layers, boundaries, options.tiedParameters);
   checkSharedTensorsStayOnOneDevice();
+  // What a stage in another process is sent: a CPU tensor the transport
+  // moves, or one on this process's GPU that NCCL sends as it is.
+  remoteDevice = c10::Device(c10::kCPU);
+  if (options.communicator) {
+    remoteDevice = runtime::transferDevice(
+        rankDevices, options.communicator->stageRank(), options.nccl);
+    if (!remoteDevice.is_cpu())
+      checkTransfersInOrder(schedule);
+  }
   stages.resize(schedule.stages());
   for (int s = 0; s < schedule.stages(); ++s)
     placeStage(s);
@@ -524,7 +589,8 @@ void Pipeline::Impl::place() {
         *options.communicator,
         schedule.stages(),
         schedule.microBatches,
-        mostSlots());
+        mostSlots(),
+        remoteDevice);
     transport = remoteTransport.get();
     transferDtype = fixedTransferDtype();
   }

@@ -15,6 +15,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "runtime/c10d_transport.h"
 #include "tpipe/schedule.h"
 #include "train/checkpoint.h"
 #include "train/parts.h"
@@ -130,6 +131,7 @@ PipelineOptions pipelineOptions(
   if (config.train.precision == "bf16")
     options.autocast = at::kBFloat16;
   options.overlapGradientSync = p.overlapGradSync;
+  options.nccl = p.nccl;
   for (const auto& device : p.devices) {
     if (device.memoryBytes > 0)
       options.receivesAhead = 2 * plan.schedule.ranks;
@@ -275,6 +277,22 @@ class TrainingRun {
           "--metrics: cannot write " + options_.metricsPath);
   }
 
+  // How this process's activations and gradients reach other processes.
+  std::string transfersText() const {
+    const Schedule& schedule = pipe_->schedule();
+    const std::vector<std::string> names = pipe_->stageDevices();
+    std::vector<c10::Device> ranks(schedule.ranks, c10::kCPU);
+    for (int s = 0; s < schedule.stages(); ++s) {
+      if (names[s].rfind("cuda", 0) == 0)
+        ranks[schedule.rankOfStage(s)] = c10::Device(names[s]);
+    }
+    const c10::Device device = runtime::transferDevice(
+        ranks, world()->stageRank(), pipe_->options().nccl);
+    return device.is_cpu()
+        ? std::string("transfers over Gloo through host memory")
+        : "transfers over NCCL from " + device.str();
+  }
+
   void logStart() {
     std::ostream& log = *log_;
     log << "model: " << model_.layers.size() << " layers, "
@@ -283,7 +301,8 @@ class TrainingRun {
     if (world()) {
       log << "processes: " << world()->worldSize() << " ("
           << world()->replicas() << " replica(s) x " << world()->pipelineRanks()
-          << " pipeline ranks), rendezvous over tpipe's store + Gloo\n";
+          << " pipeline ranks), rendezvous over tpipe's store + Gloo, "
+          << transfersText() << "\n";
     }
     log << "pipeline: " << pipe_->schedule().stages() << " stages on";
     for (const auto& device : pipe_->stageDevices())

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Compile-checks the NCCL transport (src/runtime/c10d_transport.cpp with
+# TPIPE_USE_NCCL) on a machine without a CUDA LibTorch: this LibTorch's c10d
+# headers, the CUDA and NCCL headers at /usr/local/cuda, and the file's own
+# compile command (compile_commands.json). Syntax only: nothing is linked or
+# run. Skips (77) where those headers are missing.
+set -euo pipefail
+build="$1"
+cuda=/usr/local/cuda/include
+[[ -f "$cuda/nccl.h" && -f "$cuda/cuda_runtime_api.h" ]] || {
+  echo "SKIP: no CUDA and NCCL headers in $cuda"; exit 77; }
+command=$(/usr/bin/python3 - "$build/compile_commands.json" <<'PY'
+import json, shlex, sys
+for entry in json.load(open(sys.argv[1])):
+    if entry["file"].endswith("src/runtime/c10d_transport.cpp"):
+        args = shlex.split(entry["command"])
+        if "ccache" in args[0]:
+            args = args[1:]
+        if "-o" in args:
+            i = args.index("-o"); del args[i:i + 2]
+        print(shlex.join(a for a in args if a not in ("-MD",)))
+        break
+PY
+)
+[[ -n "$command" ]] || { echo "no compile command for c10d_transport.cpp"; exit 1; }
+if [[ "$command" == *TPIPE_NO_C10D* ]]; then
+  echo "SKIP: this build has no c10d"; exit 77
+fi
+stub=$(mktemp -d)
+trap 'rm -rf "$stub"' EXIT
+# Debian's CPU LibTorch ships c10's CUDA headers without their generated
+# macros file; an empty one stands in (it only configures a shared build).
+mkdir -p "$stub/c10/cuda/impl"
+echo '#pragma once' > "$stub/c10/cuda/impl/cuda_cmake_macros.h"
+cd "$build"
+eval "$command -fsyntax-only -DTPIPE_USE_NCCL=1 -idirafter $stub -isystem $cuda"
+# The NCCL branch was compiled, not preprocessed away.
+eval "$command -E -DTPIPE_USE_NCCL=1 -idirafter $stub -isystem $cuda" | grep -q 'ProcessGroupNCCL>' \
+  || { echo "the NCCL code was not compiled"; exit 1; }
+echo "NCCL transport compiles against this LibTorch's c10d and $cuda"
