@@ -120,7 +120,7 @@ int runRank(int rank, int port, const std::string& out) {
                    .dump(1)
         << '\n';
     std::printf(
-        "(median of ping-pongs, the better of two alternating turns; header+data: a 96-byte header, then the tensor; one message: shapes known ahead, receive posted first)\nwrote %s\n",
+        "(median of ping-pongs, the better of two alternating turns; header+data: a 112-byte header, then the tensor; one message: shapes known ahead, receive posted first)\nwrote %s\n",
         out.c_str());
   }
   return 0;
