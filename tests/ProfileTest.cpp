@@ -45,6 +45,27 @@ TEST(ProfileTest, RecordsBytesOfParametersOutputsAndStash) {
   EXPECT_EQ(profile.fitSizes, (std::vector<int64_t>{8, 16, 32}));
 }
 
+// A skip alive across a layer's end crosses a boundary there too: it is
+// charged to that layer's activation bytes, and the popping layer's time
+// includes the merge.
+TEST(ProfileTest, SkipsAliveAcrossALayerEndCountAsItsActivation) {
+  LayerList layers = stack();
+  layers[0].stash = {"wide"};   // [16, 512]
+  layers[1].stash = {"narrow"}; // [16, 512], popped by a concat below
+  layers[3].pop = {"narrow"};
+  layers[3].merge = SkipMerge::kConcat; // [16, 64 + 512]
+  layers[2].pop = {"wide"};             // add: [16, 512]
+  ProfileOptions options;
+  options.microBatchSize = 16;
+  options.repeats = 2;
+  const Profile profile = profileLayers(layers, sample, options);
+  const int64_t row = 16 * 512 * 4;
+  EXPECT_EQ(profile.layers[0].cost.activationBytes, 2 * row);
+  EXPECT_EQ(profile.layers[1].cost.activationBytes, 3 * row);
+  EXPECT_EQ(profile.layers[2].cost.activationBytes, 2 * row);
+  EXPECT_EQ(profile.layers[3].cost.activationBytes, 16 * (64 + 512) * 4);
+}
+
 TEST(ProfileTest, TheSizeCurveIsExactOnAPowerLawAndBendsWithTheData) {
   // t = 0.01 n^0.8: a straight line in log space.
   std::vector<int64_t> sizes{8, 16, 32, 64};

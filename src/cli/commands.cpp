@@ -47,6 +47,23 @@ std::string shapeText(const std::vector<int64_t>& shape) {
   return text + "]";
 }
 
+// "pop block (add), stash down": what a layer takes back and keeps.
+std::string skipText(const tpipe::LayerSpec& layer) {
+  std::string text;
+  auto names = [](const std::vector<std::string>& list) {
+    std::string joined;
+    for (const auto& name : list)
+      joined += (joined.empty() ? "" : " ") + name;
+    return joined;
+  };
+  if (!layer.pop.empty())
+    text = "pop " + names(layer.pop) + " (" + layer.merge + ")";
+  if (!layer.stash.empty())
+    text +=
+        (text.empty() ? "" : ", ") + std::string("stash ") + names(layer.stash);
+  return text;
+}
+
 // Every check short of training: config, shape inference, loss fit, data.
 int validateConfig(
     const std::string& path,
@@ -54,18 +71,24 @@ int validateConfig(
   const tpipe::Config config = tpipe::parseConfig(configJson(path, overrides));
   const tpipe::BuiltModel model = tpipe::buildModel(config);
   tpipe::checkLossFits(config, model);
-  std::printf("%-6s %-18s %-18s %s\n", "layer", "type", "output", "parameters");
+  std::printf(
+      "%-6s %-18s %-18s %-11s %s\n",
+      "layer",
+      "type",
+      "output",
+      "parameters",
+      "skips");
   std::printf(
       "%-6s %-18s %-18s\n", "input", "", shapeText(model.shapes[0]).c_str());
   const std::vector<int64_t> counts = tpipe::parameterCounts(model.layers);
   for (size_t i = 0; i < model.layers.size(); ++i) {
-    const int64_t count = counts[i];
     std::printf(
-        "%-6zu %-18s %-18s %lld\n",
+        "%-6zu %-18s %-18s %-11lld %s\n",
         i,
         config.model.layers[i].type.c_str(),
         shapeText(model.shapes[i + 1]).c_str(),
-        static_cast<long long>(count));
+        static_cast<long long>(counts[i]),
+        skipText(config.model.layers[i]).c_str());
   }
   const tpipe::Dataset data = tpipe::loadDataset(config, model);
   std::printf("%s\n", data.description.c_str());
