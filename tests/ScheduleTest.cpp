@@ -126,12 +126,35 @@ TEST(ScheduleTest, EveryGeneratorValidatesAcrossShapes) {
             SCOPED_TRACE(
                 name + " p=" + std::to_string(p) + " m=" + std::to_string(m) +
                 " v=" + std::to_string(v));
-            EXPECT_NO_THROW(makeSchedule({name, p, m, v, mode}));
+            Schedule schedule;
+            EXPECT_NO_THROW(schedule = makeSchedule({name, p, m, v, mode}));
+            // NCCL can carry every built-in schedule's transfers.
+            EXPECT_EQ(transferOrderMismatch(schedule), "");
           }
         }
       }
     }
   }
+}
+
+// Two receives swapped on the receiving rank: a tag-matched transport
+// (Gloo) still runs it, an order-matched one (NCCL) is told where it breaks.
+TEST(ScheduleTest, TransfersReceivedOutOfOrderAreFound) {
+  Schedule schedule = makeSchedule({"gpipe", 2, 3, 1, CheckpointMode::kNever});
+  auto& list = schedule.perRank[1];
+  std::vector<size_t> receives;
+  for (size_t i = 0; i < list.size(); ++i) {
+    if (std::holds_alternative<RecvActivation>(list[i]))
+      receives.push_back(i);
+  }
+  ASSERT_EQ(receives.size(), 3u);
+  std::swap(
+      std::get<RecvActivation>(list[receives[0]]).microBatch,
+      std::get<RecvActivation>(list[receives[1]]).microBatch);
+  EXPECT_EQ(
+      transferOrderMismatch(schedule),
+      "boundary 0's activations are sent in micro-batch order [0 1 2] and "
+      "received in [1 0 2]");
 }
 
 TEST(ScheduleTest, UnknownScheduleAndVirtualStagesAreRejected) {

@@ -263,6 +263,12 @@ class ScheduleError : public UserError {
 // finishes (a stall lists the stuck instruction of every rank).
 void validate(const Schedule& schedule);
 
+// Transports that pair a boundary's sends with its receives by order alone
+// (NCCL) need each boundary's transfers, per direction, received in the
+// micro-batch order they are sent. Empty when they are (every built-in
+// schedule); else the first boundary where they are not, with both orders.
+std::string transferOrderMismatch(const Schedule& schedule);
+
 // Per-stage costs in any time unit. Transfer is the time from the end of a
 // send on one stage to the data being available on the neighbour.
 struct TimedInstruction {

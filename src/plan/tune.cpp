@@ -121,12 +121,6 @@ int virtualStagesOf(ScheduleKind kind) {
       : 1;
 }
 
-bool splitsBackward(ScheduleKind kind) {
-  return kind == ScheduleKind::kZeroBubbleH1 ||
-      kind == ScheduleKind::kZeroBubbleH2 ||
-      kind == ScheduleKind::kZeroBubbleV || kind == ScheduleKind::kAuto;
-}
-
 // Simplest first: what the choice prefers among plans within the noise.
 int scheduleRank(ScheduleKind kind) {
   const auto& kinds = allSchedules();

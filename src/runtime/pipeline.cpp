@@ -402,59 +402,13 @@ void Pipeline::Impl::checkAgreesWithPlan() const {
       "checkpoint");
 }
 
-namespace {
-
-// Per boundary and direction, the micro-batches in the order `rank` sends
-// (or receives) them.
-std::vector<int> transferOrder(
-    const Schedule& schedule,
-    int boundary,
-    bool activations,
-    bool sending) {
-  const int stage = activations == sending ? boundary : boundary + 1;
-  std::vector<int> order;
-  for (const auto& instruction :
-       schedule.perRank[schedule.rankOfStage(stage)]) {
-    const bool match = std::visit(
-        [&](const auto& op) {
-          using Op = std::decay_t<decltype(op)>;
-          if (activations && sending)
-            return std::is_same_v<Op, SendActivation> && op.stage == stage;
-          if (activations)
-            return std::is_same_v<Op, RecvActivation> && op.stage == stage;
-          if (sending)
-            return std::is_same_v<Op, SendGrad> && op.stage == stage;
-          return std::is_same_v<Op, RecvGrad> && op.stage == stage;
-        },
-        instruction);
-    if (match)
-      order.push_back(microBatchOf(instruction));
-  }
-  return order;
-}
-
-} // namespace
-
 // NCCL pairs a boundary's sends with its receives by order alone.
 void Pipeline::Impl::checkTransfersInOrder(const Schedule& plan) const {
-  for (int b = 0; b + 1 < plan.stages(); ++b) {
-    for (bool activations : {true, false}) {
-      const auto sent = transferOrder(plan, b, activations, true);
-      const auto received = transferOrder(plan, b, activations, false);
-      TORCH_CHECK(
-          sent == received,
-          "the NCCL transport pairs transfers by order, but the schedule "
-          "sends boundary ",
-          b,
-          "'s ",
-          activations ? "activations" : "gradients",
-          " in micro-batch order ",
-          c10::IntArrayRef(std::vector<int64_t>(sent.begin(), sent.end())),
-          " and receives them in ",
-          c10::IntArrayRef(
-              std::vector<int64_t>(received.begin(), received.end())));
-    }
-  }
+  const std::string mismatch = transferOrderMismatch(plan);
+  TORCH_CHECK(
+      mismatch.empty(),
+      "the NCCL transport cannot run this schedule: ",
+      mismatch);
 }
 
 // Which skips a stage takes and hands on, and the layers that made them.

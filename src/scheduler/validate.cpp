@@ -169,6 +169,62 @@ void checkStageMicroBatch(
 
 } // namespace
 
+namespace {
+
+// The micro-batches of one boundary's transfers in one direction, in the
+// order the sending (or receiving) stage's rank lists them.
+std::vector<int> transferOrder(
+    const Schedule& schedule,
+    int boundary,
+    bool activations,
+    bool sending) {
+  const int stage = activations == sending ? boundary : boundary + 1;
+  std::vector<int> order;
+  for (const auto& instruction :
+       schedule.perRank[schedule.rankOfStage(stage)]) {
+    const bool match = std::visit(
+        [&](const auto& op) {
+          using Op = std::decay_t<decltype(op)>;
+          if (op.stage != stage)
+            return false;
+          if (activations)
+            return sending ? std::is_same_v<Op, SendActivation>
+                           : std::is_same_v<Op, RecvActivation>;
+          return sending ? std::is_same_v<Op, SendGrad>
+                         : std::is_same_v<Op, RecvGrad>;
+        },
+        instruction);
+    if (match)
+      order.push_back(microBatchOf(instruction));
+  }
+  return order;
+}
+
+std::string orderText(const std::vector<int>& order) {
+  std::string text;
+  for (int microBatch : order)
+    text += (text.empty() ? "" : " ") + std::to_string(microBatch);
+  return "[" + text + "]";
+}
+
+} // namespace
+
+std::string transferOrderMismatch(const Schedule& schedule) {
+  for (int b = 0; b + 1 < schedule.stages(); ++b) {
+    for (bool activations : {true, false}) {
+      const auto sent = transferOrder(schedule, b, activations, true);
+      const auto received = transferOrder(schedule, b, activations, false);
+      if (sent != received) {
+        return "boundary " + std::to_string(b) + "'s " +
+            (activations ? "activations" : "gradients") +
+            " are sent in micro-batch order " + orderText(sent) +
+            " and received in " + orderText(received);
+      }
+    }
+  }
+  return "";
+}
+
 void validate(const Schedule& schedule) {
   if (schedule.ranks < 1 || schedule.virtualStages < 1 ||
       schedule.microBatches < 1) {
