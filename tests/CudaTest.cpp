@@ -109,6 +109,140 @@ TEST(CudaTest, TransparentInBfloat16) {
       3e-2);
 }
 
+// A residual and a concat whose skips cross stages sharing the GPU, and a
+// skip passing a whole stage by: loss and gradients equal the sequential
+// model's (tpipe::runSequential) on the GPU.
+LayerList skipNet() {
+  torch::manual_seed(5);
+  LayerList layers;
+  auto add = [&](torch::nn::AnyModule module,
+                 std::vector<std::string> stash,
+                 std::vector<std::string> pop,
+                 SkipMerge merge = SkipMerge::kAdd) {
+    module.ptr()->to(torch::Device("cuda:0"));
+    layers.push_back(
+        {std::to_string(layers.size()),
+         std::move(module),
+         Randomness::kNone,
+         std::move(stash),
+         std::move(pop),
+         merge});
+  };
+  add(torch::nn::AnyModule(torch::nn::Linear(32, 48)), {"far"}, {});
+  add(torch::nn::AnyModule(torch::nn::Tanh()), {"near"}, {});
+  add(torch::nn::AnyModule(torch::nn::Linear(48, 48)), {}, {});
+  add(torch::nn::AnyModule(torch::nn::GELU()), {}, {"near"});
+  add(torch::nn::AnyModule(torch::nn::Linear(48, 48)), {}, {});
+  add(torch::nn::AnyModule(torch::nn::ReLU()), {}, {"far"}, SkipMerge::kConcat);
+  add(torch::nn::AnyModule(torch::nn::Linear(96, 10)), {}, {});
+  return layers;
+}
+
+TEST(CudaTest, SkipConnectionsAcrossStagesAreTransparent) {
+  REQUIRE_GPU();
+  const auto on = torch::TensorOptions().device(torch::Device("cuda:0"));
+  torch::manual_seed(1);
+  const torch::Tensor x = torch::randn({13, 32}, on);
+  const torch::Tensor y = torch::randint(0, 10, {13}, on.dtype(torch::kLong));
+  const LayerList reference = skipNet();
+  const torch::Tensor expected = loss(runSequential(reference, x), y);
+  expected.backward();
+  for (const char* schedule : {"gpipe", "1f1b", "zb-h1"}) {
+    for (auto mode : {CheckpointMode::kNever, CheckpointMode::kAlways}) {
+      SCOPED_TRACE(std::string(schedule) + " " + checkpointModeName(mode));
+      const LayerList layers = skipNet();
+      PipelineOptions options;
+      options.devices = std::vector<std::string>(3, "cuda:0");
+      options.microBatches = 4;
+      options.schedule = schedule;
+      options.checkpoint = mode;
+      Pipeline pipe(layers, options);
+      const torch::Tensor got = pipe.trainStep(x, y, loss);
+      torch::cuda::synchronize();
+      EXPECT_LE(relativeError(got, expected.detach()), 1e-5);
+      for (size_t l = 0; l < layers.size(); ++l) {
+        const auto want = reference[l].module.ptr()->parameters();
+        const auto have = layers[l].module.ptr()->parameters();
+        for (size_t i = 0; i < want.size(); ++i) {
+          ASSERT_TRUE(have[i].grad().defined()) << "layer " << l;
+          EXPECT_LE(relativeError(have[i].grad(), want[i].grad()), 1e-5)
+              << "layer " << l;
+        }
+      }
+    }
+  }
+}
+
+// A head that uses another module's weight (the token embedding's).
+struct TiedHeadImpl : torch::nn::Module {
+  explicit TiedHeadImpl(const torch::Tensor& shared) {
+    weight = register_parameter("weight", shared);
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    return torch::nn::functional::linear(x, weight);
+  }
+  torch::Tensor weight;
+};
+TORCH_MODULE(TiedHead);
+
+torch::nn::Sequential tiedTrunk() {
+  torch::manual_seed(7);
+  torch::nn::Sequential trunk(
+      torch::nn::Embedding(64, 32),
+      torch::nn::Linear(32, 32),
+      torch::nn::Tanh(),
+      torch::nn::Linear(32, 32));
+  trunk->to(torch::Device("cuda:0"));
+  return trunk;
+}
+
+torch::Tensor tokenLoss(const torch::Tensor& out, const torch::Tensor& y) {
+  return torch::nn::functional::cross_entropy(
+      out.reshape({-1, 64}), y.reshape({-1}));
+}
+
+// An embedding on stage 0 tied to the head on the last stage, as a declared
+// tie (each stage its own copy, as GPUs need): the copies' gradients equal
+// the shared tensor's in the sequential tied model, and stay equal after an
+// optimizer step.
+TEST(CudaTest, TiedWeightsAcrossStagesAreTransparent) {
+  REQUIRE_GPU();
+  const auto on = torch::TensorOptions().device(torch::Device("cuda:0"));
+  torch::manual_seed(9);
+  const torch::Tensor x = torch::randint(0, 64, {6, 5}, on.dtype(torch::kLong));
+  const torch::Tensor y = torch::randint(0, 64, {6, 5}, on.dtype(torch::kLong));
+  torch::nn::Sequential reference = tiedTrunk();
+  const torch::Tensor shared = reference[0]->as<torch::nn::Embedding>()->weight;
+  reference->push_back(TiedHead(shared));
+  tokenLoss(reference->forward(x), y).backward();
+  for (auto mode : {CheckpointMode::kNever, CheckpointMode::kAlways}) {
+    SCOPED_TRACE(checkpointModeName(mode));
+    torch::nn::Sequential piped = tiedTrunk();
+    torch::nn::Linear head(torch::nn::LinearOptions(32, 64).bias(false));
+    head->to(torch::Device("cuda:0"));
+    piped->push_back(head);
+    PipelineOptions options;
+    options.devices = std::vector<std::string>(2, "cuda:0");
+    options.microBatches = 2;
+    options.schedule = "1f1b";
+    options.checkpoint = mode;
+    options.tiedParameters = {{"0.weight", "4.weight"}};
+    Pipeline pipe(layersOf(piped), options);
+    const torch::Tensor embedding =
+        piped[0]->as<torch::nn::Embedding>()->weight;
+    EXPECT_TRUE(torch::equal(head->weight, shared));
+    const torch::Tensor got = pipe.trainStep(x, y, tokenLoss);
+    torch::cuda::synchronize();
+    EXPECT_LE(
+        relativeError(got, tokenLoss(reference->forward(x), y).detach()), 1e-5);
+    EXPECT_LE(relativeError(embedding.grad(), shared.grad()), 1e-5);
+    EXPECT_TRUE(torch::equal(embedding.grad(), head->weight.grad()));
+    torch::optim::Adam adam(pipe.parameters(), 0.01);
+    adam.step();
+    EXPECT_TRUE(torch::equal(embedding, head->weight));
+  }
+}
+
 TEST(CudaTest, DropoutMasksReplayOnTheGpu) {
   REQUIRE_GPU();
   auto grads = [](CheckpointMode mode) {
