@@ -276,6 +276,13 @@ TEST_F(DistributedTest, GradientClippingMatchesAcrossProcessesAndReplicas) {
       binary() + " launch --nproc 4 " + config_ + clip +
       " --set pipeline.data_parallel=2 --metrics " + path("dp.jsonl"));
   ASSERT_EQ(r.status, 0) << r.output;
+  // One replica: the norm rides with the step's loss sum.
+  const Result two = shell(
+      binary() + " launch --nproc 2 " + config_ + clip + " --metrics " +
+      path("two.jsonl"));
+  ASSERT_EQ(two.status, 0) << two.output;
+  expectSameLosses(
+      losses(path("threaded.jsonl")), losses(path("two.jsonl")), 1e-6);
   const Result unclipped = shell(
       binary() + " train " + config_ + " --metrics " + path("plain.jsonl"));
   ASSERT_EQ(unclipped.status, 0) << unclipped.output;
