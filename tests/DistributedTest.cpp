@@ -359,9 +359,21 @@ TEST_F(DistributedTest, SkipConnectionsCrossProcessesAsInOne) {
     "data": {"dataset": "synthetic", "samples": 256},
     "pipeline": {"devices": ["cpu:0", "cpu:1", "cpu:2", "cpu:3"], "micro_batches": 4,
                  "schedule": "1f1b", "balance": [2, 2, 2, 2]},
-    "train": {"batch_size": 16, "steps": 6, "seed": 2,
+    "train": {"batch_size": 16, "steps": 6, "seed": 2, "eval_every": 3,
               "optimizer": {"type": "sgd", "lr": 0.1, "momentum": 0.9}}
   })";
+  // Evaluation runs the inference pass across the processes too.
+  auto evalLosses = [](const std::string& file) {
+    std::vector<double> values;
+    std::ifstream in(file);
+    std::string line;
+    while (std::getline(in, line)) {
+      const auto record = nlohmann::json::parse(line);
+      if (record.contains("eval_loss"))
+        values.push_back(record["eval_loss"].get<double>());
+    }
+    return values;
+  };
   for (const std::string precision : {"fp32", "bf16"}) {
     SCOPED_TRACE(precision);
     const std::string set = " --set train.precision=" + precision;
@@ -378,6 +390,10 @@ TEST_F(DistributedTest, SkipConnectionsCrossProcessesAsInOne) {
     expectSameLosses(
         losses(path("threaded-" + precision + ".jsonl")),
         losses(path("four-" + precision + ".jsonl")),
+        1e-6);
+    expectSameLosses(
+        evalLosses(path("threaded-" + precision + ".jsonl")),
+        evalLosses(path("four-" + precision + ".jsonl")),
         1e-6);
   }
   expectNoOrphans();
