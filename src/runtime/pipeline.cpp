@@ -443,8 +443,7 @@ void Pipeline::Impl::placeStage(int s) {
   stage.index = s;
   stage.deviceName = options.devices[schedule.rankOfStage(s)];
   const bool local = isLocalStage(s);
-  // A stage in another process receives what this one sends as a CPU
-  // tensor; the transport moves it.
+  // A stage in another process is sent tensors on remoteDevice (place()).
   stage.device = local ? rankDevices[schedule.rankOfStage(s)] : remoteDevice;
   for (int l = boundaries[s]; l < boundaries[s + 1]; ++l) {
     torch::nn::AnyModule& layer = layers[l].module;
