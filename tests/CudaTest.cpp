@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "support/skip_net.h"
 #include "tpipe/pipeline.h"
 
 namespace tpipe {
@@ -109,48 +110,23 @@ TEST(CudaTest, TransparentInBfloat16) {
       3e-2);
 }
 
-// A residual and a concat whose skips cross stages sharing the GPU, and a
-// skip passing a whole stage by: loss and gradients equal the sequential
-// model's (tpipe::runSequential) on the GPU.
-LayerList skipNet() {
-  torch::manual_seed(5);
-  LayerList layers;
-  auto add = [&](torch::nn::AnyModule module,
-                 std::vector<std::string> stash,
-                 std::vector<std::string> pop,
-                 SkipMerge merge = SkipMerge::kAdd) {
-    module.ptr()->to(torch::Device("cuda:0"));
-    layers.push_back(
-        {std::to_string(layers.size()),
-         std::move(module),
-         Randomness::kNone,
-         std::move(stash),
-         std::move(pop),
-         merge});
-  };
-  add(torch::nn::AnyModule(torch::nn::Linear(32, 48)), {"far"}, {});
-  add(torch::nn::AnyModule(torch::nn::Tanh()), {"near"}, {});
-  add(torch::nn::AnyModule(torch::nn::Linear(48, 48)), {}, {});
-  add(torch::nn::AnyModule(torch::nn::GELU()), {}, {"near"});
-  add(torch::nn::AnyModule(torch::nn::Linear(48, 48)), {}, {});
-  add(torch::nn::AnyModule(torch::nn::ReLU()), {}, {"far"}, SkipMerge::kConcat);
-  add(torch::nn::AnyModule(torch::nn::Linear(96, 10)), {}, {});
-  return layers;
-}
-
+// Skips of every kind (support/skip_net.h) crossing stages that share the
+// GPU, one passing a whole stage by: loss and gradients equal the
+// sequential model's (tpipe::runSequential) on the GPU.
 TEST(CudaTest, SkipConnectionsAcrossStagesAreTransparent) {
   REQUIRE_GPU();
-  const auto on = torch::TensorOptions().device(torch::Device("cuda:0"));
+  const torch::Device gpu("cuda:0");
+  const auto on = torch::TensorOptions().device(gpu);
   torch::manual_seed(1);
-  const torch::Tensor x = torch::randn({13, 32}, on);
-  const torch::Tensor y = torch::randint(0, 10, {13}, on.dtype(torch::kLong));
-  const LayerList reference = skipNet();
+  const torch::Tensor x = torch::randn({13, 6}, on);
+  const torch::Tensor y = torch::randint(0, 3, {13}, on.dtype(torch::kLong));
+  const LayerList reference = testing::skipNet(5, torch::kFloat, gpu);
   const torch::Tensor expected = loss(runSequential(reference, x), y);
   expected.backward();
   for (const char* schedule : {"gpipe", "1f1b", "zb-h1"}) {
     for (auto mode : {CheckpointMode::kNever, CheckpointMode::kAlways}) {
       SCOPED_TRACE(std::string(schedule) + " " + checkpointModeName(mode));
-      const LayerList layers = skipNet();
+      const LayerList layers = testing::skipNet(5, torch::kFloat, gpu);
       PipelineOptions options;
       options.devices = std::vector<std::string>(3, "cuda:0");
       options.microBatches = 4;
@@ -160,14 +136,13 @@ TEST(CudaTest, SkipConnectionsAcrossStagesAreTransparent) {
       const torch::Tensor got = pipe.trainStep(x, y, loss);
       torch::cuda::synchronize();
       EXPECT_LE(relativeError(got, expected.detach()), 1e-5);
-      for (size_t l = 0; l < layers.size(); ++l) {
-        const auto want = reference[l].module.ptr()->parameters();
-        const auto have = layers[l].module.ptr()->parameters();
-        for (size_t i = 0; i < want.size(); ++i) {
-          ASSERT_TRUE(have[i].grad().defined()) << "layer " << l;
-          EXPECT_LE(relativeError(have[i].grad(), want[i].grad()), 1e-5)
-              << "layer " << l;
-        }
+      const auto want = testing::parametersOf(reference);
+      const auto have = testing::parametersOf(layers);
+      ASSERT_EQ(want.size(), have.size());
+      for (size_t i = 0; i < want.size(); ++i) {
+        ASSERT_TRUE(have[i].grad().defined()) << "parameter " << i;
+        EXPECT_LE(relativeError(have[i].grad(), want[i].grad()), 1e-5)
+            << "parameter " << i;
       }
     }
   }

@@ -266,6 +266,8 @@ void mergeSkipShapes(
   }
   for (const auto& name : spec.stash)
     live[name] = facts.output;
+  for (const auto& [name, shape] : live)
+    facts.skipElements += elements(shape);
 }
 
 std::vector<LayerFacts> modelFacts(const ModelConfig& model) {

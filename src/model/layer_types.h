@@ -50,6 +50,9 @@ struct LayerFacts {
   int64_t parameters = 0;     // elements
   double forwardFlops = 0.0;  // the backward is about twice this
   double savedElements = 0.0; // kept by the forward for the backward
+  // The skips alive after the layer (mergeSkipShapes): a stage ending here
+  // sends them along with the output.
+  double skipElements = 0.0;
 };
 using LayerFactsFn = LayerFacts (*)(const LayerInput& input);
 

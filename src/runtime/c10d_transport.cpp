@@ -1030,7 +1030,8 @@ class ProcessGroupTransport final : public Transport {
               peer,
               receiving,
               [&] {
-                return receiveFrom(
+                return post(
+                    false,
                     tensors,
                     direction,
                     boundary,
@@ -1127,7 +1128,8 @@ class ProcessGroupTransport final : public Transport {
              peer,
              "sending the " + describe(direction, boundary, microBatch),
              [&] {
-               return sendTo(
+               return post(
+                   true,
                    tensors,
                    direction,
                    boundary,
@@ -1171,7 +1173,8 @@ class ProcessGroupTransport final : public Transport {
           onDevice(shapes_->dtype))};
       posted.works.push_back(
           impl_.withPeer(posted.peer, "receiving the " + what, [&] {
-            return receiveFrom(
+            return post(
+                false,
                 buffer,
                 r.direction,
                 r.boundary,
@@ -1225,38 +1228,30 @@ class ProcessGroupTransport final : public Transport {
     return at::TensorOptions().dtype(dtype).device(dataDevice_);
   }
 
-  // Which group carries a boundary's transfers in one direction: Gloo's
-  // world group, or the NCCL group of that boundary's two processes (NCCL
-  // matches sends to receives by order, not tag: one group per boundary and
-  // direction keeps each in micro-batch order on both sides).
-  c10::intrusive_ptr<c10d::Work> sendTo(
+  // Posts one message to (sending) or from `peer` on the group that carries
+  // a boundary's transfers in one direction: Gloo's world group, or the
+  // NCCL group of that boundary's two processes (NCCL matches sends to
+  // receives by order, not tag: one group per boundary and direction keeps
+  // each in micro-batch order on both sides).
+  c10::intrusive_ptr<c10d::Work> post(
+      bool sending,
       std::vector<at::Tensor>& tensors,
       Direction direction,
       int boundary,
       int peer,
       int tag) {
+    auto on = [&](const auto& group, int rank) {
+      return sending ? group->send(tensors, rank, tag)
+                     : group->recv(tensors, rank, tag);
+    };
 #ifdef TPIPE_USE_NCCL
     if (!dataDevice_.is_cpu()) {
-      return deviceGroups_.at(groupKey(direction, boundary))
-          ->send(tensors, groupRank(boundary, peer), tag);
+      return on(
+          deviceGroups_.at(groupKey(direction, boundary)),
+          groupRank(boundary, peer));
     }
 #endif
-    return impl_.worldGroup->send(tensors, peer, tag);
-  }
-
-  c10::intrusive_ptr<c10d::Work> receiveFrom(
-      std::vector<at::Tensor>& tensors,
-      Direction direction,
-      int boundary,
-      int peer,
-      int tag) {
-#ifdef TPIPE_USE_NCCL
-    if (!dataDevice_.is_cpu()) {
-      return deviceGroups_.at(groupKey(direction, boundary))
-          ->recv(tensors, groupRank(boundary, peer), tag);
-    }
-#endif
-    return impl_.worldGroup->recv(tensors, peer, tag);
+    return on(impl_.worldGroup, peer);
   }
 
   static int groupKey(Direction direction, int boundary) {

@@ -92,7 +92,6 @@ struct StepState {
   // for) its own copy as separate devices would; on when tracking memory.
   bool copyOnReceive = false;
   const std::vector<std::vector<int64_t>>* layerOutputShapes = nullptr;
-  const std::vector<int>* boundaries = nullptr; // stage -> first layer
   std::chrono::steady_clock::time_point start;
   std::vector<std::vector<TraceEvent>> events; // per rank, when recording
 

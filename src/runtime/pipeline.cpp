@@ -715,7 +715,6 @@ void Pipeline::Impl::run(runtime::StepState& state, const Schedule& plan) {
     state.events.assign(plan.ranks, {});
   state.start = std::chrono::steady_clock::now();
   state.layerOutputShapes = &options.layerOutputShapes;
-  state.boundaries = &boundaries;
   runtime::Latch latch(static_cast<int>(localRanks.size()));
   for (int rank : localRanks) {
     const bool training = plan.training;

@@ -2,7 +2,6 @@
 // description, for machines we do not have. Nothing is built or run, so a
 // 175-billion-parameter stack plans in a second. Assumptions: docs/tune.md.
 #include <cmath>
-#include <map>
 
 #include <nlohmann/json.hpp>
 
@@ -148,10 +147,8 @@ CostModel analyticModel(const Config& config, const Cluster& cluster) {
   for (int64_t d : config.model.inputShape)
     input *= static_cast<double>(d);
   model.inputBytesPerSample = input;
-  std::map<std::string, double> skips; // alive: elements per sample
   for (size_t l = 0; l < facts.size(); ++l) {
     const LayerFacts& f = facts[l];
-    const LayerSpec& spec = config.model.layers[l];
     LayerModel layer;
     layer.name = std::to_string(l) + " " + config.model.layers[l].type;
     const double forwardMs = f.forwardFlops / cluster.flopsPerMs;
@@ -159,17 +156,12 @@ CostModel analyticModel(const Config& config, const Cluster& cluster) {
     layer.backward = {SizeCurve::proportional(1.0, 2.0 * forwardMs)};
     layer.paramBytes = static_cast<int64_t>(
         static_cast<double>(f.parameters) * cluster.bytesPerValue);
-    double output = 1.0;
+    double output = cluster.bytesPerValue;
     for (int64_t d : f.output)
       output *= static_cast<double>(d);
-    for (const auto& name : spec.pop)
-      skips.erase(name);
-    for (const auto& name : spec.stash)
-      skips[name] = output;
     // A stage ending here also sends the skips alive across its end.
-    for (const auto& [name, elements] : skips)
-      output += elements;
-    layer.activationBytesPerSample = output * cluster.bytesPerValue;
+    layer.activationBytesPerSample =
+        output + f.skipElements * cluster.bytesPerValue;
     layer.stashBytesPerSample = f.savedElements * cluster.bytesPerValue;
     model.layers.push_back(layer);
   }
