@@ -44,7 +44,8 @@ check "examples/multiprocess trains as 2 processes" $((status0 + status1)) "$wor
 deb=$(ls "$work"/*.deb 2>/dev/null | head -1)
 check "cpack -G DEB makes a Debian package" $([[ -n $deb ]]; echo $?) "$work/cpack.log"
 if [[ -n $deb ]]; then
-  dpkg-deb -f "$deb" Depends | grep -q libtorch1.13
+  depends=$(dpkg-deb -f "$deb" Depends)
+  [[ $depends == *libtorch1.13* ]]
   check "the package depends on Debian's LibTorch runtime" $?
   dpkg -x "$deb" "$work/root"
   "$work/root/usr/bin/tpipe" validate "$work/root/usr/share/tpipe/configs/mlp_synthetic.json" >"$work/validate.log" 2>&1
