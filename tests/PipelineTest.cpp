@@ -946,3 +946,231 @@ TEST(PipelineTest, BadSkipsAreClearErrors) {
 
 } // namespace
 } // namespace tpipe
+
+namespace tpipe {
+namespace {
+
+// Batch norm keeps buffers (running statistics, a batch counter) that its
+// forward updates: a pipelined step must leave them as a sequential run
+// over the same micro-batches does, whatever the schedule and checkpoint
+// mode (a recompute must not count a micro-batch twice).
+torch::nn::Sequential batchNormNet(torch::Dtype dtype, uint64_t seed) {
+  torch::manual_seed(seed);
+  torch::nn::Sequential net(
+      torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 4, 3).padding(1)),
+      torch::nn::BatchNorm2d(4),
+      torch::nn::ReLU(),
+      torch::nn::Conv2d(torch::nn::Conv2dOptions(4, 4, 3).padding(1)),
+      torch::nn::BatchNorm2d(4),
+      torch::nn::Tanh(),
+      torch::nn::Flatten(),
+      torch::nn::Linear(4 * 5 * 5, 3));
+  net->to(dtype);
+  return net;
+}
+
+// The plain model over the batch's micro-batches in order, each forward in
+// training mode and each loss weighted by its share, as the pipeline
+// splits them (tensor_split).
+torch::Tensor microBatchedStep(
+    torch::nn::Sequential& net,
+    const torch::Tensor& x,
+    const torch::Tensor& y,
+    int microBatches) {
+  torch::Tensor total = torch::zeros({}, x.options());
+  const auto xs = x.tensor_split(microBatches);
+  const auto ys = y.tensor_split(microBatches);
+  for (size_t k = 0; k < xs.size(); ++k) {
+    torch::Tensor loss = crossEntropy(net->forward(xs[k]), ys[k]) *
+        (static_cast<double>(xs[k].size(0)) / x.size(0));
+    loss.backward();
+    total = total + loss.detach();
+  }
+  return total;
+}
+
+TEST(PipelineTest, BatchNormBuffersMatchAMicroBatchedRunUnderEverySchedule) {
+  torch::manual_seed(8);
+  const torch::Tensor x = torch::randn({12, 1, 5, 5}, torch::kDouble);
+  const torch::Tensor y = torch::randint(0, 3, {12}, torch::kLong);
+  std::vector<Case> cases;
+  for (int ranks = 1; ranks <= 3; ++ranks) {
+    for (int m : {1, 2, 4}) {
+      for (auto mode :
+           {CheckpointMode::kAlways,
+            CheckpointMode::kExceptLast,
+            CheckpointMode::kNever}) {
+        for (const char* schedule : {"gpipe", "1f1b", "zb-h1", "zb-h2"})
+          cases.push_back({schedule, ranks, 1, m, mode});
+        cases.push_back({"zb-v", ranks, 2, m, mode});
+        if (m % ranks == 0)
+          cases.push_back({"interleaved-1f1b", ranks, 2, m, mode});
+      }
+    }
+  }
+  for (const Case& c : cases) {
+    SCOPED_TRACE(describe(c, torch::kDouble));
+    torch::nn::Sequential reference = batchNormNet(torch::kDouble, 6);
+    torch::nn::Sequential piped = batchNormNet(torch::kDouble, 6);
+    const torch::Tensor expected =
+        microBatchedStep(reference, x, y, c.microBatches);
+    PipelineOptions options;
+    options.devices = cpuDevices(c.ranks);
+    options.virtualStages = c.virtualStages;
+    options.microBatches = c.microBatches;
+    options.schedule = c.schedule;
+    options.checkpoint = c.mode;
+    Pipeline pipe(layersOf(piped), options);
+    const torch::Tensor loss = pipe.trainStep(x, y, crossEntropy);
+    EXPECT_LE(relativeError(loss, expected), 1e-12);
+    const auto want = reference->parameters();
+    const auto got = piped->parameters();
+    for (size_t i = 0; i < want.size(); ++i) {
+      EXPECT_LE(relativeError(got[i].grad(), want[i].grad()), 1e-12)
+          << "parameter " << i;
+    }
+    const auto wantBuffers = reference->named_buffers();
+    const auto gotBuffers = piped->named_buffers();
+    ASSERT_EQ(wantBuffers.size(), 6u); // 2 x (mean, var, count)
+    for (size_t i = 0; i < wantBuffers.size(); ++i) {
+      const std::string& name = wantBuffers[i].key();
+      if (name.find("num_batches_tracked") != std::string::npos) {
+        EXPECT_TRUE(torch::equal(gotBuffers[i].value(), wantBuffers[i].value()))
+            << name << ": " << gotBuffers[i].value().item<int64_t>() << " vs "
+            << wantBuffers[i].value().item<int64_t>();
+      } else {
+        EXPECT_LE(
+            relativeError(gotBuffers[i].value(), wantBuffers[i].value()),
+            1e-12)
+            << name;
+      }
+    }
+  }
+}
+
+// Float addition is not associative, so each stage must add its
+// micro-batches' gradients in one order for every schedule; batch norm over
+// two samples amplifies the last bit into visibly different training. gpipe
+// and 1F1B train bit-identically over several SGD steps.
+TEST(PipelineTest, GpipeTrainsBitIdenticallyToOneFOneB) {
+  for (int ranks : {1, 2}) {
+    for (auto mode : {CheckpointMode::kNever, CheckpointMode::kExceptLast}) {
+      SCOPED_TRACE(
+          std::to_string(ranks) + " rank(s), " + checkpointModeName(mode));
+      std::vector<torch::nn::Sequential> nets;
+      std::vector<std::unique_ptr<Pipeline>> pipes;
+      std::vector<std::unique_ptr<torch::optim::SGD>> optimizers;
+      for (const char* schedule : {"gpipe", "1f1b"}) {
+        nets.push_back(batchNormNet(torch::kFloat, 9));
+        PipelineOptions options;
+        options.devices = cpuDevices(ranks);
+        options.microBatches = 4;
+        options.schedule = schedule;
+        options.checkpoint = mode;
+        pipes.push_back(
+            std::make_unique<Pipeline>(layersOf(nets.back()), options));
+        optimizers.push_back(std::make_unique<torch::optim::SGD>(
+            pipes.back()->parameters(), torch::optim::SGDOptions(0.5)));
+      }
+      torch::manual_seed(10);
+      for (int step = 0; step < 4; ++step) {
+        const torch::Tensor x = torch::randn({8, 1, 5, 5});
+        const torch::Tensor y = torch::randint(0, 3, {8}, torch::kLong);
+        for (size_t k = 0; k < pipes.size(); ++k) {
+          optimizers[k]->zero_grad();
+          pipes[k]->trainStep(x, y, crossEntropy);
+          optimizers[k]->step();
+        }
+      }
+      const auto gpipe = nets[0]->named_parameters();
+      const auto oneFOneB = nets[1]->named_parameters();
+      for (size_t i = 0; i < gpipe.size(); ++i) {
+        EXPECT_TRUE(torch::equal(gpipe[i].value(), oneFOneB[i].value()))
+            << gpipe[i].key() << " differs by "
+            << (gpipe[i].value() - oneFOneB[i].value()).abs().max().item<float>();
+      }
+      const auto gpipeBuffers = nets[0]->named_buffers();
+      const auto oneFOneBBuffers = nets[1]->named_buffers();
+      for (size_t i = 0; i < gpipeBuffers.size(); ++i) {
+        EXPECT_TRUE(
+            torch::equal(gpipeBuffers[i].value(), oneFOneBBuffers[i].value()))
+            << gpipeBuffers[i].key();
+      }
+    }
+  }
+}
+
+// A model no one here wrote: torchvision's ResNet-18, scripted in Python
+// (children in an nn.Sequential, a 1-channel stem), on 4 stages with
+// rematerialization. Its batch-norm buffers, loss and gradients equal
+// PyTorch's sequential run over the same micro-batches.
+TEST(PipelineTest, AScriptedTorchvisionResNetKeepsPyTorchsBuffersUnderRemat) {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() /
+      ("tpipe-resnet-" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  const std::string script =
+      "import torch, torch.nn as nn\n"
+      "try:\n"
+      "    import torchvision\n"
+      "except ImportError:\n"
+      "    raise SystemExit(3)\n"
+      "torch.manual_seed(0)\n"
+      "r = torchvision.models.resnet18(num_classes=10)\n"
+      "r.conv1 = nn.Conv2d(1, 64, 7, 2, 3, bias=False)\n"
+      "m = nn.Sequential(r.conv1, r.bn1, r.relu, r.maxpool, r.layer1, "
+      "r.layer2, r.layer3, r.layer4, r.avgpool, nn.Flatten(), r.fc)\n"
+      "torch.jit.script(m).save('" +
+      (dir / "m.pt").string() +
+      "')\n"
+      "x = torch.randn(8, 1, 28, 28); y = torch.randint(0, 10, (8,))\n"
+      "total = 0.0\n"
+      "for xs, ys in zip(x.tensor_split(4), y.tensor_split(4)):\n"
+      "    loss = nn.functional.cross_entropy(m(xs), ys) * (xs.shape[0] / 8)\n"
+      "    loss.backward(); total += loss.item()\n"
+      "ref = {'x': x, 'y': y, 'loss': torch.tensor(total)}\n"
+      "for name, p in m.named_parameters(): ref['grad.' + name] = p.grad\n"
+      "for name, b in m.named_buffers(): ref['buffer.' + name] = b\n"
+      "torch.save(ref, '" +
+      (dir / "ref.pt").string() + "')\n";
+  std::ofstream(dir / "make.py") << script;
+  const int status =
+      std::system(("/usr/bin/python3 " + (dir / "make.py").string()).c_str());
+  ASSERT_EQ(status, 0)
+      << "python3-torchvision is needed (scripts/setup installs it)";
+  const auto ref = loadTorchSave((dir / "ref.pt").string());
+  PipelineOptions options;
+  options.devices = cpuDevices(4);
+  options.microBatches = 4;
+  options.schedule = "1f1b";
+  options.checkpoint = CheckpointMode::kAlways;
+  Pipeline pipe(loadTorchScript((dir / "m.pt").string()), options);
+  const torch::Tensor loss = pipe.trainStep(
+      ref.at("x").toTensor(), ref.at("y").toTensor(), crossEntropy);
+  EXPECT_LE(relativeError(loss, ref.at("loss").toTensor()), 1e-5);
+  size_t buffers = 0;
+  for (const auto& layer : pipe.layers()) {
+    for (const auto& item : layer.module.ptr()->named_buffers()) {
+      const std::string name = layer.name + "." + item.key();
+      ASSERT_TRUE(ref.contains("buffer." + name)) << name;
+      const torch::Tensor want = ref.at("buffer." + name).toTensor();
+      if (name.find("num_batches_tracked") != std::string::npos) {
+        EXPECT_EQ(item.value().item<int64_t>(), want.item<int64_t>()) << name;
+      } else {
+        EXPECT_LE(relativeError(item.value(), want), 1e-4) << name;
+      }
+      ++buffers;
+    }
+  }
+  EXPECT_EQ(buffers, 60u); // 20 batch norms x (mean, var, count)
+  for (const auto& [name, parameter] : pipe.namedParameters()) {
+    EXPECT_LE(
+        relativeError(parameter.grad(), ref.at("grad." + name).toTensor()),
+        1e-3)
+        << name;
+  }
+  fs::remove_all(dir);
+}
+
+} // namespace
+} // namespace tpipe

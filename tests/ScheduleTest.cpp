@@ -50,21 +50,21 @@ std::string fullOrder(const Schedule& schedule, int rank) {
 
 TEST(ScheduleTest, GpipeFullListsWithTransfers) {
   const Schedule s = gpipeSchedule(2, 2, CheckpointMode::kNever);
-  EXPECT_EQ(fullOrder(s, 0), "F0 sA0 F1 sA1 rG1 B1 rG0 B0");
-  EXPECT_EQ(fullOrder(s, 1), "rA0 F0 rA1 F1 B1 sG1 B0 sG0");
+  EXPECT_EQ(fullOrder(s, 0), "F0 sA0 F1 sA1 rG0 B0 rG1 B1");
+  EXPECT_EQ(fullOrder(s, 1), "rA0 F0 rA1 F1 B0 sG0 B1 sG1");
   validate(s);
 }
 
 TEST(ScheduleTest, GpipeCheckpointModesPlaceRecomputeBeforeTheWait) {
   EXPECT_EQ(
       fullOrder(gpipeSchedule(2, 3, CheckpointMode::kExceptLast), 0),
-      "F0 sA0 F1 sA1 F2 sA2 rG2 B2 R1 rG1 B1 R0 rG0 B0");
+      "F0 sA0 F1 sA1 F2 sA2 rG0 B0 R1 rG1 B1 R2 rG2 B2");
   EXPECT_EQ(
       computeOrder(gpipeSchedule(3, 3, CheckpointMode::kAlways), 2),
-      "F0 F1 F2 R2 B2 R1 B1 R0 B0");
+      "F0 F1 F2 R0 B0 R1 B1 R2 B2");
   EXPECT_EQ(
       computeOrder(gpipeSchedule(3, 3, CheckpointMode::kNever), 1),
-      "F0 F1 F2 B2 B1 B0");
+      "F0 F1 F2 B0 B1 B2");
 }
 
 TEST(ScheduleTest, OneFOneBTable) {

@@ -28,14 +28,17 @@ namespace tpipe {
 // recompute the rest right before their backward (GPipe / torchgpipe).
 enum class CheckpointMode {
   kAlways,     // every micro-batch
-  kExceptLast, // all but the last micro-batch, whose backward comes first
+  kExceptLast, // all but one micro-batch (torchgpipe's except_last): the
+               // last, or in fill-drain orders (gpipe) the one whose
+               // backward starts the drain
   kNever,      // keep every activation
 };
 
 CheckpointMode parseCheckpointMode(const std::string& name);
 const char* checkpointModeName(CheckpointMode mode);
-// True when micro-batch `microBatch` of `microBatches` is rematerialized.
-bool isCheckpointed(CheckpointMode mode, int microBatch, int microBatches);
+// True when `microBatch` is rematerialized, where `keptMicroBatch` is the
+// one except_last keeps whole (the schedule's generator says which).
+bool isCheckpointed(CheckpointMode mode, int microBatch, int keptMicroBatch);
 
 // What the runtime does for each instruction, roughly:
 //

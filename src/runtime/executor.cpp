@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/grad_mode.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Context.h>
@@ -141,6 +142,37 @@ at::Tensor fullPrecision(const at::Tensor& tensor) {
       : tensor;
 }
 
+// A recompute runs the stage's forward a second time, and modules that
+// update buffers in their forward (batch norm's running statistics and
+// num_batches_tracked) would count the micro-batch twice. The buffers are
+// copied before and written back after, so the recompute leaves them as
+// the first forward did, for any module, without knowing its kind.
+class BufferRestoreScope {
+ public:
+  explicit BufferRestoreScope(const std::vector<at::Tensor>& buffers)
+      : buffers_(buffers) {
+    at::NoGradGuard noGrad;
+    saved_.reserve(buffers_.size());
+    for (const auto& buffer : buffers_)
+      saved_.push_back(buffer.clone());
+  }
+  // Below autograd's in-place bookkeeping: the recompute's graph saved the
+  // running statistics, and a version bump would fail its backward, which
+  // in training mode does not read them.
+  ~BufferRestoreScope() {
+    at::NoGradGuard noGrad;
+    at::AutoDispatchBelowADInplaceOrView belowAutograd;
+    for (size_t i = 0; i < buffers_.size(); ++i)
+      buffers_[i].copy_(saved_[i]);
+  }
+  BufferRestoreScope(const BufferRestoreScope&) = delete;
+  BufferRestoreScope& operator=(const BufferRestoreScope&) = delete;
+
+ private:
+  const std::vector<at::Tensor>& buffers_;
+  std::vector<at::Tensor> saved_;
+};
+
 class RankExecutor {
  public:
   explicit RankExecutor(StepState& state) : state_(state) {}
@@ -187,6 +219,7 @@ class RankExecutor {
     Stash& stash = state_.at(op.stage, op.microBatch);
     at::AutoGradMode gradMode(true);
     RecomputeScope recomputeScope;
+    BufferRestoreScope buffers(stage.buffers);
     StageGeneratorScope generator(
         stage.stochastic, stash.rngState, stage.device);
     std::vector<at::Tensor> outputs =

@@ -39,6 +39,10 @@ struct StageRuntime {
   std::vector<at::Tensor> parameters; // those requiring grad
   // Per layer, its parameters requiring grad (the weight pass's targets).
   std::vector<std::vector<at::Tensor>> layerParameters;
+  // Every buffer of the stage's layers (batch norm's running statistics, a
+  // scripted module's counters): a recompute must leave them as the first
+  // forward left them, whatever module keeps them.
+  std::vector<at::Tensor> buffers;
   bool stochastic = false; // holds a layer that draws randomness
   at::Tensor rngState;     // the stage's own generator state
   // On an accelerator: the stage computes on its own stream and ships its

@@ -451,6 +451,8 @@ void Pipeline::Impl::placeStage(int s) {
       layer.ptr()->to(stage.device);
     stage.layers.push_back(layers[l]);
     stage.stochastic = stage.stochastic || drawsRandomness(layers[l]);
+    for (const auto& buffer : layer.ptr()->buffers())
+      stage.buffers.push_back(buffer);
     stage.layerParameters.emplace_back();
     for (const auto& parameter : layer.ptr()->parameters()) {
       if (!parameter.requires_grad())

@@ -41,6 +41,28 @@ void requireCounts(int ranks, int microBatches, int virtualStages) {
 // Receives go right before the compute that needs them and sends right
 // after the compute that produced them. A checkpointed micro-batch recomputes
 // before it waits for its gradient, so the recompute overlaps that wait.
+// The micro-batch that checkpoint mode except_last keeps whole: in a
+// fill-drain order (every rank runs all its forwards before any backward)
+// the one whose backward starts the drain, else the last (1F1B's last stage
+// runs its backward right after its forward). Derived from the order, so a
+// schedule read back from a CSV keeps the same one.
+int keptMicroBatch(const ComputeOrder& order, int microBatches) {
+  int firstBackward = -1;
+  for (const auto& steps : order) {
+    bool backwardSeen = false;
+    for (const ComputeStep& step : steps) {
+      if (step.pass == Pass::kForward && backwardSeen)
+        return microBatches - 1;
+      if (step.pass != Pass::kForward && !backwardSeen) {
+        backwardSeen = true;
+        if (firstBackward < 0)
+          firstBackward = step.microBatch;
+      }
+    }
+  }
+  return firstBackward >= 0 ? firstBackward : microBatches - 1;
+}
+
 Schedule lower(
     std::string name,
     int ranks,
@@ -48,6 +70,7 @@ Schedule lower(
     int microBatches,
     CheckpointMode mode,
     const ComputeOrder& order) {
+  const int kept = keptMicroBatch(order, microBatches);
   Schedule schedule;
   schedule.name = std::move(name);
   schedule.ranks = ranks;
@@ -60,7 +83,7 @@ Schedule lower(
     for (const ComputeStep& step : order[rank]) {
       const int s = step.stage;
       const int mb = step.microBatch;
-      const bool checkpointed = isCheckpointed(mode, mb, microBatches);
+      const bool checkpointed = isCheckpointed(mode, mb, kept);
       switch (step.pass) {
         case Pass::kForward:
           if (s > 0)
@@ -318,12 +341,12 @@ const char* checkpointModeName(CheckpointMode mode) {
   return "?";
 }
 
-bool isCheckpointed(CheckpointMode mode, int microBatch, int microBatches) {
+bool isCheckpointed(CheckpointMode mode, int microBatch, int keptMicroBatch) {
   switch (mode) {
     case CheckpointMode::kAlways:
       return true;
     case CheckpointMode::kExceptLast:
-      return microBatch < microBatches - 1;
+      return microBatch != keptMicroBatch;
     case CheckpointMode::kNever:
       return false;
   }
@@ -336,9 +359,13 @@ const std::vector<std::string>& scheduleNames() {
   return names;
 }
 
-// Fill-drain: all forwards, then all backwards in reverse micro-batch order
-// (the last micro-batch's activations are the freshest). With virtual stages
-// each rank runs its chunks in model order forward and reverse backward.
+// Fill-drain: all forwards, then all backwards in micro-batch order. The
+// order of the backwards is the order in which each parameter's gradient
+// sums its micro-batches' parts, and float addition is not associative:
+// running them as every other schedule (and a sequential micro-batched
+// loop) does keeps gpipe's gradients bit-identical to theirs. Reversed, the
+// last rounding bits differed, and ill-conditioned models (batch norm over
+// a few samples) amplified that into visibly different training.
 Schedule gpipeSchedule(int ranks, int microBatches, CheckpointMode mode) {
   requireCounts(ranks, microBatches, 1);
   ComputeOrder order(ranks);
@@ -346,7 +373,7 @@ Schedule gpipeSchedule(int ranks, int microBatches, CheckpointMode mode) {
     for (int mb = 0; mb < microBatches; ++mb) {
       order[rank].push_back({Pass::kForward, rank, mb});
     }
-    for (int mb = microBatches - 1; mb >= 0; --mb) {
+    for (int mb = 0; mb < microBatches; ++mb) {
       order[rank].push_back({Pass::kBackward, rank, mb});
     }
   }
