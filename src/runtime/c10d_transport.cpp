@@ -285,6 +285,10 @@ std::string rankList(const std::vector<int>& ranks) {
   return text;
 }
 
+std::string claimKey(int rank) {
+  return "tpipe/claims/" + std::to_string(rank);
+}
+
 // Polls for every rank's key until the deadline; names those that never came.
 std::vector<nlohmann::json> gatherRanks(
     c10d::Store& store,
@@ -311,14 +315,34 @@ std::vector<nlohmann::json> gatherRanks(
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
   if (!missing.empty()) {
+    std::vector<int> twice;
+    for (int r = 0; r < world.worldSize; ++r) {
+      if (store.add(claimKey(r), 0) > 1)
+        twice.push_back(r);
+    }
     throw UserError(
         "rank(s) " + rankList(missing) + " of WORLD_SIZE " +
         std::to_string(world.worldSize) + " did not join within " +
-        std::to_string(timeout.count() / 1000) +
-        " s (started? same MASTER_ADDR, "
-        "MASTER_PORT and WORLD_SIZE?)");
+        std::to_string(timeout.count() / 1000) + " s" +
+        (twice.empty() ? " (started? same MASTER_ADDR, MASTER_PORT and "
+                         "WORLD_SIZE?)"
+                       : "; RANK " + rankList(twice) +
+                 " was given to two processes (each needs its own RANK)"));
   }
   return ranks;
+}
+
+// Two processes started with one RANK: the second to claim it is told so,
+// instead of meeting a Gloo connection problem later.
+void claimRank(c10d::Store& store, const WorldInfo& world) {
+  const int64_t claims = store.add(claimKey(world.rank), 1);
+  if (claims > 1) {
+    throw UserError(
+        "RANK " + std::to_string(world.rank) +
+        " is taken: another process of this job joined with it first (each "
+        "process needs its own RANK, 0 to WORLD_SIZE - 1 = " +
+        std::to_string(world.worldSize - 1) + ")");
+  }
 }
 
 // Every rank publishes what it advertises and what it runs, then waits for
@@ -341,6 +365,7 @@ std::vector<nlohmann::json> agreeOnRun(
     TORCH_INTERNAL_ASSERT(false, "the run description is not JSON");
   }
   const std::string text = mine.dump();
+  claimRank(store, world);
   store.set(
       "tpipe/rank/" + std::to_string(world.rank),
       std::vector<uint8_t>(text.begin(), text.end()));

@@ -198,8 +198,12 @@ class Launcher {
         rank,
         "exited with status " + std::to_string(code) +
             "; ending the other ranks");
+    // No rank can finish a step without the failed one, so there is nothing
+    // to wait for beyond a brief exit: SIGCONT lets a stopped rank take its
+    // SIGTERM, and whoever is still there after 3 s is killed.
     endOthers(SIGTERM);
-    deadline_ = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    endOthers(SIGCONT);
+    deadline_ = std::chrono::steady_clock::now() + std::chrono::seconds(3);
   }
 
   // Forwards output and signals, reaps ranks; false once none runs.

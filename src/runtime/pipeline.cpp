@@ -635,12 +635,12 @@ namespace {
 std::string withAccounts(Communicator& world, const std::string& error) {
   const std::string mine =
       "rank " + std::to_string(world.rank()) + ": " + error;
-  // A peer that went silent is told from a slow one only by waiting out the
-  // timeout; a closed connection is news at once, and so are its lines.
-  const bool silent = error.find("no answer within") != std::string::npos;
-  const auto grace = silent
-      ? world.timeout()
-      : std::min(world.timeout(), std::chrono::milliseconds(3000));
+  // The live ranks fail within moments of each other: a closed connection is
+  // news at once, and a silent peer has already been waited out for the
+  // timeout by whoever reports it. A few seconds collect every live
+  // account; waiting the timeout again would only delay the exit (a stopped
+  // rank used to hold the job for twice the timeout).
+  const auto grace = std::min(world.timeout(), std::chrono::milliseconds(3000));
   const std::vector<std::string> accounts = world.reportFailure(mine, grace);
   std::string lost, others;
   for (size_t r = 0; r < accounts.size(); ++r) {
