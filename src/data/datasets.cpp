@@ -19,9 +19,19 @@
 namespace tpipe {
 namespace {
 
-bool fileExists(const std::string& path) {
+// A data file must be a regular file: a directory, a device such as
+// /dev/zero or a FIFO is named as what it is, not as missing.
+void requireRegularFile(const std::string& path, const std::string& hint) {
   struct stat info {};
-  return ::stat(path.c_str(), &info) == 0 && S_ISREG(info.st_mode);
+  if (::stat(path.c_str(), &info) != 0)
+    throw ConfigError("data.path: " + path + " not found" + hint);
+  if (S_ISDIR(info.st_mode))
+    throw ConfigError("data.path: " + path + " is a directory, not a file");
+  if (!S_ISREG(info.st_mode)) {
+    throw ConfigError(
+        "data.path: " + path +
+        " is not a regular file (a device, FIFO or socket); give a file");
+  }
 }
 
 #ifdef TPIPE_NO_ZLIB
@@ -33,6 +43,9 @@ inline int gzread(gzFile, void*, unsigned) {
   return -1;
 }
 inline int gzclose(gzFile) {
+  return 0;
+}
+inline unsigned long crc32(unsigned long, const unsigned char*, unsigned) {
   return 0;
 }
 #endif
@@ -62,8 +75,40 @@ class GzipFile {
       const int got = gzread(file_, out, chunk);
       if (got <= 0)
         throw ConfigError("data.path: " + path_ + " is truncated or not gzip");
+      crc_ = crc32(
+          crc_,
+          reinterpret_cast<const unsigned char*>(out),
+          static_cast<unsigned>(got));
+      size_ += static_cast<uint64_t>(got);
       out += got;
       bytes -= static_cast<size_t>(got);
+    }
+  }
+
+  // After the payload: nothing more to read, and the gzip trailer (CRC-32
+  // and length of everything read) matches. zlib's gzread returns a short
+  // read without an error when the file ends inside the trailer, so a cut
+  // or flipped trailer is checked here, against the file's last 8 bytes.
+  void expectEnd() {
+    char extra = 0;
+    const int got = gzread(file_, &extra, 1);
+    if (got > 0) {
+      throw ConfigError(
+          "data.path: " + path_ + " holds more bytes than its header declares");
+    }
+    std::ifstream raw(path_, std::ios::binary);
+    std::array<unsigned char, 8> tail{};
+    raw.seekg(-8, std::ios::end);
+    raw.read(reinterpret_cast<char*>(tail.data()), 8);
+    auto little = [&](int at) {
+      return uint32_t{tail[at]} | (uint32_t{tail[at + 1]} << 8) |
+          (uint32_t{tail[at + 2]} << 16) | (uint32_t{tail[at + 3]} << 24);
+    };
+    if (got < 0 || !raw || little(0) != static_cast<uint32_t>(crc_) ||
+        little(4) != static_cast<uint32_t>(size_)) {
+      throw ConfigError(
+          "data.path: " + path_ +
+          " is damaged (truncated, or its gzip checksum does not match)");
     }
   }
 
@@ -77,6 +122,8 @@ class GzipFile {
  private:
   std::string path_;
   gzFile file_;
+  unsigned long crc_ = crc32(0, nullptr, 0);
+  uint64_t size_ = 0; // uncompressed bytes read
 };
 
 // IDX format: magic (0x0803 images / 0x0801 labels), big-endian dims, bytes.
@@ -97,24 +144,52 @@ at::Tensor readIdx(const std::string& path, uint32_t magic, int dims) {
   }
   at::Tensor bytes = at::empty(shape, at::kByte);
   file.read(bytes.data_ptr<uint8_t>(), static_cast<size_t>(count));
+  file.expectEnd();
   return bytes;
 }
 
-Dataset fashionMnist(const Config& config) {
+// Images and labels pair up one to one, and every label is a class the
+// model outputs: a swapped or damaged label file fails here, not mid-run.
+void checkLabels(
+    const at::Tensor& images,
+    const at::Tensor& labels,
+    const std::string& imagesPath,
+    const std::string& labelsPath,
+    int64_t classes) {
+  if (images.size(0) != labels.size(0)) {
+    throw ConfigError(
+        "data.path: " + imagesPath + " holds " +
+        std::to_string(images.size(0)) + " images but " + labelsPath +
+        " holds " + std::to_string(labels.size(0)) + " labels");
+  }
+  if (labels.numel() == 0)
+    return;
+  const int64_t largest = labels.max().item<int64_t>();
+  if (largest >= classes) {
+    throw ConfigError(
+        "data.path: " + labelsPath + " holds label " + std::to_string(largest) +
+        ", but the model outputs " + std::to_string(classes) + " classes");
+  }
+}
+
+Dataset fashionMnist(const Config& config, const BuiltModel& model) {
   const std::string& dir = config.data.path;
   const char* names[] = {
       "train-images-idx3-ubyte.gz",
       "train-labels-idx1-ubyte.gz",
       "t10k-images-idx3-ubyte.gz",
       "t10k-labels-idx1-ubyte.gz"};
+  struct stat info {};
+  if (::stat(dir.c_str(), &info) == 0 && !S_ISDIR(info.st_mode)) {
+    throw ConfigError(
+        "data.path: " + dir +
+        " is not a directory (fashion-mnist reads the four IDX files in one)");
+  }
   for (const char* name : names) {
-    const std::string path = dir + "/" + name;
-    if (!fileExists(path)) {
-      throw ConfigError(
-          "data.path: " + path +
-          " not found (Debian's package dataset-fashion-mnist provides it: "
-          "apt-get install dataset-fashion-mnist)");
-    }
+    requireRegularFile(
+        dir + "/" + name,
+        " (Debian's package dataset-fashion-mnist provides it: "
+        "apt-get install dataset-fashion-mnist)");
   }
   auto images = [&](const char* name) {
     at::Tensor x = readIdx(dir + "/" + name, 0x803, 3)
@@ -133,6 +208,19 @@ Dataset fashionMnist(const Config& config) {
   data.trainTargets = labels(names[1]);
   data.evalInputs = images(names[2]);
   data.evalTargets = labels(names[3]);
+  const int64_t classes = model.shapes.back().back();
+  checkLabels(
+      data.trainInputs,
+      data.trainTargets,
+      dir + "/" + names[0],
+      dir + "/" + names[1],
+      classes);
+  checkLabels(
+      data.evalInputs,
+      data.evalTargets,
+      dir + "/" + names[2],
+      dir + "/" + names[3],
+      classes);
   data.description =
       "fashion-mnist: " + std::to_string(data.trainInputs.size(0)) +
       " training and " + std::to_string(data.evalInputs.size(0)) +
@@ -187,8 +275,7 @@ Dataset nextSymbol(
 }
 
 std::vector<char> readWhole(const std::string& path, const char* hint) {
-  if (!fileExists(path))
-    throw ConfigError("data.path: " + path + " not found" + hint);
+  requireRegularFile(path, hint);
   std::ifstream file(path, std::ios::binary);
   return std::vector<char>(
       (std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
@@ -359,7 +446,7 @@ void checkLossFits(const Config& config, const BuiltModel& model) {
 Dataset loadDataset(const Config& config, const BuiltModel& model) {
   checkLossFits(config, model);
   if (config.data.dataset == "fashion-mnist") {
-    Dataset data = fashionMnist(config);
+    Dataset data = fashionMnist(config, model);
     if (config.data.evalSamples > 0 &&
         config.data.evalSamples < data.evalInputs.size(0)) {
       data.evalInputs = data.evalInputs.narrow(0, 0, config.data.evalSamples);

@@ -1,5 +1,6 @@
 #include "tpipe/torchscript.h"
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <torch/csrc/jit/serialization/import.h>
 #include <torch/nn/module.h>
 #include <torch/types.h>
@@ -72,7 +73,9 @@ LayerList layersOf(const torch::jit::Module& module) {
   return layers;
 }
 
-LayerList loadTorchScript(const std::string& path) {
+namespace {
+
+torch::jit::Module loadScriptedModule(const std::string& path) {
   torch::jit::Module module;
   try {
     module = torch::jit::load(path);
@@ -83,7 +86,13 @@ LayerList loadTorchScript(const std::string& path) {
         path + ": not a TorchScript model torch::jit::load can read (" +
         reason + ")");
   }
-  return layersOf(module);
+  return module;
+}
+
+} // namespace
+
+LayerList loadTorchScript(const std::string& path) {
+  return layersOf(loadScriptedModule(path));
 }
 
 namespace {
@@ -97,13 +106,27 @@ std::string lastLine(std::string text) {
   return newline == std::string::npos ? text : text.substr(newline + 1);
 }
 
-// Each layer's per-sample output shape, from a batch of two through the
-// layers in eval mode (no dropout drawn, no statistics updated).
-void inferShapes(BuiltModel& built) {
+// A batch of two seeded random samples (token ids below the vocabulary):
+// distinct values, so a forward that is not the chain of children shows.
+torch::Tensor sampleInput(const BuiltModel& built) {
   std::vector<int64_t> sizes{2};
   sizes.insert(sizes.end(), built.shapes[0].begin(), built.shapes[0].end());
-  torch::Tensor x = built.integerInput ? torch::zeros(sizes, torch::kLong)
-                                       : torch::ones(sizes);
+  at::Generator generator = at::make_generator<at::CPUGeneratorImpl>(20241);
+  if (built.integerInput) {
+    return at::randint(
+        std::max<int64_t>(1, built.inputVocabulary),
+        sizes,
+        generator,
+        at::kLong);
+  }
+  return at::randn(sizes, generator, at::kFloat);
+}
+
+// Each layer's per-sample output shape, from the sample through the layers
+// in eval mode (no dropout drawn, no statistics updated); returns the last
+// layer's output.
+torch::Tensor inferShapes(BuiltModel& built, const torch::Tensor& sample) {
+  torch::Tensor x = sample;
   torch::NoGradGuard noGrad;
   for (size_t l = 0; l < built.layers.size(); ++l) {
     auto& module = *built.layers[l].module.ptr();
@@ -119,14 +142,63 @@ void inferShapes(BuiltModel& built) {
     module.train();
     built.shapes.emplace_back(x.sizes().begin() + 1, x.sizes().end());
   }
+  return x;
+}
+
+// tpipe pipelines the chain of children; a module whose own forward does
+// something else (a child used twice, a residual outside the children)
+// would silently train another model. Both run on the sample in eval mode.
+void checkForwardIsChain(
+    torch::jit::Module& module,
+    const torch::Tensor& sample,
+    const torch::Tensor& chain) {
+  torch::NoGradGuard noGrad;
+  module.eval();
+  torch::Tensor whole;
+  std::string failure;
+  try {
+    whole = module.forward({sample}).toTensor();
+  } catch (const std::exception& error) {
+    failure = lastLine(error.what());
+  }
+  module.train();
+  if (!failure.empty()) {
+    throw ConfigError(
+        "model.torchscript: the model's own forward fails on the sample "
+        "its children accept (" +
+        failure + ")");
+  }
+  if (whole.sizes() != chain.sizes()) {
+    throw ConfigError(
+        "model.torchscript: the model's forward is not its children in "
+        "order: forward returns shape " +
+        c10::str(whole.sizes()) + ", the chain of children " +
+        c10::str(chain.sizes()) +
+        " (tpipe pipelines the children in order: script an nn.Sequential)");
+  }
+  const double gap =
+      (whole.to(at::kDouble) - chain.to(at::kDouble)).abs().max().item<double>();
+  const double scale =
+      std::max(1.0, whole.to(at::kDouble).abs().max().item<double>());
+  if (!(gap <= 1e-4 * scale)) {
+    throw ConfigError(
+        "model.torchscript: the model's forward is not its children in "
+        "order: on a sample input its output differs from the chain of "
+        "children by up to " +
+        std::to_string(gap) +
+        " (tpipe pipelines the children in order: script an nn.Sequential, "
+        "or a module whose forward calls its children one after another)");
+  }
 }
 
 } // namespace
 
 BuiltModel buildScriptedModel(const ModelConfig& model) {
   BuiltModel built;
+  torch::jit::Module module;
   try {
-    built.layers = loadTorchScript(model.torchscript);
+    module = loadScriptedModule(model.torchscript);
+    built.layers = layersOf(module);
   } catch (const UserError& error) {
     throw ConfigError(std::string("model.torchscript: ") + error.what());
   }
@@ -148,7 +220,8 @@ BuiltModel buildScriptedModel(const ModelConfig& model) {
     }
     built.inputVocabulary = weight->size(0);
   }
-  inferShapes(built);
+  const torch::Tensor sample = sampleInput(built);
+  checkForwardIsChain(module, sample, inferShapes(built, sample));
   return built;
 }
 

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <mutex>
 
 #include <ATen/ATen.h>
@@ -394,7 +395,8 @@ SizeCurve curveFromJson(const nlohmann::json& json, const std::string& path) {
     bool ok = value && value->is_array() && !value->empty();
     std::vector<double> out;
     for (size_t i = 0; ok && i < value->size(); ++i) {
-      ok = (*value)[i].is_number() && (*value)[i].get<double>() >= 0;
+      ok = (*value)[i].is_number() && (*value)[i].get<double>() >= 0 &&
+          (*value)[i].get<double>() <= 86400000.0;
       if (ok)
         out.push_back((*value)[i].get<double>());
     }
@@ -451,6 +453,13 @@ Profile profileFromJson(const nlohmann::json& json) {
   }
   Profile profile;
   profile.device = json.value("device", std::string("cpu"));
+  if (json.contains("micro_batch_size") &&
+      (!json["micro_batch_size"].is_number_integer() ||
+       json["micro_batch_size"].get<int64_t>() < 1)) {
+    throw ConfigError(
+        "profile.micro_batch_size: expected a positive integer, got " +
+        json["micro_batch_size"].dump());
+  }
   profile.microBatchSize = json.value("micro_batch_size", int64_t{1});
   profile.inputBytes = json.value("input_bytes", int64_t{0});
   if (json.contains("noise")) {
@@ -470,10 +479,16 @@ Profile profileFromJson(const nlohmann::json& json) {
           throw ConfigError(path + "." + key + ": missing");
         return 0.0;
       }
-      if (!item[key].is_number() || item[key].get<double>() < 0) {
+      // Bounded so that sums over layers and micro-batches stay finite: a
+      // day per layer, or 2^50 bytes, is past any real measurement.
+      const bool bytes = std::strstr(key, "_bytes") != nullptr;
+      const double limit = bytes ? 1125899906842624.0 : 86400000.0;
+      if (!item[key].is_number() || !(item[key].get<double>() >= 0) ||
+          !(item[key].get<double>() <= limit)) {
         throw ConfigError(
-            path + "." + key + ": expected a non-negative number, got " +
-            item[key].dump());
+            path + "." + key + ": expected a number from 0 to " +
+            (bytes ? std::string("2^50 bytes") : std::string("86400000 ms")) +
+            ", got " + item[key].dump());
       }
       return item[key].get<double>();
     };
