@@ -149,11 +149,13 @@ TEST(MemoryTest, ParametersBeyondACapacityAreRejectedBeforeTraining) {
     train(parseConfig(json), options);
     FAIL();
   } catch (const ConfigError& error) {
+    // The one feasibility verdict, before any step: need and capacity.
     EXPECT_NE(
         std::string(error.what())
             .find(
-                "pipeline.devices[0].memory: cpu:0 holds 3.01 MiB of parameters and "
-                "optimizer state, more than its capacity of 1.00 MiB"),
+                "the plan does not fit: stage 0 (layers 0-0) needs 5.07 MiB on "
+                "cpu:0 (4.01 MiB of it parameters, gradients and optimizer "
+                "state), whose capacity is 1.00 MiB"),
         std::string::npos)
         << error.what();
   }

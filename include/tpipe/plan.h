@@ -119,6 +119,21 @@ MemoryModel memoryModelOf(
     double optimizerFactor,
     int64_t inputBytes);
 
+// Whether a request's plan fits: every stage within its device's memory
+// and, when hostBytes > 0, all stages together within what this host has
+// available (one process holds every stage). `tpipe plan`, `tpipe
+// validate` and `tpipe train` all ask this one function, so they agree.
+struct Feasibility {
+  bool fits = true;
+  Plan plan;           // resolved, when the resolver found one
+  std::string problem; // what does not fit, naming need and capacity
+  // Changes that fit when applied as written: each is the full set of
+  // config keys it changes from this request ("pipeline.checkpoint=always,
+  // pipeline.partition=time"), checked by resolving the changed request.
+  std::vector<std::string> fixes;
+};
+Feasibility checkFeasibility(const PlanRequest& request, int64_t hostBytes = 0);
+
 nlohmann::json planToJson(const Plan& plan);
 // The per-stage table, the simulated timeline, the cost source and notes.
 void printPlan(std::ostream& out, const Plan& plan);

@@ -81,6 +81,25 @@ TrainingCosts trainingCosts(
     const std::string& profilePath,
     bool measure);
 
+// Bytes without running anything: parameters, and each layer's output and
+// saved activations at the config's micro-batch size from shape inference
+// (the layer facts; a TorchScript model's saved bytes are taken as its
+// output's). No times.
+TrainingCosts shapeCosts(const Config& config, const BuiltModel& model);
+
+// Memory this process may still use on this host (MemAvailable); 0 when
+// unknown.
+int64_t hostAvailableBytes();
+
+// checkFeasibility for a config over these costs, against its devices'
+// caps and (in one process) the host's available memory; and the text a
+// refusal prints: the problem, then the changes that would fit.
+Feasibility configFeasibility(
+    const Config& config,
+    const TrainingCosts& costs,
+    bool oneProcess = true);
+std::string infeasibleText(const Feasibility& verdict);
+
 // Costs from a profile, at the config's micro-batch size.
 TrainingCosts costsFromProfile(
     const Config& config,
@@ -100,6 +119,10 @@ struct TrainOptions {
   std::string metricsPath; // JSON lines; empty: none
   std::string saveDir;     // checkpoints; empty: none
   std::string resumeDir;   // continue from this checkpoint; empty: start
+  // Resume a checkpoint whose run differs (a new learning rate): without
+  // it, a checkpoint of another model, data or settings is refused naming
+  // the first key that differs.
+  bool resumeChanged = false;
   // Stop (and checkpoint, with saveDir) once this many steps are done, as a
   // preempted job would; the schedule still spans train.steps. 0: run all.
   int64_t stopAfter = 0;

@@ -64,6 +64,18 @@ std::string skipText(const tpipe::LayerSpec& layer) {
   return text;
 }
 
+// The one feasibility verdict, as `plan` and `validate` print it.
+void printInfeasible(const tpipe::Feasibility& verdict) {
+  std::printf("INFEASIBLE: %s\n", verdict.problem.c_str());
+  for (const auto& fix : verdict.fixes)
+    std::printf("  would fit: %s\n", fix.c_str());
+  if (verdict.fixes.empty()) {
+    std::printf(
+        "  no single change of schedule, checkpoint mode, partition, "
+        "micro-batches or device count fits\n");
+  }
+}
+
 // Every check short of training: config, shape inference, loss fit, data.
 int validateConfig(
     const std::string& path,
@@ -99,72 +111,29 @@ int validateConfig(
   spec.virtualStages = config.pipeline.virtualStages;
   spec.checkpoint = config.pipeline.checkpoint;
   const tpipe::Schedule schedule = tpipe::makeSchedule(spec);
+  // Memory from shapes alone: nothing of the model's activations is
+  // allocated. pipeline.auto chooses its layout by tuning, so only its
+  // devices' caps against the whole model are not judged here.
+  if (!config.pipeline.autoTune) {
+    const tpipe::Feasibility verdict = tpipe::configFeasibility(
+        config, tpipe::shapeCosts(config, model));
+    if (!verdict.fits) {
+      printInfeasible(verdict);
+      return 2;
+    }
+    int64_t largest = 0;
+    for (const auto& stage : verdict.plan.stages)
+      largest = std::max(largest, stage.memoryBytes);
+    std::printf(
+        "memory: largest stage %s predicted from shapes\n",
+        tpipe::formatBytes(largest).c_str());
+  }
   std::printf(
       "config OK: %lld parameters, %d stages, schedule %s valid\n",
       static_cast<long long>(model.parameterCount),
       schedule.stages(),
       schedule.name.c_str());
   return 0;
-}
-
-// Variants of an infeasible request that would fit, so the user knows what
-// to change.
-void suggestFits(const tpipe::PlanRequest& request) {
-  struct Variant {
-    std::string what;
-    tpipe::PlanRequest request;
-  };
-  std::vector<Variant> variants;
-  auto add = [&](std::string what, auto change) {
-    tpipe::PlanRequest copy = request;
-    copy.partition = tpipe::PartitionMethod::kTime;
-    copy.balance.clear();
-    change(copy);
-    variants.push_back({std::move(what), std::move(copy)});
-  };
-  add("rematerialization (pipeline.checkpoint = always)",
-      [](auto& r) { r.checkpoint = tpipe::CheckpointMode::kAlways; });
-  add("1F1B (pipeline.schedule = 1f1b)", [](auto& r) { r.schedule = "1f1b"; });
-  add("1F1B with rematerialization", [](auto& r) {
-    r.schedule = "1f1b";
-    r.checkpoint = tpipe::CheckpointMode::kAlways;
-  });
-  add("twice the micro-batches (half their size)", [](auto& r) {
-    r.microBatches *= 2;
-    r.inputBytes /= 2;
-    for (auto& layer : r.layers) {
-      layer.activationBytes /= 2;
-      layer.stashBytes /= 2;
-    }
-  });
-  const int devices = static_cast<int>(request.devices.size());
-  const int layers = static_cast<int>(request.layers.size());
-  for (int more = devices + 1; more <= std::min(layers, devices * 8); ++more) {
-    add(std::to_string(more) + " devices like " + request.devices.front().name,
-        [&](auto& r) {
-          r.devices.assign(more, request.devices.front());
-          r.stages = more;
-        });
-  }
-  bool anyDeviceCount = false;
-  for (const auto& variant : variants) {
-    const bool deviceVariant =
-        variant.what.find(" devices like ") != std::string::npos;
-    if (deviceVariant && anyDeviceCount)
-      continue;
-    try {
-      const tpipe::Plan plan = tpipe::resolvePlan(variant.request);
-      int64_t peak = 0;
-      for (const auto& stage : plan.stages)
-        peak = std::max(peak, stage.memoryBytes);
-      std::printf(
-          "  would fit: %s (largest stage %s)\n",
-          variant.what.c_str(),
-          tpipe::formatBytes(peak).c_str());
-      anyDeviceCount = anyDeviceCount || deviceVariant;
-    } catch (const tpipe::UserError&) {
-    }
-  }
 }
 
 // A saved profile without a config: `stages` identical CPU devices.
@@ -212,24 +181,18 @@ int planCommand(
     request = tpipe::planRequest(
         config, tpipe::trainingCosts(config, model, profilePath, true));
   }
-  tpipe::Plan plan;
-  try {
-    plan = tpipe::resolvePlan(request);
-  } catch (const tpipe::PartitionError& error) {
-    std::printf("INFEASIBLE: %s\n", error.what());
-    suggestFits(request);
-    return 2;
+  // The host's memory counts where one process would hold every stage.
+  const tpipe::Feasibility verdict = tpipe::checkFeasibility(
+      request, configPath.empty() ? 0 : tpipe::hostAvailableBytes());
+  const bool resolved = !verdict.plan.boundaries.empty();
+  if (json && resolved) {
+    std::cout << tpipe::planToJson(verdict.plan).dump(1) << '\n';
+    return verdict.fits ? 0 : 2;
   }
-  if (json) {
-    std::cout << tpipe::planToJson(plan).dump(1) << '\n';
-    return plan.overCapacity() ? 2 : 0;
-  }
-  tpipe::printPlan(std::cout, plan);
-  if (plan.overCapacity()) {
-    std::printf(
-        "INFEASIBLE: a stage exceeds its device's capacity with partition '%s'\n",
-        tpipe::partitionMethodName(plan.partition));
-    suggestFits(request);
+  if (resolved)
+    tpipe::printPlan(std::cout, verdict.plan);
+  if (!verdict.fits) {
+    printInfeasible(verdict);
     return 2;
   }
   return 0;
@@ -434,6 +397,10 @@ CLI::App* addTrain(CLI::App& app, Arguments& a) {
   train->add_option("--save", a.train.saveDir, "checkpoint directory");
   train->add_option(
       "--resume", a.train.resumeDir, "continue from this checkpoint directory");
+  train->add_flag(
+      "--resume-changed",
+      a.train.resumeChanged,
+      "resume a checkpoint although the config changed (says what changed)");
   train->add_option(
       "--trace",
       a.train.tracePath,
@@ -462,10 +429,12 @@ CLI::App* addTrain(CLI::App& app, Arguments& a) {
       "--overwrite",
       a.train.overwrite,
       "let --save replace a checkpoint already in the directory");
-  train->add_option(
-      "--stop-after",
-      a.train.stopAfter,
-      "stop after this many steps (a preemption: the schedule still spans train.steps)");
+  train
+      ->add_option(
+          "--stop-after",
+          a.train.stopAfter,
+          "stop after this many steps (a preemption: the schedule still spans train.steps)")
+      ->check(CLI::PositiveNumber);
   return train;
 }
 

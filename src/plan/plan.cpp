@@ -477,4 +477,168 @@ void printPlan(std::ostream& out, const Plan& plan) {
   printSimulation(out, plan.schedule, plan.simulation);
 }
 
+namespace {
+
+int64_t largestStage(const Plan& plan) {
+  int64_t largest = 0;
+  for (const auto& stage : plan.stages)
+    largest = std::max(largest, stage.memoryBytes);
+  return largest;
+}
+
+int64_t totalMemory(const Plan& plan) {
+  int64_t total = 0;
+  for (const auto& stage : plan.stages)
+    total += stage.memoryBytes;
+  return total;
+}
+
+// Empty when the plan fits; otherwise the first stage over its device's
+// capacity, or the whole plan over the host's available memory.
+std::string memoryProblem(const Plan& plan, int64_t hostBytes) {
+  for (size_t k = 0; k < plan.stages.size(); ++k) {
+    const StageReport& stage = plan.stages[k];
+    if (stage.capacityBytes > 0 && stage.memoryBytes > stage.capacityBytes) {
+      return "stage " + std::to_string(k) + " (layers " +
+          std::to_string(stage.firstLayer) + "-" +
+          std::to_string(stage.endLayer - 1) + ") needs " +
+          formatBytes(stage.memoryBytes) + " on " + stage.device + " (" +
+          formatBytes(stage.memoryBytes - stage.activationBytes) +
+          " of it parameters, gradients and optimizer state), whose "
+          "capacity is " +
+          formatBytes(stage.capacityBytes);
+    }
+  }
+  const int64_t total = totalMemory(plan);
+  if (hostBytes > 0 && total > hostBytes) {
+    return "the plan needs " + formatBytes(total) +
+        " in all, and this host has " + formatBytes(hostBytes) + " available";
+  }
+  return "";
+}
+
+struct Attempt {
+  bool resolved = false;
+  Plan plan;
+  std::string problem;
+};
+
+Attempt attempt(const PlanRequest& request, int64_t hostBytes) {
+  Attempt result;
+  try {
+    result.plan = resolvePlan(request);
+    result.resolved = true;
+    result.problem = memoryProblem(result.plan, hostBytes);
+  } catch (const PartitionError& error) {
+    result.problem = error.what();
+  }
+  return result;
+}
+
+struct Variant {
+  std::string keys;
+  PlanRequest request;
+};
+
+// Single changes a user can make in the config, and their pairs with
+// rematerialization: each names every key it sets, and none repeats what
+// the request already has.
+std::vector<Variant> variantsOf(const PlanRequest& request) {
+  std::vector<Variant> variants;
+  const bool always = request.checkpoint == CheckpointMode::kAlways;
+  const bool oneFOneB = request.schedule.isBuiltIn() &&
+      request.schedule.kind() == ScheduleKind::kOneFOneB;
+  const bool byTime = request.partition == PartitionMethod::kTime;
+  auto add = [&](std::string keys, auto change) {
+    PlanRequest copy = request;
+    change(copy);
+    variants.push_back({std::move(keys), std::move(copy)});
+  };
+  auto remat = [](PlanRequest& r) { r.checkpoint = CheckpointMode::kAlways; };
+  auto oneF = [](PlanRequest& r) { r.schedule = ScheduleKind::kOneFOneB; };
+  auto time = [](PlanRequest& r) {
+    r.partition = PartitionMethod::kTime;
+    r.balance.clear();
+  };
+  if (!always)
+    add("pipeline.checkpoint=always", remat);
+  if (!oneFOneB)
+    add("pipeline.schedule=1f1b", oneF);
+  if (!always && !oneFOneB) {
+    add("pipeline.schedule=1f1b, pipeline.checkpoint=always", [&](auto& r) {
+      oneF(r);
+      remat(r);
+    });
+  }
+  if (!byTime) {
+    add("pipeline.partition=time", time);
+    if (!always) {
+      add("pipeline.partition=time, pipeline.checkpoint=always", [&](auto& r) {
+        time(r);
+        remat(r);
+      });
+    }
+  }
+  add("pipeline.micro_batches=" + std::to_string(request.microBatches * 2) +
+          " (half their size)",
+      [](auto& r) {
+        r.microBatches *= 2;
+        r.inputBytes /= 2;
+        for (auto& layer : r.layers) {
+          layer.activationBytes /= 2;
+          layer.stashBytes /= 2;
+        }
+      });
+  return variants;
+}
+
+// The fewest devices like the first (up to 8 times as many, one layer
+// each at most) that fit, with the request's other settings.
+std::string moreDevices(const PlanRequest& request, int64_t hostBytes) {
+  const int devices = static_cast<int>(request.devices.size());
+  const int layers = static_cast<int>(request.layers.size());
+  if (devices == 0 || request.devices.front().memoryBytes <= 0)
+    return "";
+  for (int more = devices + 1; more <= std::min(layers, devices * 8); ++more) {
+    PlanRequest copy = request;
+    copy.devices.assign(more, request.devices.front());
+    copy.stages = 0;
+    copy.balance.clear();
+    if (copy.partition == PartitionMethod::kBalance)
+      copy.partition = PartitionMethod::kParameters;
+    const Attempt tried = attempt(copy, hostBytes);
+    if (tried.resolved && tried.problem.empty()) {
+      return "pipeline.devices: " + std::to_string(more) + " devices like " +
+          request.devices.front().name + " (largest stage " +
+          formatBytes(largestStage(tried.plan)) + ")";
+    }
+  }
+  return "";
+}
+
+} // namespace
+
+Feasibility checkFeasibility(const PlanRequest& request, int64_t hostBytes) {
+  Feasibility verdict;
+  const Attempt first = attempt(request, hostBytes);
+  if (first.resolved)
+    verdict.plan = first.plan;
+  verdict.problem = first.problem;
+  verdict.fits = first.resolved && first.problem.empty();
+  if (verdict.fits)
+    return verdict;
+  for (const Variant& variant : variantsOf(request)) {
+    const Attempt tried = attempt(variant.request, hostBytes);
+    if (!tried.resolved || !tried.problem.empty())
+      continue;
+    verdict.fixes.push_back(
+        variant.keys + " (largest stage " +
+        formatBytes(largestStage(tried.plan)) + ")");
+  }
+  const std::string devices = moreDevices(request, hostBytes);
+  if (!devices.empty())
+    verdict.fixes.push_back(devices);
+  return verdict;
+}
+
 } // namespace tpipe

@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <set>
 #include <sstream>
 
 #include <nlohmann/json.hpp>
@@ -33,67 +34,6 @@ std::string checksum(const std::string& bytes) {
       text, sizeof text, "%016llx", static_cast<unsigned long long>(hash));
   return text;
 }
-
-[[noreturn]] void writeFailed(const fs::path& path, int error) {
-  throw std::runtime_error(
-      "checkpoint: cannot write " + path.string() + ": " +
-      std::strerror(error) + " (the previous checkpoint is intact)");
-}
-
-void syncDirectory(const fs::path& dir) {
-  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0)
-    writeFailed(dir, errno);
-  const int status = ::fsync(fd);
-  const int error = errno;
-  ::close(fd);
-  if (status != 0)
-    writeFailed(dir, error);
-}
-
-// Every byte written or an exception: short writes, fsync and close checked.
-void writeChecked(const fs::path& path, const std::string& bytes) {
-  const int fd =
-      ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0)
-    writeFailed(path, errno);
-  size_t done = 0;
-  while (done < bytes.size()) {
-    const ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
-    if (n < 0 && errno == EINTR)
-      continue;
-    if (n <= 0) {
-      const int error = n < 0 ? errno : ENOSPC;
-      ::close(fd);
-      writeFailed(path, error);
-    }
-    done += static_cast<size_t>(n);
-  }
-  if (::fsync(fd) != 0) {
-    const int error = errno;
-    ::close(fd);
-    writeFailed(path, error);
-  }
-  if (::close(fd) != 0)
-    writeFailed(path, errno);
-}
-
-} // namespace
-
-void writeFileAtomically(
-    const std::filesystem::path& path,
-    const std::string& bytes) {
-  const fs::path temporary = path.string() + ".tmp";
-  writeChecked(temporary, bytes);
-  std::error_code error;
-  fs::rename(temporary, path, error);
-  if (error)
-    writeFailed(path, error.value());
-  syncDirectory(
-      path.parent_path().empty() ? fs::path(".") : path.parent_path());
-}
-
-namespace {
 
 std::string readFile(const fs::path& path) {
   std::ifstream in(path, std::ios::binary);
@@ -247,11 +187,24 @@ std::string runFingerprint(const Config& config) {
   return checksum(identity.dump());
 }
 
-void prepareSaveDirectory(
+nlohmann::json runDescription(const Config& config) {
+  const nlohmann::json description = describeConfig(config);
+  nlohmann::json train = description["train"];
+  // What may change between a run's pieces without changing its numbers.
+  for (const char* key : {"steps", "eval_every", "checkpoint_every"})
+    train.erase(key);
+  return {
+      {"model", description["model"]},
+      {"data", description["data"]},
+      {"train", train}};
+}
+
+std::unique_ptr<DirectoryLock> prepareSaveDirectory(
     const std::string& dir,
     const CheckpointIdentity& identity,
     bool overwrite,
-    bool resumingFromIt) {
+    bool resumingFromIt,
+    bool lock) {
   std::error_code error;
   fs::create_directories(dir, error);
   if (error)
@@ -270,9 +223,14 @@ void prepareSaveDirectory(
     throw ConfigError(
         "--save " + dir + ": cannot write there (" + std::strerror(reason) +
         ")");
+  // Locked before anything is read: of two runs started together on one
+  // directory, the second is refused here.
+  auto held = lock ? std::make_unique<DirectoryLock>(
+                         dir, DirectoryLock::Mode::kWrite, "--save")
+                   : nullptr;
   const fs::path pointer = fs::path(dir) / "checkpoint.json";
   if (resumingFromIt || overwrite || !fs::exists(pointer))
-    return;
+    return held;
   std::string run = "?";
   int64_t step = -1;
   try {
@@ -289,7 +247,9 @@ void prepareSaveDirectory(
       ", save elsewhere, or pass --overwrite to replace it");
 }
 
-void saveCheckpoint(
+namespace {
+
+void saveCheckpointFiles(
     const std::string& root,
     int64_t step,
     Pipeline& pipe,
@@ -313,6 +273,7 @@ void saveCheckpoint(
         {"step", step},
         {"state", name},
         {"run", identity.run},
+        {"identity", identity.description},
         {"optimizer", identity.optimizer},
         {"stages", pipe.schedule().stages()}};
     if (distributed)
@@ -332,6 +293,24 @@ void saveCheckpoint(
   fs::create_hard_link(dir / name / "model.pt", link);
   fs::rename(link, dir / "model.pt");
   removeOtherStates(dir, name);
+}
+
+} // namespace
+
+void saveCheckpoint(
+    const std::string& root,
+    int64_t step,
+    Pipeline& pipe,
+    torch::optim::Optimizer& optimizer,
+    const CheckpointIdentity& identity,
+    Communicator* communicator) {
+  try {
+    saveCheckpointFiles(root, step, pipe, optimizer, identity, communicator);
+  } catch (const WriteFailure& failure) {
+    throw std::runtime_error(
+        std::string("checkpoint: ") + failure.what() +
+        " (the previous checkpoint is intact)");
+  }
 }
 
 namespace {
@@ -369,6 +348,128 @@ void checkPointer(
     throw ConfigError(
         "--resume: " + pointer.string() + " names no step and state");
   }
+  // The state is a directory beside the pointer, named for its step: a
+  // negative step or a path elsewhere ("../x") is a damaged pointer.
+  const int64_t step = json["step"].get<int64_t>();
+  if (step < 0 ||
+      json["state"].get<std::string>() != "state-" + std::to_string(step)) {
+    throw ConfigError(
+        "--resume: " + pointer.string() + " is damaged: it names step " +
+        std::to_string(step) + " and state '" +
+        json["state"].get<std::string>() + "' (expected state-<step>, step >= 0)");
+  }
+}
+
+std::string shortJson(const nlohmann::json& value) {
+  std::string text = value.dump();
+  return text.size() > 60 ? text.substr(0, 57) + "..." : text;
+}
+
+std::string joinKey(const std::string& path, const std::string& key) {
+  return path.empty() ? key : path + "." + key;
+}
+
+// The first key, as a JSON path, whose value differs between the run that
+// wrote a checkpoint and this one, with both values; empty when equal.
+std::string firstDifference(
+    const nlohmann::json& saved,
+    const nlohmann::json& now,
+    const std::string& path) {
+  if (saved.is_object() && now.is_object()) {
+    for (const auto& item : saved.items()) {
+      if (!now.contains(item.key()))
+        return joinKey(path, item.key()) + " is in the checkpoint's run only";
+      std::string found = firstDifference(
+          item.value(), now[item.key()], joinKey(path, item.key()));
+      if (!found.empty())
+        return found;
+    }
+    for (const auto& item : now.items()) {
+      if (!saved.contains(item.key()))
+        return joinKey(path, item.key()) + " is new in this run";
+    }
+    return "";
+  }
+  if (saved.is_array() && now.is_array()) {
+    for (size_t i = 0; i < std::min(saved.size(), now.size()); ++i) {
+      std::string found = firstDifference(
+          saved[i], now[i], path + "[" + std::to_string(i) + "]");
+      if (!found.empty())
+        return found;
+    }
+    if (saved.size() != now.size()) {
+      return path + " has " + std::to_string(saved.size()) +
+          " entries in the checkpoint's run, " + std::to_string(now.size()) +
+          " in this one";
+    }
+    return "";
+  }
+  if (saved != now)
+    return path + " was " + shortJson(saved) + ", is " + shortJson(now);
+  return "";
+}
+
+// The checkpoint must be this run's: the same model, data and training
+// settings. Returns what changed when the user accepted changes.
+std::string checkSameRun(
+    const nlohmann::json& json,
+    const CheckpointIdentity& identity) {
+  std::string difference;
+  if (json.contains("identity") && !identity.description.is_null()) {
+    difference = firstDifference(json["identity"], identity.description, "");
+  } else if (json.value("run", identity.run) != identity.run) {
+    difference =
+        "the run's fingerprint (model, data, seed or optimizer) differs";
+  }
+  if (difference.empty())
+    return "";
+  if (!identity.acceptChanges) {
+    throw ConfigError(
+        "--resume: the checkpoint was written by another run: " + difference +
+        "; resume with the config that wrote it, or pass --resume-changed "
+        "to continue with this change deliberately");
+  }
+  return "continuing with a changed config: " + difference;
+}
+
+std::string layerOf(const std::string& tensorName) {
+  return tensorName.substr(0, tensorName.find('.'));
+}
+
+std::string listed(const std::set<std::string>& names) {
+  std::string text;
+  for (const auto& name : names)
+    text += (text.empty() ? "" : ", ") + name;
+  return text;
+}
+
+// The checkpoint's tensors and the model's, compared by layer name: a model
+// with fewer (or other) layers is named, not left to LibTorch's loader.
+void checkSameLayers(
+    const c10::impl::GenericDict& weights,
+    const std::vector<std::pair<std::string, torch::Tensor>>& tensors,
+    const Pipeline& pipe) {
+  std::set<std::string> ours, missing, extra;
+  for (const auto& item : tensors) {
+    ours.insert(item.first);
+    if (!weights.contains(item.first))
+      missing.insert(layerOf(item.first));
+  }
+  for (const auto& entry : weights) {
+    const std::string name = entry.key().toStringRef();
+    if (ours.count(name) == 0)
+      extra.insert(layerOf(name));
+  }
+  if (missing.empty() && extra.empty())
+    return;
+  std::string text = "--resume: the checkpoint's layers differ from this "
+                     "model's (" +
+      std::to_string(pipe.layers().size()) + " layers)";
+  if (!extra.empty())
+    text += "; only the checkpoint has layer(s) " + listed(extra);
+  if (!missing.empty())
+    text += "; only this model has layer(s) " + listed(missing);
+  throw ConfigError(text);
 }
 
 void restoreWeights(
@@ -379,10 +480,10 @@ void restoreWeights(
   const auto weights =
       torch::pickle_load(std::vector<char>(bytes.begin(), bytes.end()))
           .toGenericDict();
+  const auto tensors = checkpointTensors(pipe, communicator);
+  checkSameLayers(weights, tensors, pipe);
   torch::NoGradGuard noGrad;
-  for (const auto& [name, target] : checkpointTensors(pipe, communicator)) {
-    if (!weights.contains(name))
-      throw ConfigError("--resume: the checkpoint has no '" + name + "'");
+  for (const auto& [name, target] : tensors) {
     const torch::Tensor saved = weights.at(name).toTensor();
     if (saved.sizes() != target.sizes()) {
       throw ConfigError(
@@ -429,6 +530,7 @@ Resumed loadCheckpoint(
     throw ConfigError("--resume: " + pointer.string() + " not found");
   const nlohmann::json json = readJson(pointer);
   checkPointer(json, pointer, identity, communicator);
+  const std::string changed = checkSameRun(json, identity);
   const fs::path state = dir / json["state"].get<std::string>();
   verify(
       state,
@@ -436,10 +538,19 @@ Resumed loadCheckpoint(
                    : json.value("files", nlohmann::json()));
   restoreWeights(state / "model.pt", pipe, communicator);
   std::istringstream optimizerBytes(readFile(state / "optimizer.pt"));
-  torch::load(optimizer, optimizerBytes);
-  return {
-      json["step"].get<int64_t>(),
-      restoreGenerators(state / "generators.pt", pipe)};
+  try {
+    torch::load(optimizer, optimizerBytes);
+  } catch (const c10::Error& error) {
+    throw ConfigError(
+        "--resume: the optimizer state in " +
+        (state / "optimizer.pt").string() +
+        " does not fit this model's parameters (" +
+        error.what_without_backtrace() + ")");
+  }
+  std::string note = restoreGenerators(state / "generators.pt", pipe);
+  if (!changed.empty())
+    note = note.empty() ? changed : changed + "; " + note;
+  return {json["step"].get<int64_t>(), note};
 }
 
 } // namespace tpipe

@@ -21,39 +21,48 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <memory>
 #include <string>
 
 #include <torch/optim/optimizer.h>
 
+#include <nlohmann/json.hpp>
+
 #include "tpipe/config.h"
 #include "tpipe/distributed.h"
 #include "tpipe/pipeline.h"
+#include "train/files.h"
 
 namespace tpipe {
-
-// Writes a file beside `path`, checking every write, fsync and close, then
-// renames it over `path`: readers see the old file or the new one.
-void writeFileAtomically(
-    const std::filesystem::path& path,
-    const std::string& bytes);
 
 struct CheckpointIdentity {
   std::string run;       // runFingerprint(config)
   std::string optimizer; // "sgd", "adam", "adamw"
+  // runDescription(config): compared key by key on resume, so a refusal
+  // names the first key that differs.
+  nlohmann::json description;
+  // --resume-changed: a deliberate change (a new learning rate) resumes,
+  // and the note says what changed.
+  bool acceptChanges = false;
 };
 
 // What makes two runs the same run for checkpoints: the model, the data, the
 // seed and the optimizer; not the pipeline layout or the step count.
 std::string runFingerprint(const Config& config);
+// The same as readable JSON, with the rest of what shapes the run's
+// numbers (batch size, loss, optimizer settings, clipping, precision).
+nlohmann::json runDescription(const Config& config);
 
 // Before the first step: DIR can be created and written (a probe file is
-// made and removed), and holds no checkpoint that this run would overwrite
-// (unless `overwrite`, or the run resumes from DIR itself).
-void prepareSaveDirectory(
+// made and removed), is locked for this run when `lock` (the process that
+// commits checkpoints), and holds no checkpoint that this run would
+// overwrite (unless `overwrite`, or the run resumes from DIR itself).
+std::unique_ptr<DirectoryLock> prepareSaveDirectory(
     const std::string& dir,
     const CheckpointIdentity& identity,
     bool overwrite,
-    bool resumingFromIt);
+    bool resumingFromIt,
+    bool lock);
 
 void saveCheckpoint(
     const std::string& dir,

@@ -9,6 +9,7 @@
 #include <torch/types.h>
 
 #include "json_input.h"
+#include "model/layer_types.h"
 #include "train/parts.h"
 
 namespace tpipe {
@@ -39,6 +40,20 @@ TrainingCosts savedCosts(
         "--profile: " + path + " holds " +
         std::to_string(profile.layers.size()) + " layers, the config's model " +
         std::to_string(model.layers.size()) + " (a profile of another model?)");
+  }
+  // Profiles name each layer "<name> <module kind>", as profileLayers
+  // writes them; a hand-written one may give the name alone.
+  for (size_t i = 0; i < model.layers.size(); ++i) {
+    const std::string& saved = profile.layers[i].cost.name;
+    const std::string ours = saved.find(' ') == std::string::npos
+        ? model.layers[i].name
+        : model.layers[i].name + " " + model.layers[i].module.ptr()->name();
+    if (saved != ours) {
+      throw ConfigError(
+          "--profile: " + path + " names layer " + std::to_string(i) + " '" +
+          saved + "', the config's model '" + ours +
+          "' (a profile of another model?)");
+    }
   }
   return costsFromProfile(
       config,
@@ -115,9 +130,117 @@ Profile profileModelWith(
   return profileLayers(model.layers, sample, options);
 }
 
+namespace {
+
+// What profiling at micro-batch size n adds at its peak (the parameters
+// exist already): the largest layer's input, output and saved activations
+// at the largest fit size (2n), and its parameters' gradients.
+int64_t profilingBytes(const TrainingCosts& perSample, int64_t n) {
+  int64_t largest = 0, input = perSample.inputBytes;
+  for (const auto& layer : perSample.layers) {
+    largest = std::max(
+        largest,
+        2 * n * (input + layer.activationBytes + layer.stashBytes) +
+            layer.paramBytes);
+    input = layer.activationBytes;
+  }
+  return largest;
+}
+
+// The largest micro-batch size up to the config's whose profiling fits
+// within the smallest device cap and half the host's available memory (at
+// least 1); the profile is then scaled to the config's size (bytes
+// linearly, times along the fitted curves). Whether the plan then fits is
+// checkFeasibility's to say.
+int64_t profilingSize(const Config& config, const BuiltModel& model) {
+  int64_t budget = hostAvailableBytes() / 2;
+  for (const auto& device : config.pipeline.devices) {
+    if (device.memoryBytes > 0)
+      budget = budget > 0 ? std::min(budget, device.memoryBytes)
+                          : device.memoryBytes;
+  }
+  int64_t n = microBatchSize(config);
+  if (budget <= 0)
+    return n;
+  Config one = config;
+  one.train.batchSize = 1;
+  one.pipeline.microBatches = 1;
+  const TrainingCosts perSample = shapeCosts(one, model);
+  while (n > 1 && profilingBytes(perSample, n) > budget)
+    n = (n + 1) / 2;
+  return n;
+}
+
+} // namespace
+
+TrainingCosts shapeCosts(const Config& config, const BuiltModel& model) {
+  TrainingCosts costs;
+  costs.layers = parameterCosts(model.layers);
+  costs.source = "parameter bytes and shapes (no times measured)";
+  const int64_t n = microBatchSize(config);
+  auto elements = [](const std::vector<int64_t>& shape) {
+    int64_t count = 1;
+    for (int64_t d : shape)
+      count *= d;
+    return count;
+  };
+  constexpr int64_t kValueBytes = 4; // float: parameters and activations
+  costs.inputBytes = n * elements(model.shapes.front()) *
+      (model.integerInput ? 8 : kValueBytes);
+  std::vector<LayerFacts> facts;
+  if (config.model.torchscript.empty() &&
+      config.model.layers.size() == model.layers.size())
+    facts = modelFacts(config.model);
+  for (size_t l = 0; l < costs.layers.size(); ++l) {
+    LayerCost& cost = costs.layers[l];
+    const int64_t output = elements(model.shapes[l + 1]);
+    if (facts.empty()) {
+      cost.activationBytes = n * output * kValueBytes;
+      cost.stashBytes = cost.activationBytes;
+    } else {
+      cost.activationBytes = n * kValueBytes *
+          (output + static_cast<int64_t>(facts[l].skipElements));
+      cost.stashBytes =
+          n * kValueBytes * static_cast<int64_t>(facts[l].savedElements);
+    }
+  }
+  return costs;
+}
+
+int64_t hostAvailableBytes() {
+  std::ifstream meminfo("/proc/meminfo");
+  std::string key;
+  int64_t value = 0;
+  std::string unit;
+  while (meminfo >> key >> value >> unit) {
+    if (key == "MemAvailable:")
+      return value * 1024;
+  }
+  return 0;
+}
+
+Feasibility configFeasibility(
+    const Config& config,
+    const TrainingCosts& costs,
+    bool oneProcess) {
+  return checkFeasibility(
+      planRequest(config, costs), oneProcess ? hostAvailableBytes() : 0);
+}
+
+std::string infeasibleText(const Feasibility& verdict) {
+  std::string text = "the plan does not fit: " + verdict.problem;
+  if (verdict.fixes.empty())
+    return text + "; no single change of schedule, checkpoint mode, "
+                  "partition, micro-batches or device count fits";
+  text += "; these would fit:";
+  for (const auto& fix : verdict.fixes)
+    text += "\n  " + fix;
+  return text;
+}
+
 Profile profileModel(const Config& config, const BuiltModel& model) {
   ProfileOptions options;
-  options.microBatchSize = microBatchSize(config);
+  options.microBatchSize = profilingSize(config, model);
   return profileModelWith(config, model, options);
 }
 
@@ -139,11 +262,8 @@ TrainingCosts trainingCosts(
   if (!profilePath.empty())
     return savedCosts(config, model, profilePath);
   TrainingCosts costs;
-  if (!measure) {
-    costs.layers = parameterCosts(model.layers);
-    costs.source = "parameter bytes (no times measured)";
-    return costs;
-  }
+  if (!measure)
+    return shapeCosts(config, model);
   const Profile profile = profileModel(config, model);
   std::string source = "measured now at " +
       std::to_string(profile.microBatchSize) + " samples per micro-batch";
@@ -231,7 +351,12 @@ Plan planTraining(
       trainingCosts(config, model, here ? profilePath : "", measured && here);
   if (world && measured)
     costs = sharedCosts(costs, *world);
-  return resolvePlan(planRequest(config, costs));
+  // Before the first step: a plan over a device's cap (or, in one process,
+  // over the host's available memory) is refused with what would fit.
+  const Feasibility verdict = configFeasibility(config, costs, world == nullptr);
+  if (!verdict.fits)
+    throw ConfigError(infeasibleText(verdict));
+  return verdict.plan;
 }
 
 } // namespace tpipe

@@ -269,7 +269,7 @@ void writeTraceOutputs(
   printBubbleReport(log, summary.bubble);
   auto write = [](const std::string& path, const std::string& text) {
     if (!path.empty())
-      writeFileAtomically(path, text);
+      writeOutputFile(path, text);
   };
   write(options.tracePath, chromeTrace(trace).dump() + "\n");
   write(options.timelinePath, timelineSvg(trace));

@@ -184,7 +184,11 @@ class TrainingRun {
     }
     log_ = options_.log ? options_.log : &std::cout;
     live_ = options_.log == nullptr && ::isatty(STDOUT_FILENO);
-    identity_ = {runFingerprint(config_), config_.train.optimizer.type};
+    identity_ = {
+        runFingerprint(config_),
+        config_.train.optimizer.type,
+        runDescription(config_),
+        options_.resumeChanged};
   }
 
   TrainSummary run() {
@@ -207,11 +211,12 @@ class TrainingRun {
 
   void setUp() {
     if (!options_.saveDir.empty()) {
-      prepareSaveDirectory(
+      saveLock_ = prepareSaveDirectory(
           options_.saveDir,
           identity_,
           options_.overwrite,
-          options_.resumeDir == options_.saveDir);
+          resumingFromSaveDir(),
+          committer());
     }
     model_ = buildModel(config_);
     setBatchNormMicroBatches(model_, config_.pipeline.microBatches);
@@ -242,9 +247,26 @@ class TrainingRun {
         config_.train.seed);
   }
 
+  // The process that commits checkpoints, and so holds the --save lock.
+  bool committer() const {
+    return !world_ || world_->rank() == 0;
+  }
+
+  bool resumingFromSaveDir() const {
+    return !options_.resumeDir.empty() && !options_.saveDir.empty() &&
+        sameDirectory(options_.resumeDir, options_.saveDir);
+  }
+
   void resume() {
     if (options_.resumeDir.empty())
       return;
+    // A directory another run is writing is not read mid-write; this run's
+    // own --save lock covers the directory it resumes from.
+    std::unique_ptr<DirectoryLock> reading;
+    if (!resumingFromSaveDir()) {
+      reading = std::make_unique<DirectoryLock>(
+          options_.resumeDir, DirectoryLock::Mode::kRead, "--resume");
+    }
     const Resumed resumed = loadCheckpoint(
         options_.resumeDir, *pipe_, *optimizer_, identity_, world());
     summary_.startStep = resumed.step;
@@ -618,6 +640,7 @@ class TrainingRun {
   std::ostream* log_ = nullptr;
   bool live_ = false;
   CheckpointIdentity identity_;
+  std::unique_ptr<DirectoryLock> saveLock_;
   BuiltModel model_;
   Dataset data_;
   Plan plan_;
@@ -644,6 +667,12 @@ void setStepHook(StepHook hook) {
 }
 
 TrainSummary train(const Config& config, const TrainOptions& options) {
+  // Before tuning, planning or the rendezvous: a bad output path costs no
+  // training, and every rank of a launch refuses it alike.
+  checkOutputPath("--metrics", options.metricsPath);
+  checkOutputPath("--trace", options.tracePath);
+  checkOutputPath("--timeline", options.timelinePath);
+  checkOutputPath("--report", options.reportPath);
   return TrainingRun(config, options).run();
 }
 

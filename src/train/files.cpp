@@ -1,0 +1,250 @@
+// Checked writes: every byte, the fsync and the close checked; atomic
+// replacement of regular files; output paths checked before a run; one
+// writer per checkpoint directory (see files.h).
+#include "train/files.h"
+
+#include <fcntl.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "tpipe/errors.h"
+
+namespace tpipe {
+
+namespace fs = std::filesystem;
+
+[[noreturn]] void writeFailed(const fs::path& path, int error) {
+  throw WriteFailure(
+      "cannot write " + path.string() + ": " + std::strerror(error));
+}
+
+void syncDirectory(const fs::path& dir) {
+  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0)
+    writeFailed(dir, errno);
+  const int status = ::fsync(fd);
+  const int error = errno;
+  ::close(fd);
+  if (status != 0)
+    writeFailed(dir, error);
+}
+
+// Every byte written or an exception: short writes, fsync and close checked.
+void writeChecked(const fs::path& path, const std::string& bytes) {
+  const int fd =
+      ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0)
+    writeFailed(path, errno);
+  size_t done = 0;
+  while (done < bytes.size()) {
+    const ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
+    if (n < 0 && errno == EINTR)
+      continue;
+    if (n <= 0) {
+      const int error = n < 0 ? errno : ENOSPC;
+      ::close(fd);
+      writeFailed(path, error);
+    }
+    done += static_cast<size_t>(n);
+  }
+  if (::fsync(fd) != 0) {
+    const int error = errno;
+    ::close(fd);
+    writeFailed(path, error);
+  }
+  if (::close(fd) != 0)
+    writeFailed(path, errno);
+}
+
+void writeFileAtomically(
+    const std::filesystem::path& path,
+    const std::string& bytes) {
+  const fs::path temporary = path.string() + ".tmp";
+  std::error_code error;
+  try {
+    writeChecked(temporary, bytes);
+  } catch (const WriteFailure&) {
+    fs::remove(temporary, error); // a partial file helps no one
+    throw;
+  }
+  fs::rename(temporary, path, error);
+  if (error)
+    writeFailed(path, error.value());
+  syncDirectory(
+      path.parent_path().empty() ? fs::path(".") : path.parent_path());
+}
+
+namespace {
+
+std::string lockHolder(int fd) {
+  char text[32] = {0};
+  const ssize_t n = ::pread(fd, text, sizeof text - 1, 0);
+  std::string pid = n > 0 ? std::string(text, static_cast<size_t>(n)) : "";
+  while (!pid.empty() && (pid.back() == '\n' || pid.back() == ' '))
+    pid.pop_back();
+  return pid.empty() ? "unknown" : pid;
+}
+
+} // namespace
+
+DirectoryLock::DirectoryLock(
+    const std::string& dir,
+    Mode mode,
+    const std::string& flag) {
+  const fs::path file = fs::path(dir) / ".tpipe-lock";
+  const bool write = mode == Mode::kWrite;
+  fd_ = ::open(
+      file.c_str(), (write ? O_RDWR | O_CREAT : O_RDONLY) | O_CLOEXEC, 0644);
+  if (fd_ < 0) {
+    if (!write && errno == ENOENT)
+      return; // no run has written there since locks exist
+    throw ConfigError(
+        flag + " " + dir + ": cannot open its lock file " + file.string() +
+        " (" + std::strerror(errno) + ")");
+  }
+  if (::flock(fd_, (write ? LOCK_EX : LOCK_SH) | LOCK_NB) != 0) {
+    const int error = errno;
+    const std::string holder = lockHolder(fd_);
+    ::close(fd_);
+    fd_ = -1;
+    if (error == EWOULDBLOCK) {
+      throw ConfigError(
+          flag + " " + dir + ": another run (PID " + holder +
+          ") is writing checkpoints there; wait for it to end, or choose "
+          "another directory");
+    }
+    throw ConfigError(
+        flag + " " + dir + ": cannot lock it (" + std::strerror(error) + ")");
+  }
+  if (write) {
+    const std::string pid = std::to_string(::getpid()) + "\n";
+    if (::ftruncate(fd_, 0) != 0 ||
+        ::pwrite(fd_, pid.data(), pid.size(), 0) !=
+            static_cast<ssize_t>(pid.size())) {
+      const int error = errno;
+      ::close(fd_);
+      fd_ = -1;
+      throw ConfigError(
+          flag + " " + dir + ": cannot write its lock file (" +
+          std::strerror(error) + ")");
+    }
+  }
+}
+
+DirectoryLock::~DirectoryLock() {
+  if (fd_ >= 0)
+    ::close(fd_); // releases the flock
+}
+
+bool sameDirectory(const std::string& a, const std::string& b) {
+  std::error_code error;
+  if (fs::equivalent(a, b, error))
+    return true;
+  const fs::path left = fs::weakly_canonical(a, error);
+  const fs::path right = fs::weakly_canonical(b, error);
+  return !error && left == right;
+}
+
+namespace {
+
+// Where writing `path` lands: its symlinks followed to their target.
+fs::path throughSymlinks(fs::path path) {
+  std::error_code error;
+  for (int hops = 0; hops < 40 && fs::is_symlink(path, error); ++hops) {
+    const fs::path target = fs::read_symlink(path, error);
+    if (error)
+      break;
+    path = target.is_absolute() ? target : path.parent_path() / target;
+  }
+  return path;
+}
+
+// A character device is written as a stream: opened as it is, never
+// created, truncated or renamed over.
+void streamTo(const fs::path& device, const std::string& bytes) {
+  const int fd = ::open(device.c_str(), O_WRONLY | O_CLOEXEC);
+  if (fd < 0)
+    writeFailed(device, errno);
+  size_t done = 0;
+  while (done < bytes.size()) {
+    const ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
+    if (n < 0 && errno == EINTR)
+      continue;
+    if (n <= 0) {
+      const int error = n < 0 ? errno : ENOSPC;
+      ::close(fd);
+      writeFailed(device, error);
+    }
+    done += static_cast<size_t>(n);
+  }
+  if (::close(fd) != 0)
+    writeFailed(device, errno);
+}
+
+} // namespace
+
+void checkOutputPath(const std::string& flag, const std::string& path) {
+  if (path.empty())
+    return;
+  const fs::path target = throughSymlinks(path);
+  struct stat info {};
+  if (::stat(target.c_str(), &info) == 0) {
+    if (S_ISDIR(info.st_mode)) {
+      throw ConfigError(
+          flag + " " + path + ": is a directory; name a file (in it)");
+    }
+    if (S_ISCHR(info.st_mode)) {
+      if (::access(target.c_str(), W_OK) != 0) {
+        throw ConfigError(
+            flag + " " + path + ": cannot write (" + std::strerror(errno) +
+            ")");
+      }
+      return;
+    }
+    if (!S_ISREG(info.st_mode)) {
+      throw ConfigError(
+          flag + " " + path +
+          ": is a FIFO, socket or block device; name a regular file (or a "
+          "character device such as /dev/stdout)");
+    }
+  }
+  const fs::path parent =
+      target.parent_path().empty() ? fs::path(".") : target.parent_path();
+  struct stat parentInfo {};
+  if (::stat(parent.c_str(), &parentInfo) != 0 ||
+      !S_ISDIR(parentInfo.st_mode)) {
+    throw ConfigError(
+        flag + " " + path + ": its directory " + parent.string() +
+        " does not exist");
+  }
+  if (::access(parent.c_str(), W_OK) != 0) {
+    throw ConfigError(
+        flag + " " + path + ": cannot write in " + parent.string() + " (" +
+        std::strerror(errno) + ")");
+  }
+}
+
+void writeOutputFile(const std::string& path, const std::string& bytes) {
+  const fs::path target = throughSymlinks(path);
+  struct stat info {};
+  const bool exists = ::stat(target.c_str(), &info) == 0;
+  if (exists && !S_ISREG(info.st_mode) && !S_ISCHR(info.st_mode)) {
+    throw ConfigError(
+        path + " is not a regular file or character device; not replaced");
+  }
+  // A full disk or a device that refuses is the user's to fix: exit 2.
+  try {
+    if (exists && S_ISCHR(info.st_mode))
+      streamTo(target, bytes);
+    else
+      writeFileAtomically(target, bytes);
+  } catch (const WriteFailure& failure) {
+    throw ConfigError(failure.what());
+  }
+}
+
+} // namespace tpipe
