@@ -243,5 +243,302 @@ expect "an unknown subcommand exits 2 with the usage" 2 "Subcommands:" "$work/e.
 if [[ $(grep -o "schedule," "$work/e.log" | wc -l) -eq 1 ]]; then ok "did-you-mean lists each key once"; else
   bad "did-you-mean duplicates" "$(cat "$work/e.log")"; fi
 
+# ---- 15: batch norm in a scripted model: remat and gpipe ------------------
+/usr/bin/python3 - "$work/bn.pt" <<'PY'
+import sys, torch, torch.nn as nn
+torch.manual_seed(0)
+m = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+                  nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+                  nn.Flatten(), nn.Linear(4 * 6 * 6, 5))
+torch.jit.script(m).save(sys.argv[1])
+PY
+cat >"$work/bn.json" <<JSON
+{"model": {"input_shape": [1, 6, 6], "torchscript": "$work/bn.pt"},
+ "data": {"dataset": "synthetic", "samples": 64},
+ "pipeline": {"devices": ["cpu:0", "cpu:1"], "micro_batches": 4, "schedule": "1f1b"},
+ "train": {"batch_size": 16, "steps": 3, "eval_every": 0, "optimizer": {"type": "sgd", "lr": 0.5}}}
+JSON
+"$tpipe" train "$work/bn.json" --set pipeline.checkpoint=always --save "$work/bn-always" >"$work/bn.log" 2>&1
+if /usr/bin/python3 -c "
+import sys, torch
+d = torch.load('$work/bn-always/model.pt')
+counts = [int(v) for k, v in d.items() if k.endswith('num_batches_tracked')]
+sys.exit(counts != [12, 12])"; then
+  ok "batch norm under checkpoint always counts each of 3 x 4 micro-batches once"
+else
+  bad "batch norm buffers under remat" "$(cat "$work/bn.log")"
+fi
+for schedule in gpipe 1f1b; do
+  "$tpipe" train "$work/bn.json" --set pipeline.schedule=$schedule --save "$work/bn-$schedule" >"$work/bn-$schedule.log" 2>&1
+done
+if /usr/bin/python3 -c "
+import sys, torch
+a = torch.load('$work/bn-gpipe/model.pt'); b = torch.load('$work/bn-1f1b/model.pt')
+sys.exit(not all(torch.equal(a[k], b[k]) for k in a))"; then
+  ok "gpipe and 1f1b train a batch-norm model bit-identically"
+else
+  bad "gpipe against 1f1b on batch norm" "$(tail -3 "$work/bn-gpipe.log")"
+fi
+
+# ---- 16: one writer per checkpoint directory -----------------------------
+"$tpipe" train "$config" "${long[@]}" --save "$work/race" --metrics "$work/race1.jsonl" >"$work/race1.log" 2>&1 &
+first=$!
+"$tpipe" train "$config" "${long[@]}" --save "$work/race" --metrics "$work/race2.jsonl" >"$work/race2.log" 2>&1 &
+second=$!
+refused="" winner=""
+for _ in $(seq 600); do
+  if ! kill -0 $first 2>/dev/null; then refused=$first winner=$second; break; fi
+  if ! kill -0 $second 2>/dev/null; then refused=$second winner=$first; break; fi
+  sleep 0.1
+done
+wait "$refused"
+status=$?
+log=$work/race1.log; [[ $refused == "$second" ]] && log=$work/race2.log
+expect "of two runs started together on one --save directory, one is refused naming the holder" 2 "another run (PID $winner) is writing checkpoints there" "$log" $status
+"$tpipe" train "$config" --resume "$work/race" >"$work/race-resume.log" 2>&1
+expect "--resume of a directory another run is writing is refused" 2 "another run (PID $winner)" "$work/race-resume.log" $?
+wait_lines 3 "$work/race1.jsonl" || wait_lines 3 "$work/race2.jsonl"
+kill -TERM "$winner"
+wait "$winner"
+if [[ -f $work/race/model.pt ]] && "$tpipe" train "$config" --resume "$work/race" --save "$work/race/" "${long[@]}" --stop-after 1 >"$work/race-after.log" 2>&1 &&
+   grep -q "resumed at step" "$work/race-after.log"; then
+  ok "the winner's checkpoint is whole, and --resume d --save d/ (one directory, spelled twice) resumes it"
+else
+  bad "after the race" "$(cat "$work/race-after.log")"
+fi
+"$tpipe" train "$config" "${long[@]}" --save "$work/dead" --metrics "$work/dead.jsonl" >/dev/null 2>&1 &
+victim=$!
+wait_lines 3 "$work/dead.jsonl"
+kill -9 $victim
+wait $victim 2>/dev/null
+"$tpipe" train "$config" --save "$work/dead" --overwrite --stop-after 1 >"$work/dead.log" 2>&1
+expect "a killed holder leaves no lock behind" 0 "done: 1 steps" "$work/dead.log" $?
+
+# ---- 17: --resume refuses another run's checkpoint -----------------------
+"$tpipe" train "$config" --set train.seed=7 --save "$work/seed7" --stop-after 3 >/dev/null 2>&1
+"$tpipe" train "$config" --resume "$work/seed7" >"$work/seed.log" 2>&1
+expect "a seed-7 checkpoint resumed under seed 0 is refused naming the key" 2 "train.seed was 7, is 0" "$work/seed.log" $?
+sed '0,/"relu"/s//"tanh"/' "$config" >"$work/tanh.json"
+"$tpipe" train "$work/tanh.json" --set train.seed=7 --resume "$work/seed7" >"$work/tanh.log" 2>&1
+expect "relu changed to tanh is refused naming the layer" 2 'model.layers[1].type was "relu", is "tanh"' "$work/tanh.log" $?
+"$tpipe" train "$config" --set train.seed=7 --set data.samples=999 --resume "$work/seed7" >"$work/samples.log" 2>&1
+expect "another data.samples is refused" 2 "data.samples was 2048, is 999" "$work/samples.log" $?
+"$tpipe" train "$config" --set train.seed=7 --set train.optimizer.lr=0.01 --resume "$work/seed7" --resume-changed --stop-after 4 >"$work/lr.log" 2>&1
+expect "--resume-changed continues with a new learning rate and says so" 0 "continuing with a changed config: train.optimizer.lr was 0.1, is 0.01" "$work/lr.log" $?
+python3 -c "
+import json; c = json.load(open('$config')); c['model']['layers'] = c['model']['layers'][2:]
+json.dump(c, open('$work/short.json', 'w'))"
+"$tpipe" train "$work/short.json" --set train.seed=7 --resume "$work/seed7" --resume-changed >"$work/short.log" 2>&1
+expect "a model with fewer layers is named, not left to LibTorch" 2 "only the checkpoint has layer(s) 4" "$work/short.log" $?
+
+# ---- 18: output paths ----------------------------------------------------
+touch "$work/real-trace.json"
+ln -s "$work/real-trace.json" "$work/link-trace.json"
+"$tpipe" train "$config" --stop-after 6 --trace "$work/link-trace.json" >"$work/link.log" 2>&1
+status=$?
+if [[ $status -eq 0 && -L $work/link-trace.json && -s $work/real-trace.json ]]; then
+  ok "--trace through a symlink writes its target and keeps the link"
+else
+  bad "--trace through a symlink (exit $status)" "$(ls -l "$work"/*trace*; tail -3 "$work/link.log")"
+fi
+if [[ $(id -u) -eq 0 ]] && mknod "$work/full-node" c 1 7 2>/dev/null; then
+  "$tpipe" train "$config" --stop-after 6 --trace "$work/full-node" >"$work/node.log" 2>&1
+  status=$?
+  if [[ $status -eq 2 && -c $work/full-node ]] && grep -q "No space left on device" "$work/node.log"; then
+    ok "--trace to a device node (/dev/full's) streams to it, fails naming ENOSPC (exit 2), and the node stays"
+  else
+    bad "--trace to a device node (exit $status)" "$(ls -l "$work/full-node"; tail -3 "$work/node.log")"
+  fi
+else
+  skip "--trace to a device node: mknod needs root"
+fi
+mkfifo "$work/fifo"
+for flag in "--trace $work" "--timeline $work/missing/t.svg" "--report $work/fifo" "--metrics $work"; do
+  # shellcheck disable=SC2086
+  "$tpipe" train "$config" $flag >"$work/out.log" 2>&1
+  status=$?
+  if [[ $status -eq 2 ]] && grep -q -- "${flag%% *} " "$work/out.log" && ! grep -q "^step " "$work/out.log"; then
+    ok "$flag is refused before the first step"
+  else
+    bad "$flag (exit $status)" "$(cat "$work/out.log")"
+  fi
+done
+"$tpipe" launch --nproc 2 "$config" --trace "$work" >"$work/launch-out.log" 2>&1
+status=$?
+if [[ $status -eq 2 ]] && grep -q "is a directory" "$work/launch-out.log" && ! grep -q "lost rank" "$work/launch-out.log"; then
+  ok "under launch, a directory as --trace exits 2 on every rank, no rank called lost"
+else
+  bad "launch --trace DIR (exit $status)" "$(cat "$work/launch-out.log")"
+fi
+
+# ---- 19, 20: memory caps bound planning, validate and training ------------
+# Peak RSS of a command in KiB, through getrusage of the children.
+peak_rss() {
+  python3 -c "
+import resource, subprocess, sys
+status = subprocess.call(sys.argv[2:], stdout=open(sys.argv[1], 'w'), stderr=subprocess.STDOUT)
+print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, status)" "$@"
+}
+cat >"$work/wide.json" <<'JSON'
+{"model": {"input_shape": [64], "layers": [
+   {"type": "linear", "out_features": 65536}, {"type": "relu"},
+   {"type": "linear", "out_features": 10}]},
+ "data": {"dataset": "synthetic", "samples": 2048},
+ "pipeline": {"devices": [{"name": "cpu:0", "memory": "64MiB"}, {"name": "cpu:1", "memory": "64MiB"}],
+              "micro_batches": 1, "schedule": "1f1b"},
+ "train": {"batch_size": 2048, "steps": 2}}
+JSON
+for command in plan validate train; do
+  read -r rss status < <(peak_rss "$work/wide-$command.log" "$tpipe" $command "$work/wide.json")
+  if [[ $status -eq 2 && $rss -lt 1048576 ]] && grep -qE "INFEASIBLE|does not fit" "$work/wide-$command.log"; then
+    ok "$command with 64 MiB caps refuses a 1.5 GiB-per-step plan (exit 2) within $((rss / 1024)) MiB of RSS"
+  else
+    bad "$command with caps (exit $status, $((rss / 1024)) MiB RSS)" "$(tail -5 "$work/wide-$command.log")"
+  fi
+done
+read -r rss status < <(peak_rss "$work/host.log" "$tpipe" train "$work/wide.json" \
+  --set 'pipeline.devices=["cpu:0","cpu:1"]' --set train.batch_size=131072 --set data.samples=131072)
+if [[ $status -eq 2 && $rss -lt 2097152 ]] && grep -q "available" "$work/host.log"; then
+  ok "without caps, a plan beyond the host's memory is refused naming both ($((rss / 1024)) MiB RSS)"
+else
+  bad "host memory (exit $status, $((rss / 1024)) MiB RSS)" "$(tail -5 "$work/host.log")"
+fi
+caps='pipeline.devices=[{"name":"cpu:0","memory":"100KiB"},{"name":"cpu:1","memory":"100KiB"}]'
+verdicts=""
+for command in plan validate train; do
+  "$tpipe" $command "$config" --set "$caps" >"$work/cap-$command.log" 2>&1
+  verdicts+="$command:$? "
+done
+if [[ $verdicts == "plan:2 validate:2 train:2 " ]]; then
+  ok "with 100 KiB caps plan, validate and train all refuse ($verdicts)"
+else
+  bad "100 KiB caps ($verdicts)" "$(cat "$work"/cap-*.log | tail -20)"
+fi
+# Every "would fit" advice, applied as written, fits.
+grep "would fit: pipeline\.[a-z_]*=" "$work/cap-plan.log" | sed 's/.*would fit: //; s/ ([^)]*)//g' >"$work/advice.txt"
+applied=0 wrong=""
+while IFS= read -r advice; do
+  args=(--set "$caps")
+  IFS=',' read -ra keys <<<"$advice"
+  for key in "${keys[@]}"; do args+=(--set "${key# }"); done
+  "$tpipe" plan "$config" "${args[@]}" >"$work/applied.log" 2>&1 || wrong+="[$advice] "
+  applied=$((applied + 1))
+done <"$work/advice.txt"
+if [[ -z $wrong ]]; then
+  ok "each of the $applied pieces of advice fits when applied"
+else
+  bad "advice that does not fit when applied: $wrong" "$(cat "$work/cap-plan.log")"
+fi
+
+# ---- 21: labels and data files checked at load ---------------------------
+fm=/usr/share/datasets/fashion-mnist
+mkdir -p "$work/fm"
+for f in train-images-idx3-ubyte.gz t10k-images-idx3-ubyte.gz t10k-labels-idx1-ubyte.gz; do ln -s "$fm/$f" "$work/fm/$f"; done
+fashion=$source_dir/configs/fashion_mnist_cnn.json
+ln -s "$fm/t10k-labels-idx1-ubyte.gz" "$work/fm/train-labels-idx1-ubyte.gz"
+"$tpipe" validate "$fashion" --set data.path="$work/fm" >"$work/labels.log" 2>&1
+expect "the test labels swapped in for the training labels are refused" 2 "holds 60000 images but" "$work/labels.log" $?
+rm "$work/fm/train-labels-idx1-ubyte.gz"
+python3 - "$fm/train-labels-idx1-ubyte.gz" "$work/fm/train-labels-idx1-ubyte.gz" <<'PY'
+import gzip, sys
+data = bytearray(gzip.open(sys.argv[1]).read())
+data[8 + 17] = 200
+gzip.open(sys.argv[2], 'wb').write(bytes(data))
+PY
+"$tpipe" validate "$fashion" --set data.path="$work/fm" >"$work/label200.log" 2>&1
+expect "a label of 200 is refused at load" 2 "holds label 200, but the model outputs 10 classes" "$work/label200.log" $?
+head -c -4 "$fm/train-labels-idx1-ubyte.gz" >"$work/fm/train-labels-idx1-ubyte.gz"
+"$tpipe" validate "$fashion" --set data.path="$work/fm" >"$work/cut.log" 2>&1
+expect "a gzip file with its trailer cut is caught" 2 "is damaged" "$work/cut.log" $?
+text=$source_dir/configs/char_transformer.json
+for path in "$work" /dev/zero "$work/fifo"; do
+  what="is not a regular file"
+  [[ $path == "$work" ]] && what="is a directory"
+  "$tpipe" validate "$text" --set data.path="$path" >"$work/path.log" 2>&1
+  expect "data.path $path is named as what it is" 2 "$what" "$work/path.log" $?
+done
+
+# ---- 22: a TorchScript module whose forward is not its children ----------
+# TorchScript reads a class's source: the script is a file, not stdin.
+cat >"$work/notchain.py" <<'PY'
+import sys, torch, torch.nn as nn
+class M(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 3)
+    def forward(self, x):
+        return self.b(self.a(x)) + self.b(torch.relu(self.a(x)))
+torch.jit.script(M()).save(sys.argv[1])
+PY
+/usr/bin/python3 "$work/notchain.py" "$work/notchain.pt"
+cat >"$work/notchain.json" <<JSON
+{"model": {"input_shape": [4], "torchscript": "$work/notchain.pt"},
+ "data": {"dataset": "synthetic", "samples": 64}, "pipeline": {"devices": ["cpu:0"]},
+ "train": {"batch_size": 16, "steps": 2}}
+JSON
+"$tpipe" train "$work/notchain.json" >"$work/notchain.log" 2>&1
+expect "a scripted forward that is not its children in order is refused" 2 "is not its children in order" "$work/notchain.log" $?
+
+# ---- 23: a stopped rank ends the job within the timeout and a few s -------
+"$tpipe" launch --nproc 2 "$config" "${long[@]}" --set pipeline.timeout_s=10 --metrics "$work/stop.jsonl" >"$work/stop.log" 2>&1 &
+launcher=$!
+wait_lines 5 "$work/stop.jsonl"
+children=$(pgrep -P $launcher | tail -1)
+start=$SECONDS
+kill -STOP "$children"
+wait $launcher
+status=$?
+elapsed=$((SECONDS - start))
+if [[ $status -ne 0 && $elapsed -le 25 ]] && ! pgrep -P $launcher >/dev/null; then
+  ok "a stopped rank (SIGSTOP) ends the job in $elapsed s with timeout_s 10 (bound 25; it took 30)"
+else
+  bad "stopped rank (exit $status after $elapsed s)" "$(tail -5 "$work/stop.log")"
+fi
+kill -CONT "$children" 2>/dev/null; kill -9 "$children" 2>/dev/null
+
+# ---- 24: small ones --------------------------------------------------------
+p=$(port)
+env=(MASTER_ADDR=127.0.0.1 MASTER_PORT=$p WORLD_SIZE=2 TPIPE_JOB_TOKEN=dup)
+env "${env[@]}" RANK=0 "$tpipe" train "$config" --set pipeline.timeout_s=20 --stop-after 3 >"$work/dup0.log" 2>&1 &
+dup0=$!
+sleep 1
+env "${env[@]}" RANK=1 "$tpipe" train "$config" --set pipeline.timeout_s=20 --stop-after 3 >"$work/dup1.log" 2>&1 &
+dup1=$!
+env "${env[@]}" RANK=1 "$tpipe" train "$config" --set pipeline.timeout_s=20 --stop-after 3 >"$work/dup2.log" 2>&1 &
+dup2=$!
+wait $dup0 $dup1 $dup2
+if grep -q "RANK 1 is taken" "$work/dup1.log" "$work/dup2.log"; then
+  ok "two processes claiming RANK 1 are told so"
+else
+  bad "duplicate RANK" "$(cat "$work"/dup*.log | tail -12)"
+fi
+"$tpipe" profile "$config" --out "$work/profile.json" >/dev/null 2>&1
+python3 - "$work/profile.json" "$work" <<'PY'
+import json, sys
+p = json.load(open(sys.argv[1]))
+names = json.loads(json.dumps(p)); names['layers'][2]['name'] = '2 Tanh'
+huge = json.loads(json.dumps(p)); huge['layers'][0]['forward_ms'] = 1e308
+zero = json.loads(json.dumps(p)); zero['micro_batch_size'] = 0
+for name, value in (('names', names), ('huge', huge), ('zero', zero)):
+    json.dump(value, open(sys.argv[2] + '/profile-' + name + '.json', 'w'))
+PY
+for variant in "names:names layer 2 '2 Tanh'" "huge:forward_ms: expected a number from 0" "zero:micro_batch_size: expected a positive integer"; do
+  "$tpipe" train "$config" --profile "$work/profile-${variant%%:*}.json" >"$work/prof.log" 2>&1
+  expect "a profile with ${variant%%:*} is refused" 2 "${variant#*:}" "$work/prof.log" $?
+done
+"$tpipe" train "$config" --save "$work/ptr" --stop-after 2 >/dev/null 2>&1
+for pointer in '"step": -5, "state": "state--5"' '"step": 2, "state": "../ck5/state-3"'; do
+  python3 -c "
+import json; d = json.load(open('$work/ptr/checkpoint.json')); d.update(json.loads('{$pointer}'))
+json.dump(d, open('$work/ptr/checkpoint.json', 'w'))"
+  "$tpipe" train "$config" --resume "$work/ptr" >"$work/ptr.log" 2>&1
+  expect "checkpoint.json naming {$pointer} is refused" 2 "is damaged" "$work/ptr.log" $?
+done
+for n in -1 0; do
+  "$tpipe" train "$config" --stop-after $n >"$work/stop-after.log" 2>&1
+  expect "--stop-after $n is refused" 2 "--stop-after" "$work/stop-after.log" $?
+done
+
 echo "$passed passed, $failed failed, $skipped skipped"
 exit $((failed > 0))
