@@ -515,7 +515,8 @@ TEST_F(DistributedTest, ADeclaredCapacityBindsAcrossProcesses) {
   for (const char* rank : {"[rank 0]", "[rank 1]"}) {
     EXPECT_NE(
         r.output.find(
-            std::string(rank) + " tpipe: error: the plan does not fit: stage 0"),
+            std::string(rank) +
+            " tpipe: error: the plan does not fit: stage 0"),
         std::string::npos)
         << r.output;
   }

@@ -1040,8 +1040,7 @@ TEST(PipelineTest, BatchNormBuffersMatchAMicroBatchedRunUnderEverySchedule) {
             << wantBuffers[i].value().item<int64_t>();
       } else {
         EXPECT_LE(
-            relativeError(gotBuffers[i].value(), wantBuffers[i].value()),
-            1e-12)
+            relativeError(gotBuffers[i].value(), wantBuffers[i].value()), 1e-12)
             << name;
       }
     }
@@ -1087,7 +1086,10 @@ TEST(PipelineTest, GpipeTrainsBitIdenticallyToOneFOneB) {
       for (size_t i = 0; i < gpipe.size(); ++i) {
         EXPECT_TRUE(torch::equal(gpipe[i].value(), oneFOneB[i].value()))
             << gpipe[i].key() << " differs by "
-            << (gpipe[i].value() - oneFOneB[i].value()).abs().max().item<float>();
+            << (gpipe[i].value() - oneFOneB[i].value())
+                   .abs()
+                   .max()
+                   .item<float>();
       }
       const auto gpipeBuffers = nets[0]->named_buffers();
       const auto oneFOneBBuffers = nets[1]->named_buffers();

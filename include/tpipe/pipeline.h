@@ -22,6 +22,9 @@
 //
 // Threads: trainStep and forward block the calling thread until every worker
 // has finished its instruction list; call them from one thread at a time.
+// With one device in the process, the calling thread does that device's
+// work itself (no worker), with the device's intra-op threads, which it
+// keeps afterwards (at::set_num_threads on the caller).
 // Ownership: the pipeline shares the modules with the caller (the same
 // parameter tensors), so any LibTorch optimizer over parameters() works.
 //
@@ -245,6 +248,14 @@ class Pipeline {
     int nonFiniteStage = -1; // -1: all finite
   };
   GradientNorm clipGradNorm(double maxNorm = 0.0);
+
+  // Runs `task` where this process's first device works (its worker, or
+  // the calling thread when it is the only device), waits, and rethrows
+  // what it threw. Work between steps (the optimizer update) belongs there:
+  // elsewhere it starts a second intra-op (OpenMP) pool, and on few cores
+  // two pools spinning in turn slow each other's kernels. Its allocations
+  // are charged to no device.
+  void runOnWorker(const std::function<void()>& task);
 
   std::vector<torch::Tensor> parameters() const;
   // Named as nn.Sequential.state_dict() names them: "1.weight".

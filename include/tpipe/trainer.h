@@ -168,6 +168,13 @@ struct TrainSummary {
   // SIGINT or SIGTERM stopped the run after `steps` (with a checkpoint, when
   // saving); 0: it ran to its end.
   int stopSignal = 0;
+  // Where a step's time goes, medians over this call's steps (ms): taking
+  // the batch, the pipeline (forwards and backwards), the update (gradient
+  // norm and non-finite check, optimizer step, zeroing), and the whole step
+  // from one start to the next (the rest: metrics, progress, checks).
+  struct StepSplit {
+    double batchMs = 0.0, pipelineMs = 0.0, updateMs = 0.0, stepMs = 0.0;
+  } split;
 };
 
 // Trains the config. SIGINT and SIGTERM are handled while it runs: the first

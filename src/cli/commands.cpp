@@ -115,8 +115,8 @@ int validateConfig(
   // allocated. pipeline.auto chooses its layout by tuning, so only its
   // devices' caps against the whole model are not judged here.
   if (!config.pipeline.autoTune) {
-    const tpipe::Feasibility verdict = tpipe::configFeasibility(
-        config, tpipe::shapeCosts(config, model));
+    const tpipe::Feasibility verdict =
+        tpipe::configFeasibility(config, tpipe::shapeCosts(config, model));
     if (!verdict.fits) {
       printInfeasible(verdict);
       return 2;

@@ -209,18 +209,14 @@ Dataset fashionMnist(const Config& config, const BuiltModel& model) {
   data.evalInputs = images(names[2]);
   data.evalTargets = labels(names[3]);
   const int64_t classes = model.shapes.back().back();
-  checkLabels(
-      data.trainInputs,
-      data.trainTargets,
-      dir + "/" + names[0],
-      dir + "/" + names[1],
-      classes);
-  checkLabels(
-      data.evalInputs,
-      data.evalTargets,
-      dir + "/" + names[2],
-      dir + "/" + names[3],
-      classes);
+  for (int part : {0, 2}) {
+    checkLabels(
+        part == 0 ? data.trainInputs : data.evalInputs,
+        part == 0 ? data.trainTargets : data.evalTargets,
+        dir + "/" + names[part],
+        dir + "/" + names[part + 1],
+        classes);
+  }
   data.description =
       "fashion-mnist: " + std::to_string(data.trainInputs.size(0)) +
       " training and " + std::to_string(data.evalInputs.size(0)) +

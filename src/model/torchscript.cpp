@@ -176,8 +176,10 @@ void checkForwardIsChain(
         c10::str(chain.sizes()) +
         " (tpipe pipelines the children in order: script an nn.Sequential)");
   }
-  const double gap =
-      (whole.to(at::kDouble) - chain.to(at::kDouble)).abs().max().item<double>();
+  const double gap = (whole.to(at::kDouble) - chain.to(at::kDouble))
+                         .abs()
+                         .max()
+                         .item<double>();
   const double scale =
       std::max(1.0, whole.to(at::kDouble).abs().max().item<double>());
   if (!(gap <= 1e-4 * scale)) {

@@ -356,7 +356,8 @@ void checkPointer(
     throw ConfigError(
         "--resume: " + pointer.string() + " is damaged: it names step " +
         std::to_string(step) + " and state '" +
-        json["state"].get<std::string>() + "' (expected state-<step>, step >= 0)");
+        json["state"].get<std::string>() +
+        "' (expected state-<step>, step >= 0)");
   }
 }
 
@@ -462,8 +463,9 @@ void checkSameLayers(
   }
   if (missing.empty() && extra.empty())
     return;
-  std::string text = "--resume: the checkpoint's layers differ from this "
-                     "model's (" +
+  std::string text =
+      "--resume: the checkpoint's layers differ from this "
+      "model's (" +
       std::to_string(pipe.layers().size()) + " layers)";
   if (!extra.empty())
     text += "; only the checkpoint has layer(s) " + listed(extra);

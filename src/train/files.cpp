@@ -33,10 +33,11 @@ void syncDirectory(const fs::path& dir) {
     writeFailed(dir, error);
 }
 
-// Every byte written or an exception: short writes, fsync and close checked.
-void writeChecked(const fs::path& path, const std::string& bytes) {
-  const int fd =
-      ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+namespace {
+
+// Every byte to an open descriptor, retrying short writes; closes it and
+// throws on failure.
+void writeAll(int fd, const fs::path& path, const std::string& bytes) {
   if (fd < 0)
     writeFailed(path, errno);
   size_t done = 0;
@@ -51,6 +52,15 @@ void writeChecked(const fs::path& path, const std::string& bytes) {
     }
     done += static_cast<size_t>(n);
   }
+}
+
+} // namespace
+
+// Every byte written or an exception: short writes, fsync and close checked.
+void writeChecked(const fs::path& path, const std::string& bytes) {
+  const int fd =
+      ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  writeAll(fd, path, bytes);
   if (::fsync(fd) != 0) {
     const int error = errno;
     ::close(fd);
@@ -167,20 +177,7 @@ fs::path throughSymlinks(fs::path path) {
 // created, truncated or renamed over.
 void streamTo(const fs::path& device, const std::string& bytes) {
   const int fd = ::open(device.c_str(), O_WRONLY | O_CLOEXEC);
-  if (fd < 0)
-    writeFailed(device, errno);
-  size_t done = 0;
-  while (done < bytes.size()) {
-    const ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
-    if (n < 0 && errno == EINTR)
-      continue;
-    if (n <= 0) {
-      const int error = n < 0 ? errno : ENOSPC;
-      ::close(fd);
-      writeFailed(device, error);
-    }
-    done += static_cast<size_t>(n);
-  }
+  writeAll(fd, device, bytes);
   if (::close(fd) != 0)
     writeFailed(device, errno);
 }

@@ -230,8 +230,9 @@ Feasibility configFeasibility(
 std::string infeasibleText(const Feasibility& verdict) {
   std::string text = "the plan does not fit: " + verdict.problem;
   if (verdict.fixes.empty())
-    return text + "; no single change of schedule, checkpoint mode, "
-                  "partition, micro-batches or device count fits";
+    return text +
+        "; no single change of schedule, checkpoint mode, "
+        "partition, micro-batches or device count fits";
   text += "; these would fit:";
   for (const auto& fix : verdict.fixes)
     text += "\n  " + fix;
@@ -353,7 +354,8 @@ Plan planTraining(
     costs = sharedCosts(costs, *world);
   // Before the first step: a plan over a device's cap (or, in one process,
   // over the host's available memory) is refused with what would fit.
-  const Feasibility verdict = configFeasibility(config, costs, world == nullptr);
+  const Feasibility verdict =
+      configFeasibility(config, costs, world == nullptr);
   if (!verdict.fits)
     throw ConfigError(infeasibleText(verdict));
   return verdict.plan;

@@ -402,6 +402,7 @@ class TrainingRun {
   }
 
   double trainStep(int64_t step) {
+    const auto begin = Clock::now();
     const double lr = learningRate(config_.train, step);
     for (auto& group : optimizer_->param_groups())
       group.options().set_lr(lr);
@@ -413,18 +414,37 @@ class TrainingRun {
     }
     if (stepHook())
       stepHook()(world() ? world()->rank() : 0, step, x);
-    optimizer_->zero_grad();
     if (world())
       world()->rideNextSum({static_cast<double>(requestedStop.load())});
+    const auto fetched = Clock::now();
     const double loss = pipe_->trainStep(x, y, lossFn_).item<double>();
+    const auto piped = Clock::now();
     if (world())
       stopsSignalled_ = world()->ridersSummed();
     // Every rank sees the same summed loss and norm, so all decide alike.
-    const auto norm = pipe_->clipGradNorm(config_.train.clipGradNorm);
-    if (std::isfinite(loss) && norm.nonFiniteStage < 0) {
-      optimizer_->step();
+    // The update runs on the first stage's worker, with its threads.
+    Pipeline::GradientNorm norm;
+    bool finite = false;
+    pipe_->runOnWorker([&] {
+      if (checksGradients())
+        norm = pipe_->clipGradNorm(config_.train.clipGradNorm);
+      finite = std::isfinite(loss) && norm.nonFiniteStage < 0;
+      if (finite)
+        optimizer_->step();
+      // Zeroed after the update rather than before the next step: the
+      // same work, counted where it belongs.
+      optimizer_->zero_grad();
+    });
+    splits_.push_back(
+        {milliseconds(fetched - begin),
+         milliseconds(piped - fetched),
+         milliseconds(Clock::now() - piped),
+         0.0});
+    if (splits_.size() > 1)
+      splits_[splits_.size() - 2].stepMs = milliseconds(begin - lastStart_);
+    lastStart_ = begin;
+    if (finite)
       return loss;
-    }
     auto text = [](double value) -> std::string {
       return std::isnan(value) ? "NaN" : value > 0 ? "inf" : "-inf";
     };
@@ -442,8 +462,41 @@ class TrainingRun {
     *log_ << "step " << step + 1 << ": " << what
           << "; its update is skipped on every stage" << std::endl;
     ++summary_.skippedSteps;
-    optimizer_->zero_grad();
     return loss;
+  }
+
+  // The gradient norm is one more pass over every gradient, which a plain
+  // loop does not make: it runs when the user asked for what needs it,
+  // clipping or skipping non-finite updates. With on_nonfinite "stop" alone
+  // the loss is checked every step, and a gradient that turns non-finite
+  // while the loss stays finite stops the run at the next step's loss.
+  bool checksGradients() const {
+    return config_.train.clipGradNorm > 0 ||
+        config_.train.onNonFinite == "skip";
+  }
+
+  static double milliseconds(Clock::duration d) {
+    return std::chrono::duration<double, std::milli>(d).count();
+  }
+
+  // Medians of the per-step split; the last step has no next start.
+  void summarizeSplit() {
+    auto median = [this](double TrainSummary::StepSplit::*part, size_t n) {
+      std::vector<double> values;
+      for (size_t i = 0; i < n; ++i)
+        values.push_back(splits_[i].*part);
+      if (values.empty())
+        return 0.0;
+      std::nth_element(
+          values.begin(), values.begin() + values.size() / 2, values.end());
+      return values[values.size() / 2];
+    };
+    const size_t all = splits_.size();
+    summary_.split = {
+        median(&TrainSummary::StepSplit::batchMs, all),
+        median(&TrainSummary::StepSplit::pipelineMs, all),
+        median(&TrainSummary::StepSplit::updateMs, all),
+        median(&TrainSummary::StepSplit::stepMs, all > 0 ? all - 1 : 0)};
   }
 
   void report(int64_t done, double loss) {
@@ -551,6 +604,7 @@ class TrainingRun {
     const bool saving = !options_.saveDir.empty();
     if (saving && total == 0)
       save(0);
+    optimizer_->zero_grad(); // each step then leaves them zeroed
     start_ = Clock::now();
     int64_t done = summary_.startStep;
     summary_.stopSignal = agreedStop();
@@ -585,6 +639,7 @@ class TrainingRun {
 
   void finish() {
     std::ostream& log = *log_;
+    summarizeSplit();
     summary_.seconds = elapsed();
     summary_.samplesPerSecond =
         static_cast<double>(
@@ -652,6 +707,8 @@ class TrainingRun {
   LossFunction lossFn_;
   bool classification_ = false;
   std::unique_ptr<BatchSource> batches_;
+  std::vector<TrainSummary::StepSplit> splits_;
+  Clock::time_point lastStart_;
   std::ofstream metrics_;
   std::string resumeNote_;
   bool saved_ = false;
