@@ -763,14 +763,28 @@ c10::Dict<c10::IValue, c10::IValue> loadTorchSave(const std::string& path) {
   return torch::pickle_load(bytes).toGenericDict();
 }
 
+// A fresh scratch directory for one test, named for it and this process.
+std::filesystem::path scratchDirectory(const std::string& name) {
+  const std::filesystem::path dir = std::filesystem::temp_directory_path() /
+      ("tpipe-" + name + "-" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  return dir;
+}
+
+// Writes `script` to DIR/make.py and runs it with Debian's Python (the one
+// with torch): its exit status.
+int runPython(const std::filesystem::path& dir, const std::string& script) {
+  std::ofstream(dir / "make.py") << script;
+  return std::system(
+      ("/usr/bin/python3 " + (dir / "make.py").string()).c_str());
+}
+
 // A model scripted in Python is the layer list: tpipe's first-step loss and
 // gradients equal PyTorch's on the same batch, parameters keep PyTorch's
 // names, and training updates the loaded module's own tensors.
 TEST(PipelineTest, AModelScriptedInPythonMatchesPyTorch) {
   namespace fs = std::filesystem;
-  const fs::path dir = fs::temp_directory_path() /
-      ("tpipe-script-" + std::to_string(::getpid()));
-  fs::create_directories(dir);
+  const fs::path dir = scratchDirectory("script");
   const std::string script =
       "import torch, torch.nn as nn\n"
       "torch.manual_seed(0)\n"
@@ -792,10 +806,7 @@ TEST(PipelineTest, AModelScriptedInPythonMatchesPyTorch) {
       "for name, p in m.named_parameters(): ref['grad.' + name] = p.grad\n"
       "torch.save(ref, '" +
       (dir / "ref.pt").string() + "')\n";
-  std::ofstream(dir / "make.py") << script;
-  ASSERT_EQ(
-      std::system(("/usr/bin/python3 " + (dir / "make.py").string()).c_str()),
-      0)
+  ASSERT_EQ(runPython(dir, script), 0)
       << "python3-torch is needed (scripts/setup installs it)";
   const auto ref = loadTorchSave((dir / "ref.pt").string());
   const torch::Tensor x = ref.at("x").toTensor();
@@ -1108,9 +1119,7 @@ TEST(PipelineTest, GpipeTrainsBitIdenticallyToOneFOneB) {
 // PyTorch's sequential run over the same micro-batches.
 TEST(PipelineTest, AScriptedTorchvisionResNetKeepsPyTorchsBuffersUnderRemat) {
   namespace fs = std::filesystem;
-  const fs::path dir = fs::temp_directory_path() /
-      ("tpipe-resnet-" + std::to_string(::getpid()));
-  fs::create_directories(dir);
+  const fs::path dir = scratchDirectory("resnet");
   const std::string script =
       "import torch, torch.nn as nn\n"
       "try:\n"
@@ -1135,10 +1144,7 @@ TEST(PipelineTest, AScriptedTorchvisionResNetKeepsPyTorchsBuffersUnderRemat) {
       "for name, b in m.named_buffers(): ref['buffer.' + name] = b\n"
       "torch.save(ref, '" +
       (dir / "ref.pt").string() + "')\n";
-  std::ofstream(dir / "make.py") << script;
-  const int status =
-      std::system(("/usr/bin/python3 " + (dir / "make.py").string()).c_str());
-  ASSERT_EQ(status, 0)
+  ASSERT_EQ(runPython(dir, script), 0)
       << "python3-torchvision is needed (scripts/setup installs it)";
   const auto ref = loadTorchSave((dir / "ref.pt").string());
   PipelineOptions options;

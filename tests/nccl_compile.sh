@@ -35,7 +35,7 @@ echo '#pragma once' > "$stub/c10/cuda/impl/cuda_cmake_macros.h"
 cd "$build"
 eval "$command -fsyntax-only -DTPIPE_USE_NCCL=1 -idirafter $stub -isystem $cuda"
 # The NCCL branch was compiled, not preprocessed away.
-# Captured to a file first: `| grep -q` under pipefail fails at random when
+# Captured to a file first: piping into a quiet grep under pipefail fails at random when
 # grep exits at the match and the preprocessor dies of SIGPIPE.
 eval "$command -E -DTPIPE_USE_NCCL=1 -idirafter $stub -isystem $cuda" >"$stub/preprocessed.ii"
 grep -q 'ProcessGroupNCCL>' "$stub/preprocessed.ii" \
