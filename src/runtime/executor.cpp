@@ -12,6 +12,7 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/autograd.h>
+#include <torch/nn/modules/linear.h>
 #include <torch/version.h>
 
 #include "model/skips.h"
@@ -284,7 +285,9 @@ class RankExecutor {
   }
 
   // The weight pass: each layer's parameter gradients from the gradient at
-  // its output, walking only that layer's part of the graph.
+  // its output. A plain Linear's are two products of the kept input and
+  // that gradient, computed here as Megatron's delayed weight-gradient pass
+  // does; any other layer's walk only that layer's part of the graph.
   void operator()(const BackwardWeight& op) {
     StageRuntime& stage = stageAt(op.stage);
     Stash& stash = state_.at(op.stage, op.microBatch);
@@ -293,6 +296,11 @@ class RankExecutor {
       const at::Tensor& grad = stash.weightOutputGrads.at(i);
       if (!grad.defined())
         continue; // the loss does not depend on this layer
+      if (stash.weightInputs.at(i).defined()) {
+        linearWeightGradients(
+            stage.layers[stash.weightLayers[i]], stash.weightInputs[i], grad);
+        continue;
+      }
       torch::autograd::backward(
           {stash.weightOutputs[i]},
           {grad},
@@ -521,16 +529,20 @@ class RankExecutor {
     if (record) {
       record->weightOutputs.clear();
       record->weightLayers.clear();
+      record->weightInputs.clear();
     }
     SkipStore live;
     for (size_t k = 0; k < stage.skipsIn.size(); ++k)
       live.put(stage.skipsIn[k], inputs.at(k + 1));
     at::Tensor x = inputs.front();
     for (size_t l = 0; l < stage.layers.size(); ++l) {
+      const at::Tensor input = x;
       x = runLayer(stage.layers[l], x, live);
       if (record && !stage.layerParameters[l].empty() && x.requires_grad()) {
         record->weightOutputs.push_back(x);
         record->weightLayers.push_back(static_cast<int>(l));
+        record->weightInputs.push_back(
+            directWeightPass(stage.layers[l]) ? input : at::Tensor());
       }
     }
     std::vector<at::Tensor> outputs{x};
@@ -591,6 +603,37 @@ class RankExecutor {
     return grads;
   }
 
+  // Where the weight pass computes the gradients itself: a LibTorch Linear
+  // that merges no skip into its output, in full precision (under autocast
+  // autograd's pass keeps autocast's dtypes).
+  bool directWeightPass(const NamedLayer& layer) const {
+    return !state_.autocast && layer.pop.empty() &&
+        layer.module.ptr()->as<torch::nn::LinearImpl>() != nullptr;
+  }
+
+  // dW += g^T x and db += sum(g) over every leading dimension, accumulated
+  // as autograd accumulates (the first gradient is taken as it is).
+  static void linearWeightGradients(
+      const NamedLayer& layer,
+      const at::Tensor& input,
+      const at::Tensor& grad) {
+    auto* linear = layer.module.ptr()->as<torch::nn::LinearImpl>();
+    at::NoGradGuard noGrad;
+    const at::Tensor g = grad.reshape({-1, grad.size(-1)});
+    auto accumulate = [](at::Tensor& parameter, at::Tensor update) {
+      if (!parameter.defined() || !parameter.requires_grad())
+        return;
+      at::Tensor& current = parameter.mutable_grad();
+      if (current.defined())
+        current.add_(update);
+      else
+        current = std::move(update);
+    };
+    accumulate(
+        linear->weight, g.t().mm(input.reshape({-1, input.size(-1)}).detach()));
+    accumulate(linear->bias, g.sum(0));
+  }
+
   static void release(Stash& stash) {
     stash.outputs.clear();
     stash.gradOutputs.clear();
@@ -598,6 +641,7 @@ class RankExecutor {
     stash.weightOutputs.clear();
     stash.weightOutputGrads.clear();
     stash.weightLayers.clear();
+    stash.weightInputs.clear();
   }
 
   StepState& state_;

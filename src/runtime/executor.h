@@ -64,6 +64,9 @@ struct Stash {
   // found for them, which the weight pass starts from.
   std::vector<at::Tensor> weightOutputs, weightOutputGrads;
   std::vector<int> weightLayers; // index in StageRuntime::layers
+  // Per weight layer: its input where the weight pass computes the
+  // gradients itself (a plain Linear), else undefined (autograd's pass).
+  std::vector<at::Tensor> weightInputs;
 };
 
 // The state of one step, shared by all ranks' workers.
