@@ -536,7 +536,7 @@ class RankExecutor {
       live.put(stage.skipsIn[k], inputs.at(k + 1));
     at::Tensor x = inputs.front();
     for (size_t l = 0; l < stage.layers.size(); ++l) {
-      const at::Tensor input = x;
+      const at::Tensor input = record ? x : at::Tensor();
       x = runLayer(stage.layers[l], x, live);
       if (record && !stage.layerParameters[l].empty() && x.requires_grad()) {
         record->weightOutputs.push_back(x);

@@ -1,9 +1,9 @@
 #include "tpipe/pipeline.h"
 
 #include <algorithm>
-#include <exception>
 #include <chrono>
 #include <cmath>
+#include <exception>
 #include <set>
 #include <thread>
 
@@ -248,7 +248,10 @@ struct Pipeline::Impl {
   bool runsOnCaller() const {
     return localRanks.size() == 1;
   }
-  void runEverywhere(const std::function<void(int)>& job);
+  // Runs job(rank) where each of `ranks` (local ones) works, and waits.
+  void runOn(
+      const std::vector<int>& ranks,
+      const std::function<void(int)>& job);
   std::vector<at::Tensor> gradientsOf(int stage) const {
     std::vector<at::Tensor> gradients;
     for (const auto& parameter : stages[stage].parameters)
@@ -521,7 +524,7 @@ void Pipeline::Impl::startWorkers() {
       memory::setCapacity(slot, capacity, memoryLabel(rank));
     }
     if (runsOnCaller())
-      continue; // runEverywhere
+      continue; // its work runs on the calling thread: runOn
     // OpenMP's thread count is per thread, and a new thread inherits the
     // last value set anywhere: set it once in each worker. Allocations on
     // the worker are charged to its device's slot.
@@ -714,7 +717,9 @@ void Pipeline::Impl::expectShapes(
 // thread (OpenMP's pool and malloc's arenas of later threads), and one
 // stage must cost no more than a plain loop. With several devices each has
 // its worker, and the caller waits.
-void Pipeline::Impl::runEverywhere(const std::function<void(int)>& job) {
+void Pipeline::Impl::runOn(
+    const std::vector<int>& ranks,
+    const std::function<void(int)>& job) {
   if (runsOnCaller()) {
     // Set once and kept: changing the count back and forth would rebuild
     // LibTorch's thread pools every step.
@@ -725,8 +730,8 @@ void Pipeline::Impl::runEverywhere(const std::function<void(int)>& job) {
     job(localRanks.front());
     return;
   }
-  runtime::Latch latch(static_cast<int>(localRanks.size()));
-  for (int rank : localRanks) {
+  runtime::Latch latch(static_cast<int>(ranks.size()));
+  for (int rank : ranks) {
     workers[rank]->post([&job, &latch, rank] {
       job(rank);
       latch.countDown();
@@ -755,7 +760,7 @@ void Pipeline::Impl::run(runtime::StepState& state, const Schedule& plan) {
   state.start = std::chrono::steady_clock::now();
   state.layerOutputShapes = &options.layerOutputShapes;
   const bool training = plan.training;
-  runEverywhere([&state, training](int rank) {
+  runOn(localRanks, [&state, training](int rank) {
     at::AutoGradMode gradMode(training); // grad mode is per thread
     runtime::runRank(state, rank);
   });
@@ -885,10 +890,7 @@ torch::Tensor Pipeline::trainStep(
 
 void Pipeline::runOnWorker(const std::function<void()>& task) {
   std::exception_ptr failure;
-  const int first = impl_->localRanks.front();
-  impl_->runEverywhere([&](int rank) {
-    if (rank != first)
-      return;
+  impl_->runOn({impl_->localRanks.front()}, [&](int) {
     try {
       memory::DeviceScope unattributed(memory::kUnattributed);
       task();

@@ -247,15 +247,14 @@ std::unique_ptr<DirectoryLock> prepareSaveDirectory(
       ", save elsewhere, or pass --overwrite to replace it");
 }
 
-namespace {
-
-void saveCheckpointFiles(
+void saveCheckpoint(
     const std::string& root,
     int64_t step,
     Pipeline& pipe,
     torch::optim::Optimizer& optimizer,
     const CheckpointIdentity& identity,
-    Communicator* communicator) {
+    Communicator* communicator) try {
+  // A failed write is told apart from others: the last commit stands.
   const bool distributed = communicator != nullptr;
   const fs::path dir = distributed
       ? fs::path(root) / ("rank-" + std::to_string(communicator->stageRank()))
@@ -293,24 +292,10 @@ void saveCheckpointFiles(
   fs::create_hard_link(dir / name / "model.pt", link);
   fs::rename(link, dir / "model.pt");
   removeOtherStates(dir, name);
-}
-
-} // namespace
-
-void saveCheckpoint(
-    const std::string& root,
-    int64_t step,
-    Pipeline& pipe,
-    torch::optim::Optimizer& optimizer,
-    const CheckpointIdentity& identity,
-    Communicator* communicator) {
-  try {
-    saveCheckpointFiles(root, step, pipe, optimizer, identity, communicator);
-  } catch (const WriteFailure& failure) {
-    throw std::runtime_error(
-        std::string("checkpoint: ") + failure.what() +
-        " (the previous checkpoint is intact)");
-  }
+} catch (const WriteFailure& failure) {
+  throw std::runtime_error(
+      std::string("checkpoint: ") + failure.what() +
+      " (the previous checkpoint is intact)");
 }
 
 namespace {

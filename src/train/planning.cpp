@@ -132,6 +132,43 @@ Profile profileModelWith(
 
 namespace {
 
+// Bytes from shapes at micro-batch size n (see shapeCosts).
+TrainingCosts shapeCostsAt(
+    const Config& config,
+    const BuiltModel& model,
+    int64_t n) {
+  TrainingCosts costs;
+  costs.layers = parameterCosts(model.layers);
+  costs.source = "parameter bytes and shapes (no times measured)";
+  auto elements = [](const std::vector<int64_t>& shape) {
+    int64_t count = 1;
+    for (int64_t d : shape)
+      count *= d;
+    return count;
+  };
+  constexpr int64_t kValueBytes = 4; // float: parameters and activations
+  costs.inputBytes = n * elements(model.shapes.front()) *
+      (model.integerInput ? 8 : kValueBytes);
+  std::vector<LayerFacts> facts;
+  if (config.model.torchscript.empty() &&
+      config.model.layers.size() == model.layers.size())
+    facts = modelFacts(config.model);
+  for (size_t l = 0; l < costs.layers.size(); ++l) {
+    LayerCost& cost = costs.layers[l];
+    const int64_t output = elements(model.shapes[l + 1]);
+    if (facts.empty()) {
+      cost.activationBytes = n * output * kValueBytes;
+      cost.stashBytes = cost.activationBytes;
+    } else {
+      cost.activationBytes = n * kValueBytes *
+          (output + static_cast<int64_t>(facts[l].skipElements));
+      cost.stashBytes =
+          n * kValueBytes * static_cast<int64_t>(facts[l].savedElements);
+    }
+  }
+  return costs;
+}
+
 // What profiling at micro-batch size n adds at its peak (the parameters
 // exist already): the largest layer's input, output and saved activations
 // at the largest fit size (2n), and its parameters' gradients.
@@ -162,10 +199,7 @@ int64_t profilingSize(const Config& config, const BuiltModel& model) {
   int64_t n = microBatchSize(config);
   if (budget <= 0)
     return n;
-  Config one = config;
-  one.train.batchSize = 1;
-  one.pipeline.microBatches = 1;
-  const TrainingCosts perSample = shapeCosts(one, model);
+  const TrainingCosts perSample = shapeCostsAt(config, model, 1);
   while (n > 1 && profilingBytes(perSample, n) > budget)
     n = (n + 1) / 2;
   return n;
@@ -174,37 +208,7 @@ int64_t profilingSize(const Config& config, const BuiltModel& model) {
 } // namespace
 
 TrainingCosts shapeCosts(const Config& config, const BuiltModel& model) {
-  TrainingCosts costs;
-  costs.layers = parameterCosts(model.layers);
-  costs.source = "parameter bytes and shapes (no times measured)";
-  const int64_t n = microBatchSize(config);
-  auto elements = [](const std::vector<int64_t>& shape) {
-    int64_t count = 1;
-    for (int64_t d : shape)
-      count *= d;
-    return count;
-  };
-  constexpr int64_t kValueBytes = 4; // float: parameters and activations
-  costs.inputBytes = n * elements(model.shapes.front()) *
-      (model.integerInput ? 8 : kValueBytes);
-  std::vector<LayerFacts> facts;
-  if (config.model.torchscript.empty() &&
-      config.model.layers.size() == model.layers.size())
-    facts = modelFacts(config.model);
-  for (size_t l = 0; l < costs.layers.size(); ++l) {
-    LayerCost& cost = costs.layers[l];
-    const int64_t output = elements(model.shapes[l + 1]);
-    if (facts.empty()) {
-      cost.activationBytes = n * output * kValueBytes;
-      cost.stashBytes = cost.activationBytes;
-    } else {
-      cost.activationBytes = n * kValueBytes *
-          (output + static_cast<int64_t>(facts[l].skipElements));
-      cost.stashBytes =
-          n * kValueBytes * static_cast<int64_t>(facts[l].savedElements);
-    }
-  }
-  return costs;
+  return shapeCostsAt(config, model, microBatchSize(config));
 }
 
 int64_t hostAvailableBytes() {

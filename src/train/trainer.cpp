@@ -422,7 +422,7 @@ class TrainingRun {
     if (world())
       stopsSignalled_ = world()->ridersSummed();
     // Every rank sees the same summed loss and norm, so all decide alike.
-    // The update runs on the first stage's worker, with its threads.
+    // The update runs where the first stage works, with its threads.
     Pipeline::GradientNorm norm;
     bool finite = false;
     pipe_->runOnWorker([&] {
