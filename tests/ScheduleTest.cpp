@@ -447,4 +447,174 @@ TEST(ScheduleTest, ActionCsvRoundTrips) {
 }
 
 } // namespace
+// Micro-batches each rank holds at once (forwarded, weight pass not done),
+// walked from the instruction lists: the memory a schedule states.
+std::vector<int> peakHeldPerRank(const Schedule& schedule) {
+  std::vector<int> peaks;
+  for (const auto& list : schedule.perRank) {
+    int held = 0, peak = 0;
+    for (const Instruction& instruction : list) {
+      if (std::holds_alternative<Forward>(instruction))
+        peak = std::max(peak, ++held);
+      else if (
+          std::holds_alternative<Backward>(instruction) ||
+          std::holds_alternative<BackwardWeight>(instruction))
+        --held;
+    }
+    peaks.push_back(peak);
+  }
+  return peaks;
+}
+
+StageCosts randomCosts(std::mt19937& rng, bool weightAtMostInput) {
+  std::uniform_real_distribution<double> time(0.5, 2.0);
+  StageCosts c;
+  c.forward = time(rng), c.backwardInput = time(rng);
+  c.backwardWeight = weightAtMostInput
+      ? 0.9 * std::min(c.forward, c.backwardInput) *
+          std::uniform_real_distribution<double>(0.2, 1.0)(rng)
+      : time(rng);
+  c.backward = c.backwardInput + c.backwardWeight;
+  c.recompute = c.forward;
+  return c;
+}
+
+// The Zero Bubble paper's closed forms (its Table 2, without transfers),
+// for random T_F, T_B, T_W with T_W <= min(T_F, T_B), p and m:
+//   1F1B   step = m (F + B + W) + (p - 1)(F + B + W)
+//   ZB-H1  step = m (F + B + W) + (p - 1)(F + B - W)
+//   ZB-H2  first rank's span = m (F + B + W) + (p - 1)(F + B - 2W), m >= 2p
+// and 1F1B's span bubble is the textbook (p - 1) / (m + p - 1).
+TEST(ScheduleTest, SimulatedBubblesMatchThePapersClosedForms) {
+  std::mt19937 rng(11);
+  for (int trial = 0; trial < 120; ++trial) {
+    const int p = 2 + trial % 7;
+    const int m = 2 * p + static_cast<int>(rng() % (3 * p));
+    const StageCosts c = randomCosts(rng, true);
+    const double F = c.forward, B = c.backwardInput, W = c.backwardWeight;
+    const double work = m * (F + B + W);
+    SCOPED_TRACE(
+        "p=" + std::to_string(p) + " m=" + std::to_string(m) +
+        " F=" + std::to_string(F) + " B=" + std::to_string(B) +
+        " W=" + std::to_string(W));
+    const Simulation oneF =
+        simulate(oneFOneBSchedule(p, m, CheckpointMode::kNever), {c});
+    EXPECT_NEAR(oneF.makespan, work + (p - 1) * (F + B + W), 1e-9);
+    EXPECT_NEAR(oneF.spanBubble, theoreticalBubble(p, m), 1e-12);
+    const Simulation h1 =
+        simulate(zeroBubbleH1Schedule(p, m, CheckpointMode::kNever), {c});
+    EXPECT_NEAR(h1.makespan, work + (p - 1) * (F + B - W), 1e-9);
+    const Simulation h2 =
+        simulate(zeroBubbleH2Schedule(p, m, CheckpointMode::kNever), {c});
+    EXPECT_NEAR(h2.span[0], work + (p - 1) * (F + B - 2 * W), 1e-9);
+  }
+}
+
+// What each schedule says it holds: 1F1B min(p - s, m) micro-batches on
+// stage s, ZB-H1 at most p (1F1B's peak), ZB-H2 at most 2p - 1, ZB-V's 2p
+// half-stages per rank (1F1B's p whole micro-batches).
+TEST(ScheduleTest, PeakInFlightIsEachSchedulesStatedMemory) {
+  for (int p : {1, 2, 3, 4, 6}) {
+    for (int m : {1, 3, p, 2 * p, 4 * p + 1}) {
+      SCOPED_TRACE("p=" + std::to_string(p) + " m=" + std::to_string(m));
+      const auto mode = CheckpointMode::kNever;
+      const std::vector<int> oneF =
+          peakHeldPerRank(oneFOneBSchedule(p, m, mode));
+      const std::vector<int> h1 =
+          peakHeldPerRank(zeroBubbleH1Schedule(p, m, mode));
+      for (int r = 0; r < p; ++r) {
+        EXPECT_EQ(oneF[r], std::min(p - r, m));
+        EXPECT_LE(h1[r], std::min(p, m)); // its held-back Ws fill 1F1B's room
+      }
+      EXPECT_EQ(h1[0], std::min(p, m));
+      {}
+      for (int held : peakHeldPerRank(zeroBubbleH2Schedule(p, m, mode)))
+        EXPECT_LE(held, 2 * p - 1);
+      for (int held : peakHeldPerRank(zeroBubbleVSchedule(p, m, mode)))
+        EXPECT_LE(held, 2 * p);
+      const std::vector<int> limit(p, p + 1);
+      for (int held :
+           peakHeldPerRank(autoSchedule(p, m, mode, {StageCosts{}}, limit)))
+        EXPECT_LE(held, p + 1);
+    }
+  }
+}
+
+// ZB-V under T_F = T_B = T_W: idle beyond the warm-up and cool-down does
+// not grow with m, so its bubble falls as 1/m; at p = 8, m = 16 it is below
+// ZB-H1's (the same stack as 2p half-stages).
+TEST(ScheduleTest, ZeroBubbleVIdleDoesNotGrowWithMicroBatches) {
+  StageCosts half;
+  half.forward = half.backwardInput = half.backwardWeight = 0.5;
+  half.backward = 1.0;
+  for (int p : {2, 3, 4, 8}) {
+    const auto idle = [&](int m) {
+      const Simulation s =
+          simulate(zeroBubbleVSchedule(p, m, CheckpointMode::kNever), {half});
+      return s.makespan - 3.0 * m; // 2 half-stages x (F + B + W) per mb
+    };
+    SCOPED_TRACE("p=" + std::to_string(p));
+    EXPECT_NEAR(idle(2 * p), idle(8 * p), 1e-9);
+    EXPECT_NEAR(idle(4 * p), idle(8 * p), 1e-9);
+  }
+  const double v =
+      simulate(zeroBubbleVSchedule(8, 16, CheckpointMode::kNever), {half})
+          .spanBubble;
+  const double h1 =
+      simulate(
+          zeroBubbleH1Schedule(8, 16, CheckpointMode::kNever), {StageCosts{}})
+          .spanBubble;
+  EXPECT_LT(v, 0.6 * h1);
+}
+
+// Back-to-back steps without a barrier: ZB-H2's staggered ends pay (no
+// bubble at all under unit costs once m >= 2p), where a barrier gives it
+// ZB-H1's step; no schedule is slower than with the barrier.
+TEST(ScheduleTest, SteadyStepsCollectWhatZeroBubbleH2Staggers) {
+  for (int p : {2, 3, 4}) {
+    for (int m : {2 * p, 3 * p}) {
+      SCOPED_TRACE("p=" + std::to_string(p) + " m=" + std::to_string(m));
+      const auto mode = CheckpointMode::kNever;
+      const Schedule h1 = zeroBubbleH1Schedule(p, m, mode);
+      const Schedule h2 = zeroBubbleH2Schedule(p, m, mode);
+      EXPECT_DOUBLE_EQ(steadyStepTime(h2, {StageCosts{}}), 3.0 * m);
+      EXPECT_DOUBLE_EQ(
+          simulate(h2, {StageCosts{}}).makespan,
+          simulate(h1, {StageCosts{}}).makespan);
+      for (const Schedule& s :
+           {oneFOneBSchedule(p, m, mode), h1, h2, gpipeSchedule(p, m, mode)}) {
+        EXPECT_LE(
+            steadyStepTime(s, {StageCosts{}}),
+            simulate(s, {StageCosts{}}).makespan + 1e-9);
+      }
+    }
+  }
+}
+
+// The search under costs like published GPT profiles (T_B ~ T_F, T_W ~
+// 0.5-0.75 T_F, a transfer ~3% of T_F), at a limit of 2p: never slower than
+// a built-in schedule that fits, and a span bubble at most ZB-H2's.
+TEST(ScheduleTest, AutoSearchBeatsTheBuiltInsUnderGptLikeCosts) {
+  for (const auto& [p, m, w] : std::vector<std::tuple<int, int, double>>{
+           {4, 12, 0.5}, {4, 16, 0.75}, {8, 24, 0.5}, {8, 32, 0.67}}) {
+    StageCosts c;
+    c.forward = 1.0, c.backwardInput = 0.98, c.backwardWeight = w;
+    c.backward = c.backwardInput + w;
+    c.transfer = 0.03;
+    SCOPED_TRACE("p=" + std::to_string(p) + " m=" + std::to_string(m));
+    const auto mode = CheckpointMode::kNever;
+    const Simulation automatic = simulate(
+        autoSchedule(p, m, mode, {c}, std::vector<int>(p, 2 * p)), {c});
+    for (const Schedule& s :
+         {oneFOneBSchedule(p, m, mode),
+          zeroBubbleH1Schedule(p, m, mode),
+          zeroBubbleH2Schedule(p, m, mode)}) {
+      EXPECT_LE(automatic.makespan, simulate(s, {c}).makespan + 1e-9);
+    }
+    EXPECT_LE(
+        automatic.spanBubble,
+        simulate(zeroBubbleH2Schedule(p, m, mode), {c}).spanBubble + 1e-12);
+  }
+}
+
 } // namespace tpipe

@@ -286,6 +286,12 @@ struct Simulation {
   std::vector<double> busy;    // per rank: compute time incl. recompute
   std::vector<double> idle;    // per rank: makespan - busy
   double bubbleFraction = 0.0; // sum(idle) / (ranks * makespan)
+  // The Zero Bubble paper's measure: each rank's idle time between its
+  // first compute and its last, the worst rank's against one rank's work
+  // plus that idle. Warm-up before a rank's first forward is not counted,
+  // as the next step's work may fill it (see steadyStepTime).
+  std::vector<double> span; // per rank: last compute end - first start
+  double spanBubble = 0.0;
   // Per stage: peak count of micro-batches with anything stashed (input or
   // activations), and of those holding a full activation graph.
   std::vector<int> peakStashed;
@@ -299,6 +305,15 @@ struct Simulation {
 // stage, or one entry for all). Receives wait for their send; sends never
 // block. Never throws on a stall: see Simulation::finished.
 Simulation simulate(
+    const Schedule& schedule,
+    const std::vector<StageCosts>& costs);
+
+// The time per step of back-to-back steps when no barrier separates them
+// (optimizer post-validation): each rank starts its part of the next step
+// as soon as its own part of this one is done. Simulates three steps in a
+// row and returns the mean of the last two; compare with makespan, the
+// step with a barrier. Throws ScheduleError when the schedule stalls.
+double steadyStepTime(
     const Schedule& schedule,
     const std::vector<StageCosts>& costs);
 

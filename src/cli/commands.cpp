@@ -310,15 +310,20 @@ int printSchedule(const ScheduleRequest& request, bool json, bool csv) {
   if (!request.costsPath.empty())
     costs = readStageCosts(request.costsPath, spec.ranks);
   tpipe::Schedule schedule;
+  double searchMs = -1.0;
   if (request.text == "auto") {
     const int limit =
         request.memoryLimit > 0 ? request.memoryLimit : spec.ranks;
+    const auto start = std::chrono::steady_clock::now();
     schedule = tpipe::autoSchedule(
         spec.ranks,
         spec.microBatches,
         spec.checkpoint,
         costs,
         std::vector<int>(spec.ranks, limit));
+    searchMs = std::chrono::duration<double, std::milli>(
+                   std::chrono::steady_clock::now() - start)
+                   .count();
   } else {
     spec.source = request.text;
     if (request.text == "zb-v" && spec.virtualStages == 1)
@@ -344,6 +349,12 @@ int printSchedule(const ScheduleRequest& request, bool json, bool csv) {
     std::cout << "\ncosts (ms) from " << request.costsPath << "\n";
   }
   tpipe::printSimulation(std::cout, schedule, simulation);
+  if (simulation.finished) {
+    std::cout << "back-to-back steps without a barrier (post-validation): "
+              << tpipe::steadyStepTime(schedule, costs) << " per step\n";
+  }
+  if (searchMs >= 0)
+    std::cout << "auto search: " << searchMs << " ms\n";
   return 0;
 }
 

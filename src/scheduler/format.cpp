@@ -105,6 +105,9 @@ void printSimulation(
       << std::setprecision(1) << 100.0 * simulation.bubbleFraction
       << "% (idle / (ranks x step)); theory (p-1)/(vm+p-1) "
       << 100.0 * theoreticalBubble(schedule) << "%\n";
+  out << "span bubble " << std::setprecision(2) << 100.0 * simulation.spanBubble
+      << "% (the Zero Bubble paper's: idle between a rank's first and last "
+         "compute)\n";
   out << std::setprecision(3);
   out << "rank   busy     idle   stages: peak stashed / live micro-batches\n";
   for (int rank = 0; rank < schedule.ranks; ++rank) {
@@ -316,6 +319,8 @@ nlohmann::json simulationToJson(
       {"finished", simulation.finished},
       {"makespan", simulation.makespan},
       {"bubble_fraction", simulation.bubbleFraction},
+      {"span_bubble", simulation.spanBubble},
+      {"span", simulation.span},
       {"theoretical_bubble", theoreticalBubble(schedule)},
       {"ranks", ranks},
       {"peak_stashed_micro_batches", simulation.peakStashed},

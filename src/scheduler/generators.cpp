@@ -136,18 +136,38 @@ std::vector<ComputeStep> oneFOneBOrder(
   return steps;
 }
 
+// How the list scheduler below breaks ties; autoSchedule tries several and
+// keeps the best (the Zero Bubble paper's heuristic variants).
+struct GreedyPolicy {
+  // A free rank with nothing ready runs a pending weight pass only when
+  // the wait for its next arrival is at least this fraction of the pass
+  // (0: always; 1: only when the pass fits the gap, so it never delays the
+  // arrival's work). A rank with no arrival ahead always runs it.
+  double fillRatio = 0.0;
+  // Prefer a ready forward to a ready input pass (1F1B's order) instead of
+  // the reverse (which shortens the critical path through the Bs).
+  bool forwardFirst = false;
+  // A free rank does not start a forward when an input pass of its
+  // becomes ready within this fraction of the forward: it waits for the
+  // input pass instead, which is on the critical path (the paper's
+  // "bubble allowed before a B").
+  double backwardLookahead = 0.0;
+};
+
 // The zero-bubble list scheduler (the Zero Bubble paper's automatic
 // scheduler, simplified), with split backwards. Stage s runs on rank
 // placement[s] (a rank may hold several stages, as in ZB-V). It replays time
 // with the given per-stage costs; whenever a rank is free it runs, in this
-// order of preference:
+// order of preference (the first two swap under policy.forwardFirst):
 //   1. an input pass (B) whose gradient has arrived, the latest stage first:
 //      it unblocks the stage before, so the bubble upstream shrinks;
 //   2. a forward (F) whose activation has arrived, the latest stage first,
-//      if the stage holds fewer than `limit[stage]` micro-batches
-//      (forwarded, weight pass not done);
+//      if the rank holds fewer than `limit[rank]` micro-batches of its
+//      stages (forwarded, weight pass not done) and the forward leaves one
+//      place for each later stage of the rank still to forward (so a V's
+//      first stage cannot take the places its second stage needs);
 //   3. a weight pass (W) of a micro-batch whose B is done: W depends on no
-//      other rank, so it fills what would be idle time;
+//      other rank, so it fills what would be idle time (policy.fillRatio);
 // and otherwise waits for the next arrival. Remaining Ws drain at the end.
 class GreedyZeroBubble {
  public:
@@ -156,20 +176,30 @@ class GreedyZeroBubble {
       std::vector<int> placement,
       int m,
       std::vector<StageCosts> costs,
-      std::vector<int> limit)
+      std::vector<int> limit,
+      GreedyPolicy policy = {})
       : p_(ranks),
         stages_(static_cast<int>(placement.size())),
         m_(m),
         placement_(std::move(placement)),
         costs_(std::move(costs)),
         limit_(std::move(limit)),
+        policy_(policy),
         free_(ranks, 0.0),
         f_(stages_, 0),
         b_(stages_, 0),
         w_(stages_, 0),
         forwardDone_(stages_, std::vector<double>(m, -1.0)),
         backwardDone_(stages_, std::vector<double>(m, -1.0)),
-        order_(ranks) {}
+        order_(ranks),
+        stagesOf_(ranks),
+        held_(ranks, 0),
+        weightsLeft_(ranks, 0) {
+    for (int s = 0; s < stages_; ++s) {
+      stagesOf_[placement_[s]].push_back(s);
+      weightsLeft_[placement_[s]] += m;
+    }
+  }
 
   ComputeOrder run() {
     while (!allDone()) {
@@ -197,18 +227,23 @@ class GreedyZeroBubble {
     return costs_.size() == 1 ? costs_[0] : costs_[s];
   }
   bool rankDone(int r) const {
-    for (int s = 0; s < stages_; ++s) {
-      if (placement_[s] == r && w_[s] < m_)
+    return weightsLeft_[r] == 0;
+  }
+  bool allDone() const {
+    for (int r = 0; r < p_; ++r) {
+      if (weightsLeft_[r] > 0)
         return false;
     }
     return true;
   }
-  bool allDone() const {
-    for (int s = 0; s < stages_; ++s) {
-      if (w_[s] < m_)
-        return false;
+  // Places rank r must keep for its stages after s still to forward.
+  int reserved(int s) const {
+    int places = 0;
+    for (int later : stagesOf_[placement_[s]]) {
+      if (later > s && f_[later] < m_ && f_[later] - w_[later] == 0)
+        ++places;
     }
-    return true;
+    return places;
   }
   // When stage s could start its next B / F; kNever while unknown.
   double backwardReady(int s) const {
@@ -220,7 +255,8 @@ class GreedyZeroBubble {
     return sent < 0 ? kNever : sent + cost(s + 1).transfer;
   }
   double forwardReady(int s) const {
-    if (f_[s] >= m_ || f_[s] - w_[s] >= limit_[s])
+    const int r = placement_[s];
+    if (f_[s] >= m_ || held_[r] + 1 + reserved(s) > limit_[r])
       return kNever;
     if (s == 0)
       return 0.0;
@@ -229,43 +265,81 @@ class GreedyZeroBubble {
   }
   // The latest stage of rank r whose next pass is ready by t, or -1.
   int latestReady(int r, double t, bool backward) const {
-    for (int s = stages_ - 1; s >= 0; --s) {
-      if (placement_[s] != r)
-        continue;
+    for (auto it = stagesOf_[r].rbegin(); it != stagesOf_[r].rend(); ++it) {
+      const int s = *it;
       const double ready = backward ? backwardReady(s) : forwardReady(s);
       if (ready <= t + kEpsilon)
         return s;
     }
     return -1;
   }
+  // The stage of rank r with the oldest pending weight pass, or -1.
   int pendingWeight(int r) const {
-    for (int s = 0; s < stages_; ++s) {
-      if (placement_[s] == r && w_[s] < b_[s])
+    for (int s : stagesOf_[r]) {
+      if (w_[s] < b_[s])
         return s;
     }
     return -1;
   }
+  // The next time anything of rank r becomes ready after t (kNever when
+  // nothing is known to come).
+  double nextArrival(int r, double t) const {
+    double next = kNever;
+    for (int s : stagesOf_[r]) {
+      for (double ready : {backwardReady(s), forwardReady(s)}) {
+        if (ready > t + kEpsilon)
+          next = std::min(next, ready);
+      }
+    }
+    return next;
+  }
 
   bool step(int r, double t) {
     Pass pass;
-    int s, mb;
+    int s = -1, mb;
     double duration;
-    if ((s = latestReady(r, t, true)) >= 0) {
+    const int firstBackward = latestReady(r, t, true);
+    const int firstForward = latestReady(r, t, false);
+    const bool backward =
+        firstBackward >= 0 && (!policy_.forwardFirst || firstForward < 0);
+    if (!backward && firstForward >= 0 && backwardSoon(r, firstForward, t))
+      return false;
+    if (backward) {
+      s = firstBackward;
       pass = Pass::kBackwardInput, mb = b_[s]++,
       duration = cost(s).backwardInput;
       backwardDone_[s][mb] = t + duration;
-    } else if ((s = latestReady(r, t, false)) >= 0) {
+    } else if (firstForward >= 0) {
+      s = firstForward;
       pass = Pass::kForward, mb = f_[s]++, duration = cost(s).forward;
       forwardDone_[s][mb] = t + duration;
-    } else if ((s = pendingWeight(r)) >= 0) {
+      ++held_[r];
+    } else if ((s = pendingWeight(r)) >= 0 && fillsGap(r, s, t)) {
       pass = Pass::kBackwardWeight, mb = w_[s]++,
       duration = cost(s).backwardWeight;
+      --held_[r], --weightsLeft_[r];
     } else {
       return false;
     }
     order_[r].push_back({pass, s, mb});
     free_[r] = t + duration;
     return true;
+  }
+  bool backwardSoon(int r, int forwardStage, double t) const {
+    if (policy_.backwardLookahead <= 0)
+      return false;
+    const double horizon =
+        t + policy_.backwardLookahead * cost(forwardStage).forward;
+    for (int s : stagesOf_[r]) {
+      if (backwardReady(s) <= horizon)
+        return true;
+    }
+    return false;
+  }
+  bool fillsGap(int r, int s, double t) const {
+    const double gap = nextArrival(r, t) - t;
+    return gap >= kNever / 2 ||
+        gap + kEpsilon >= policy_.fillRatio * cost(s).backwardWeight;
   }
 
   // Nobody could run at t: idle ranks wait for the next finish or arrival.
@@ -292,11 +366,15 @@ class GreedyZeroBubble {
   int p_, stages_, m_;
   std::vector<int> placement_;
   std::vector<StageCosts> costs_;
-  std::vector<int> limit_;
+  std::vector<int> limit_; // per rank
+  GreedyPolicy policy_;
   std::vector<double> free_;
   std::vector<int> f_, b_, w_; // next micro-batch of each pass, per stage
   std::vector<std::vector<double>> forwardDone_, backwardDone_;
   ComputeOrder order_;
+  std::vector<std::vector<int>> stagesOf_; // per rank, ascending
+  std::vector<int> held_;        // per rank: forwarded, weight pass not done
+  std::vector<int> weightsLeft_; // per rank
 };
 
 // One stage per rank: stage s on rank s.
@@ -313,6 +391,157 @@ std::vector<int> vPlacement(int ranks) {
   for (int s = 0; s < 2 * ranks; ++s)
     placement[s] = s < ranks ? s : 2 * ranks - 1 - s;
   return placement;
+}
+
+// How list schedules are compared: the step as the runtime runs it today
+// (its makespan, a barrier between steps), then the Zero Bubble paper's
+// span bubble, which back-to-back steps without a barrier would collect.
+struct ScheduleScore {
+  double makespan = 1e300;
+  double spanBubble = 1.0;
+  bool betterThan(const ScheduleScore& other) const {
+    const double tolerance = 1e-9 * std::max(1.0, other.makespan);
+    if (makespan < other.makespan - tolerance)
+      return true;
+    return makespan <= other.makespan + tolerance &&
+        spanBubble < other.spanBubble - 1e-12;
+  }
+};
+
+ScheduleScore scoreOf(
+    const Schedule& schedule,
+    const std::vector<StageCosts>& costs) {
+  const Simulation simulation = simulate(schedule, costs);
+  if (!simulation.finished)
+    return {};
+  return {simulation.makespan, simulation.spanBubble};
+}
+
+ScheduleScore scoreOf(
+    const ComputeOrder& order,
+    const std::vector<int>& placement,
+    int microBatches,
+    const std::vector<StageCosts>& costs) {
+  const int ranks = static_cast<int>(order.size());
+  Schedule lowered = lower(
+      "",
+      ranks,
+      static_cast<int>(placement.size()) / ranks,
+      microBatches,
+      CheckpointMode::kNever,
+      order);
+  lowered.placement = placement;
+  return scoreOf(lowered, costs);
+}
+
+// The greedy list scheduler under each of its policies, best simulated
+// makespan first (ties: the first policy). Policies that stall are skipped.
+ComputeOrder bestGreedy(
+    int ranks,
+    const std::vector<int>& placement,
+    int microBatches,
+    const std::vector<StageCosts>& costs,
+    const std::vector<int>& limit) {
+  ComputeOrder best;
+  ScheduleScore bestScore;
+  constexpr double kOnlyWhenNeeded = 1e200; // a W waits for the tail or
+                                            // for memory
+  std::vector<GreedyPolicy> policies;
+  for (double lookahead : {0.0, 0.5, 1.0}) {
+    for (bool forwardFirst : {false, true}) {
+      for (double fillRatio : {0.0, 0.5, 1.0, kOnlyWhenNeeded})
+        policies.push_back({fillRatio, forwardFirst, lookahead});
+    }
+  }
+  for (const GreedyPolicy& policy : policies) {
+    {
+      ComputeOrder order;
+      try {
+        order = GreedyZeroBubble(
+                    ranks, placement, microBatches, costs, limit, policy)
+                    .run();
+      } catch (const ScheduleError&) {
+        continue;
+      }
+      const ScheduleScore score =
+          scoreOf(order, placement, microBatches, costs);
+      if (score.betterThan(bestScore)) {
+        best = std::move(order);
+        bestScore = score;
+      }
+    }
+  }
+  if (best.empty())
+    throw ScheduleError("zero-bubble scheduler: no rank can make progress");
+  return best;
+}
+
+// Peak micro-batches each rank holds (forwarded, weight pass not done).
+std::vector<int> peakHeld(const ComputeOrder& order) {
+  std::vector<int> peaks;
+  for (const auto& steps : order) {
+    int held = 0, peak = 0;
+    for (const ComputeStep& step : steps) {
+      if (step.pass == Pass::kForward)
+        peak = std::max(peak, ++held);
+      else if (step.pass != Pass::kBackwardInput)
+        --held;
+    }
+    peaks.push_back(peak);
+  }
+  return peaks;
+}
+
+// A local improvement pass over a list schedule: move single weight passes
+// one place earlier or later on their rank, keeping each move the
+// simulator scores faster and the in-flight limits allow, until a pass
+// finds nothing or the budget of evaluations (fixed, so the result does not
+// depend on the machine's speed) is spent.
+void improveWeightPlacement(
+    ComputeOrder& order,
+    const std::vector<int>& placement,
+    int microBatches,
+    const std::vector<StageCosts>& costs,
+    const std::vector<int>& limit) {
+  const int ranks = static_cast<int>(order.size());
+  size_t steps = 0;
+  for (const auto& list : order)
+    steps += list.size();
+  // About 3e6 simulated steps in all: bounded time at p = 32, m = 256.
+  long budget = std::max<long>(8, static_cast<long>(3e6 / (steps + 1)));
+  ScheduleScore best = scoreOf(order, placement, microBatches, costs);
+  for (bool improved = true; improved && budget > 0;) {
+    improved = false;
+    for (int r = 0; r < ranks && budget > 0; ++r) {
+      auto& list = order[r];
+      for (size_t i = 0; i < list.size() && budget > 0; ++i) {
+        if (list[i].pass != Pass::kBackwardWeight)
+          continue;
+        for (int direction : {-1, 1}) {
+          const size_t j = i + direction;
+          if (j >= list.size() || budget <= 0)
+            continue;
+          const ComputeStep& other = list[j];
+          if (direction < 0 && other.pass == Pass::kBackwardInput &&
+              other.stage == list[i].stage &&
+              other.microBatch == list[i].microBatch)
+            continue; // a W stays after its own B
+          std::swap(list[i], list[j]);
+          --budget;
+          const std::vector<int> held = peakHeld({list});
+          const ScheduleScore score = held[0] <= limit[r]
+              ? scoreOf(order, placement, microBatches, costs)
+              : ScheduleScore{};
+          if (score.betterThan(best)) {
+            best = score;
+            improved = true;
+            break;
+          }
+          std::swap(list[i], list[j]);
+        }
+      }
+    }
+  }
 }
 
 } // namespace
@@ -486,10 +715,8 @@ Schedule zeroBubbleH2Schedule(
   // Up to 2p - 1 micro-batches in flight: enough warm-up forwards to cover
   // the wait for the first gradient, so unit-cost stages never idle.
   const std::vector<int> limit(ranks, 2 * ranks - 1);
-  const ComputeOrder order =
-      GreedyZeroBubble(
-          ranks, straightPlacement(ranks), microBatches, {StageCosts{}}, limit)
-          .run();
+  const ComputeOrder order = bestGreedy(
+      ranks, straightPlacement(ranks), microBatches, {StageCosts{}}, limit);
   return lower("zb-h2", ranks, 1, microBatches, mode, order);
 }
 
@@ -514,28 +741,36 @@ Schedule autoSchedule(
     if (cap < 1)
       throw ScheduleError("auto schedule: an in-flight limit must be >= 1");
   }
-  Schedule greedy = lower(
-      "auto",
-      ranks,
-      1,
-      microBatches,
-      mode,
-      GreedyZeroBubble(
-          ranks, straightPlacement(ranks), microBatches, costs, limit)
-          .run());
-  validate(greedy);
-  // Never worse than ZB-H1 where ZB-H1 fits the limit (it holds up to p).
-  bool h1Fits = true;
-  for (int cap : limit)
-    h1Fits = h1Fits && cap >= std::min(ranks, microBatches);
-  if (!h1Fits)
-    return greedy;
-  Schedule h1 = zeroBubbleH1Schedule(ranks, microBatches, mode);
-  if (simulate(h1, costs).makespan < simulate(greedy, costs).makespan) {
-    h1.name = "auto";
-    return h1;
+  const std::vector<int> placement = straightPlacement(ranks);
+  ComputeOrder order = bestGreedy(ranks, placement, microBatches, costs, limit);
+  improveWeightPlacement(order, placement, microBatches, costs, limit);
+  Schedule best = lower("auto", ranks, 1, microBatches, mode, order);
+  ScheduleScore bestScore = scoreOf(best, costs);
+  // Never worse than a built-in schedule that fits the same limit.
+  auto fits = [&](int held) {
+    for (int cap : limit) {
+      if (cap < std::min(held, microBatches))
+        return false;
+    }
+    return true;
+  };
+  std::vector<Schedule> builtIns;
+  if (fits(ranks)) {
+    builtIns.push_back(oneFOneBSchedule(ranks, microBatches, mode));
+    builtIns.push_back(zeroBubbleH1Schedule(ranks, microBatches, mode));
   }
-  return greedy;
+  if (fits(2 * ranks - 1))
+    builtIns.push_back(zeroBubbleH2Schedule(ranks, microBatches, mode));
+  for (Schedule& candidate : builtIns) {
+    const ScheduleScore score = scoreOf(candidate, costs);
+    if (score.betterThan(bestScore)) {
+      best = std::move(candidate);
+      best.name = "auto";
+      bestScore = score;
+    }
+  }
+  validate(best);
+  return best;
 }
 
 namespace {
@@ -721,12 +956,11 @@ Schedule forwardOnlySchedule(
 Schedule zeroBubbleVSchedule(int ranks, int microBatches, CheckpointMode mode) {
   requireCounts(ranks, microBatches, 2);
   const std::vector<int> placement = vPlacement(ranks);
-  // Each stage is half a 1F1B stage: p of each in flight hold what 1F1B's
-  // first stage holds.
-  const std::vector<int> limit(2 * ranks, ranks);
+  // Each stage is half a 1F1B stage: 2p of them in flight on a rank hold
+  // what 1F1B's first stage holds (p whole micro-batches).
+  const std::vector<int> limit(ranks, 2 * ranks);
   const ComputeOrder order =
-      GreedyZeroBubble(ranks, placement, microBatches, {StageCosts{}}, limit)
-          .run();
+      bestGreedy(ranks, placement, microBatches, {StageCosts{}}, limit);
   Schedule schedule = lower("zb-v", ranks, 2, microBatches, mode, order);
   schedule.placement = placement;
   return schedule;

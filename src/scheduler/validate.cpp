@@ -317,7 +317,9 @@ class Simulator {
         stashed_(stages_, 0),
         live_(stages_, 0),
         next_(schedule.ranks, 0),
-        clock_(schedule.ranks, 0.0) {
+        clock_(schedule.ranks, 0.0),
+        firstStart_(schedule.ranks, -1.0),
+        lastEnd_(schedule.ranks, 0.0) {
     if (costs.size() != 1 && static_cast<int>(costs.size()) != stages_) {
       throw ScheduleError(
           "simulate: expected 1 or " + std::to_string(stages_) +
@@ -397,8 +399,12 @@ class Simulator {
     if (blocked)
       return false;
     const double end = start + duration;
-    if (isCompute(instruction))
+    if (isCompute(instruction)) {
       result_.busy[rank] += duration;
+      if (firstStart_[rank] < 0)
+        firstStart_[rank] = start;
+      lastEnd_[rank] = end;
+    }
     result_.timeline.push_back(
         {rank, static_cast<int>(next_[rank]), start, end});
     clock_[rank] = end;
@@ -428,6 +434,16 @@ class Simulator {
     result_.bubbleFraction = result_.makespan > 0
         ? idle / (schedule_.ranks * result_.makespan)
         : 0.0;
+    double worstIdle = 0.0, mostWork = 0.0;
+    result_.span.assign(schedule_.ranks, 0.0);
+    for (int rank = 0; rank < schedule_.ranks; ++rank) {
+      if (firstStart_[rank] >= 0)
+        result_.span[rank] = lastEnd_[rank] - firstStart_[rank];
+      worstIdle = std::max(worstIdle, result_.span[rank] - result_.busy[rank]);
+      mostWork = std::max(mostWork, result_.busy[rank]);
+    }
+    result_.spanBubble =
+        worstIdle > 0 ? worstIdle / (mostWork + worstIdle) : 0.0;
   }
 
   const Schedule& schedule_;
@@ -437,7 +453,7 @@ class Simulator {
   std::vector<double> activationReady_, gradReady_;
   std::vector<int> stashed_, live_;
   std::vector<size_t> next_;
-  std::vector<double> clock_;
+  std::vector<double> clock_, firstStart_, lastEnd_;
   Simulation result_;
 };
 
@@ -447,6 +463,34 @@ Simulation simulate(
     const Schedule& schedule,
     const std::vector<StageCosts>& costs) {
   return Simulator(schedule, costs).run();
+}
+
+double steadyStepTime(
+    const Schedule& schedule,
+    const std::vector<StageCosts>& costs) {
+  // Step k's micro-batches are numbered k m .. k m + m - 1, so transfers of
+  // different steps never meet; each rank's lists simply follow each other.
+  constexpr int kSteps = 3;
+  const int m = schedule.microBatches;
+  auto repeated = [&](int steps) {
+    Schedule run = schedule;
+    run.microBatches = m * steps;
+    for (int rank = 0; rank < schedule.ranks; ++rank) {
+      auto& list = run.perRank[rank];
+      list.clear();
+      for (int step = 0; step < steps; ++step) {
+        for (Instruction instruction : schedule.perRank[rank]) {
+          std::visit([&](auto& op) { op.microBatch += step * m; }, instruction);
+          list.push_back(instruction);
+        }
+      }
+    }
+    const Simulation simulation = simulate(run, costs);
+    if (!simulation.finished)
+      throw ScheduleError("steady step: stalls: " + simulation.stuck);
+    return simulation.makespan;
+  };
+  return (repeated(kSteps) - repeated(1)) / (kSteps - 1);
 }
 
 double theoreticalBubble(int stages, int microBatches) {
