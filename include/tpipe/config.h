@@ -43,8 +43,11 @@ struct ModelConfig {
 };
 
 struct DataConfig {
-  std::string dataset; // fashion-mnist | text | synthetic
-  std::string path;    // directory (fashion-mnist) or file (text)
+  std::string dataset;  // fashion-mnist | text | tokens | tensors | synthetic
+  std::string path;     // directory (fashion-mnist) or file (text, tokens,
+                        // tensors: a torch.save({"inputs", "targets"}) file)
+  std::string evalPath; // tensors: the evaluation file; empty: hold out a
+                        // tenth of path's samples
   bool shuffle = true;
   bool normalize = false; // fashion-mnist: standardize with mean/std
   int64_t seqLen = 64;    // text: characters per sample

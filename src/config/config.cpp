@@ -466,16 +466,27 @@ void parseData(const Json& json, Config& config) {
   ObjectReader data(json, "data");
   auto& d = config.data;
   d.dataset = data.choice(
-      "dataset", "", {"fashion-mnist", "text", "tokens", "synthetic"});
+      "dataset",
+      "",
+      {"fashion-mnist", "text", "tokens", "tensors", "synthetic"});
   if (d.dataset.empty())
     fail("data.dataset", "missing (required)");
   if (d.dataset == "tokens" && !data.find("path"))
     fail("data.path", "missing (required for tokens: a flat uint16 file)");
+  if (d.dataset == "tensors" && !data.find("path")) {
+    fail(
+        "data.path",
+        "missing (required for tensors: a file written by torch.save({\"inputs\": X, "
+        "\"targets\": Y}, path))");
+  }
   const std::string defaultPath = d.dataset == "fashion-mnist"
       ? kFashionMnistPath
       : d.dataset == "text" ? kDefaultTextPath
                             : "";
   d.path = data.string("path", defaultPath);
+  d.evalPath = data.string("eval_path", "");
+  if (!d.evalPath.empty() && d.dataset != "tensors")
+    fail("data.eval_path", "only the tensors dataset reads an evaluation file");
   d.shuffle = data.boolean("shuffle", true);
   d.normalize = data.boolean("normalize", false);
   d.seqLen = data.integer("seq_len", 64, 1, "a positive integer");
@@ -507,7 +518,9 @@ void checkInputShape(Config& config) {
     }
   }
   if (config.model.inputShape.empty())
-    fail("model.input_shape", "missing (required for synthetic data)");
+    fail(
+        "model.input_shape",
+        "missing (required for synthetic and tensors data)");
 }
 
 std::vector<DeviceConfig> parseDevices(const Json& devices) {
@@ -886,6 +899,7 @@ nlohmann::json describeConfig(const Config& config) {
       {"data",
        {{"dataset", d.dataset},
         {"path", d.path},
+        {"eval_path", d.evalPath},
         {"shuffle", d.shuffle},
         {"normalize", d.normalize},
         {"seq_len", d.seqLen},

@@ -1,5 +1,6 @@
 // Datasets named in configs: Fashion-MNIST (IDX .gz files), character-level
-// text, and synthetic data from a seeded random teacher.
+// text, token files, the user's own tensors (torch.save files), and
+// synthetic data from a seeded random teacher.
 #include <sys/stat.h>
 #ifndef TPIPE_NO_ZLIB
 #include <zlib.h>
@@ -12,6 +13,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
+#include <torch/csrc/jit/serialization/pickle.h>
 #include <torch/nn/functional/activation.h>
 
 #include "tpipe/trainer.h"
@@ -337,6 +339,170 @@ Dataset tokens(const Config& config, const BuiltModel& model) {
 // Inputs from N(0, 1); targets from a fixed random linear teacher: class
 // argmax for cross-entropy, tanh of the projection for mse. Learnable, so a
 // smoke run shows the loss falling.
+std::string shapeText(at::IntArrayRef shape) {
+  std::string text = "[";
+  for (size_t i = 0; i < shape.size(); ++i)
+    text += (i ? ", " : "") + std::to_string(shape[i]);
+  return text + "]";
+}
+
+// One torch.save({"inputs": X, "targets": Y}, path) file, read by
+// LibTorch's own unpickler and checked against the model: the sample
+// shapes, the dtypes, and every class label in range.
+struct TensorPair {
+  at::Tensor inputs, targets;
+};
+
+TensorPair readTensorFile(
+    const std::string& key,
+    const std::string& path,
+    const Config& config,
+    const BuiltModel& model) {
+  const std::string where = key + ": " + path;
+  std::vector<char> bytes = readWhole(path, "");
+  if (bytes.empty())
+    throw ConfigError(where + " is empty (expected a torch.save file)");
+  c10::IValue value;
+  try {
+    value = torch::jit::pickle_load(bytes);
+  } catch (const c10::Error& error) {
+    throw ConfigError(
+        where +
+        " is not a torch.save file that LibTorch's unpickler reads (it reads "
+        "what torch.save writes by default; " +
+        error.what_without_backtrace() + ")");
+  }
+  bytes = std::vector<char>(); // the tensors own their data now
+  if (!value.isGenericDict()) {
+    throw ConfigError(
+        where + " holds a " + value.tagKind() +
+        "; expected a dict {\"inputs\": tensor, \"targets\": tensor}");
+  }
+  const c10::impl::GenericDict dict = value.toGenericDict();
+  auto tensorAt = [&](const char* name) {
+    for (const auto& entry : dict) {
+      if (entry.key().isString() && entry.key().toStringRef() == name) {
+        if (!entry.value().isTensor()) {
+          throw ConfigError(
+              where + ": \"" + name + "\" is a " + entry.value().tagKind() +
+              ", expected a tensor");
+        }
+        return entry.value().toTensor();
+      }
+    }
+    throw ConfigError(
+        where + ": missing key \"" + name +
+        "\" (expected {\"inputs\": tensor, \"targets\": tensor})");
+  };
+  TensorPair pair{tensorAt("inputs"), tensorAt("targets")};
+  at::Tensor& x = pair.inputs;
+  at::Tensor& y = pair.targets;
+  if (x.dim() == 0 || y.dim() == 0 || x.size(0) != y.size(0)) {
+    throw ConfigError(
+        where + ": \"inputs\" " + shapeText(x.sizes()) + " and \"targets\" " +
+        shapeText(y.sizes()) + " do not hold the same number of samples");
+  }
+  if (x.size(0) == 0)
+    throw ConfigError(where + " holds no samples");
+  const std::vector<int64_t>& in = model.shapes.front();
+  if (x.sizes().slice(1) != at::IntArrayRef(in)) {
+    throw ConfigError(
+        where + ": \"inputs\" samples are " + shapeText(x.sizes().slice(1)) +
+        " but model.input_shape is " + shapeText(in));
+  }
+  const bool integer = !at::isFloatingType(x.scalar_type()) &&
+      !at::isComplexType(x.scalar_type()) && x.scalar_type() != at::kBool;
+  if (model.integerInput) {
+    if (!integer) {
+      throw ConfigError(
+          where + ": \"inputs\" are " +
+          std::string(c10::toString(x.scalar_type())) +
+          " but the model starts with an embedding, which takes integer token ids");
+    }
+    x = x.to(at::kLong).contiguous();
+    const int64_t low = x.min().item<int64_t>(), high = x.max().item<int64_t>();
+    if (low < 0 || high >= model.inputVocabulary) {
+      throw ConfigError(
+          where + ": \"inputs\" hold token id " +
+          std::to_string(low < 0 ? low : high) +
+          ", outside the embedding's num_embeddings " +
+          std::to_string(model.inputVocabulary));
+    }
+  } else {
+    if (!at::isFloatingType(x.scalar_type())) {
+      throw ConfigError(
+          where + ": \"inputs\" are " +
+          std::string(c10::toString(x.scalar_type())) +
+          "; a model without an embedding first takes floating-point inputs");
+    }
+    x = x.to(at::kFloat).contiguous();
+  }
+  const std::vector<int64_t>& out = model.shapes.back();
+  if (config.train.loss == "cross_entropy") {
+    const std::vector<int64_t> want(out.begin(), out.end() - 1);
+    if (!at::isIntegralType(y.scalar_type(), false)) {
+      throw ConfigError(
+          where + ": \"targets\" are " +
+          std::string(c10::toString(y.scalar_type())) +
+          "; cross_entropy takes integer class indices");
+    }
+    if (y.sizes().slice(1) != at::IntArrayRef(want)) {
+      throw ConfigError(
+          where + ": \"targets\" samples are " + shapeText(y.sizes().slice(1)) +
+          " but cross_entropy over the model's output " + shapeText(out) +
+          " needs " + shapeText(want));
+    }
+    y = y.to(at::kLong).contiguous();
+    const int64_t low = y.min().item<int64_t>(), high = y.max().item<int64_t>();
+    if (low < 0 || high >= out.back()) {
+      throw ConfigError(
+          where + ": \"targets\" hold class " +
+          std::to_string(low < 0 ? low : high) + ", but the model outputs " +
+          std::to_string(out.back()) + " classes");
+    }
+  } else {
+    if (!at::isFloatingType(y.scalar_type())) {
+      throw ConfigError(
+          where + ": \"targets\" are " +
+          std::string(c10::toString(y.scalar_type())) +
+          "; mse takes floating-point targets shaped like the output");
+    }
+    if (y.sizes().slice(1) != at::IntArrayRef(out)) {
+      throw ConfigError(
+          where + ": \"targets\" samples are " + shapeText(y.sizes().slice(1)) +
+          " but the model outputs " + shapeText(out));
+    }
+    y = y.to(at::kFloat).contiguous();
+  }
+  return pair;
+}
+
+Dataset tensors(const Config& config, const BuiltModel& model) {
+  TensorPair train =
+      readTensorFile("data.path", config.data.path, config, model);
+  Dataset data;
+  const int64_t n = train.inputs.size(0);
+  if (!config.data.evalPath.empty()) {
+    TensorPair eval =
+        readTensorFile("data.eval_path", config.data.evalPath, config, model);
+    data.trainInputs = train.inputs, data.trainTargets = train.targets;
+    data.evalInputs = eval.inputs, data.evalTargets = eval.targets;
+  } else {
+    // The last tenth is held out, as for text and tokens.
+    const int64_t held = n >= 10 ? n / 10 : 0;
+    data.trainInputs = train.inputs.narrow(0, 0, n - held);
+    data.trainTargets = train.targets.narrow(0, 0, n - held);
+    data.evalInputs = train.inputs.narrow(0, n - held, held);
+    data.evalTargets = train.targets.narrow(0, n - held, held);
+  }
+  data.description = "tensors: " + std::to_string(data.trainInputs.size(0)) +
+      " training samples from " + config.data.path + ", " +
+      std::to_string(data.evalInputs.size(0)) + " evaluation samples " +
+      (config.data.evalPath.empty() ? "held out"
+                                    : "from " + config.data.evalPath);
+  return data;
+}
+
 Dataset synthetic(const Config& config, const BuiltModel& model) {
   at::Generator generator =
       at::make_generator<at::CPUGeneratorImpl>(config.train.seed + 12345);
@@ -432,7 +598,7 @@ void checkLossFits(const Config& config, const BuiltModel& model) {
           std::to_string(config.data.seqLen) + ", 256]; the model outputs " +
           shape(out));
     }
-  } else if (dataset != "synthetic") {
+  } else if (dataset != "synthetic" && dataset != "tensors") {
     throw ConfigError(
         "train.loss: mse needs regression targets; " + dataset +
         " has class labels (use cross_entropy)");
@@ -454,6 +620,8 @@ Dataset loadDataset(const Config& config, const BuiltModel& model) {
     return text(config);
   if (config.data.dataset == "tokens")
     return tokens(config, model);
+  if (config.data.dataset == "tensors")
+    return tensors(config, model);
   return synthetic(config, model);
 }
 
