@@ -543,5 +543,32 @@ for n in -1 0; do
   expect "--stop-after $n is refused" 2 "--stop-after" "$work/stop-after.log" $?
 done
 
+# ---- 25: --resume auto, the same command line after any failure ------------
+"$tpipe" train "$config" --resume auto >"$work/auto0.log" 2>&1
+expect "--resume auto without --save is refused" 2 "--resume auto needs --save DIR" "$work/auto0.log" $?
+auto=(--save "$work/auto" --resume auto --metrics "$work/auto.jsonl" --set train.checkpoint_every=10 --set train.steps=60 --set train.eval_every=0)
+"$tpipe" train "$config" "${auto[@]}" --stop-after 25 >"$work/auto1.log" 2>&1
+expect "--resume auto with an empty --save directory starts fresh" 0 "no checkpoint in $work/auto yet, starting fresh" "$work/auto1.log" $?
+# A failure after step 25, whose last checkpoint is step 25: steps 26.. are
+# redone, and their first records must not stay twice.
+python3 - "$work/auto.jsonl" <<'PY'
+import json, sys
+with open(sys.argv[1], "a") as f:
+    for step in (26, 27):
+        f.write(json.dumps({"step": step, "loss": 9.0}) + "\n")
+PY
+"$tpipe" train "$config" "${auto[@]}" >"$work/auto2.log" 2>&1
+status=$?
+steps=$(python3 -c "
+import json, sys
+steps = [json.loads(l)['step'] for l in open('$work/auto.jsonl') if '\"loss\"' in l]
+print('ok' if steps == list(range(1, 61)) else steps)")
+if [[ $status -eq 0 ]] && grep -q "resuming from $work/auto's last checkpoint" "$work/auto2.log" &&
+   grep -q "dropped 2 record(s) after step 25" "$work/auto2.log" && [[ $steps == ok ]]; then
+  ok "the same command resumes at step 25, and the metrics hold one training record per step, 1..60"
+else
+  bad "--resume auto after a failure (exit $status, steps $steps)" "$(cat "$work/auto2.log")"
+fi
+
 echo "$passed passed, $failed failed, $skipped skipped"
 exit $((failed > 0))

@@ -118,7 +118,8 @@ struct TrainOptions {
   bool overwrite = false;
   std::string metricsPath; // JSON lines; empty: none
   std::string saveDir;     // checkpoints; empty: none
-  std::string resumeDir;   // continue from this checkpoint; empty: start
+  std::string resumeDir;   // continue from this checkpoint; empty: start;
+                           // "auto": saveDir's last checkpoint, if any
   // Resume a checkpoint whose run differs (a new learning rate): without
   // it, a checkpoint of another model, data or settings is refused naming
   // the first key that differs.

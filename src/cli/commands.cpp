@@ -407,7 +407,10 @@ CLI::App* addTrain(CLI::App& app, Arguments& a) {
       "--metrics", a.train.metricsPath, "write JSON lines, one per step");
   train->add_option("--save", a.train.saveDir, "checkpoint directory");
   train->add_option(
-      "--resume", a.train.resumeDir, "continue from this checkpoint directory");
+      "--resume",
+      a.train.resumeDir,
+      "continue from this checkpoint directory; auto: from --save DIR's last "
+      "checkpoint if it has one, else start fresh");
   train->add_flag(
       "--resume-changed",
       a.train.resumeChanged,

@@ -8,6 +8,7 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <iomanip>
 #include <iostream>
@@ -18,6 +19,7 @@
 #include "runtime/c10d_transport.h"
 #include "tpipe/schedule.h"
 #include "train/checkpoint.h"
+#include "train/files.h"
 #include "train/parts.h"
 
 namespace tpipe {
@@ -168,11 +170,36 @@ Config tunedIfAuto(const Config& config, const TrainOptions& options) {
   return configWithPlan(config, choice);
 }
 
+// --resume auto: the --save directory's last committed checkpoint if it
+// has one, else a fresh start there, so a restart policy (torchrun's,
+// SLURM's, a shell loop's) reruns the same command line.
+TrainOptions withAutoResume(TrainOptions options, std::string& note) {
+  if (options.resumeDir != "auto")
+    return options;
+  if (options.saveDir.empty()) {
+    throw ConfigError(
+        "--resume auto needs --save DIR: it resumes from DIR's last checkpoint, or starts "
+        "fresh and checkpoints there");
+  }
+  std::error_code error;
+  if (std::filesystem::exists(
+          std::filesystem::path(options.saveDir) / "checkpoint.json", error)) {
+    options.resumeDir = options.saveDir;
+    note = "--resume auto: resuming from " + options.saveDir +
+        "'s last checkpoint";
+  } else {
+    options.resumeDir.clear();
+    note = "--resume auto: no checkpoint in " + options.saveDir +
+        " yet, starting fresh";
+  }
+  return options;
+}
+
 class TrainingRun {
  public:
   TrainingRun(const Config& config, const TrainOptions& options)
       : config_(tunedIfAuto(config, options)),
-        options_(options),
+        options_(withAutoResume(options, autoResumeNote_)),
         world_(joinWorld(config_)) {
     if (world_) {
       // Rank 0 speaks for the world: every rank records its trace and
@@ -282,11 +309,41 @@ class TrainingRun {
   void openMetrics() {
     if (options_.metricsPath.empty())
       return;
+    if (summary_.startStep > 0)
+      dropMetricsAfter(summary_.startStep);
     metrics_.open(
         options_.metricsPath,
         summary_.startStep > 0 ? std::ios::app : std::ios::trunc);
     if (!metrics_)
       throw ConfigError("--metrics: cannot write " + options_.metricsPath);
+  }
+
+  // A run resumed at step s continues its metrics file: records of steps
+  // after s (written before a failure, then redone) are dropped, so the
+  // file keeps one record per step.
+  void dropMetricsAfter(int64_t step) {
+    std::error_code error;
+    if (!std::filesystem::is_regular_file(options_.metricsPath, error))
+      return;
+    std::ifstream in(options_.metricsPath);
+    std::string line, kept;
+    int64_t dropped = 0;
+    while (std::getline(in, line)) {
+      const nlohmann::json record = nlohmann::json::parse(line, nullptr, false);
+      if (record.is_object() && record.contains("step") &&
+          record["step"].is_number_integer() &&
+          record["step"].get<int64_t>() > step) {
+        ++dropped;
+        continue;
+      }
+      kept += line + "\n";
+    }
+    in.close();
+    if (dropped == 0)
+      return;
+    writeOutputFile(options_.metricsPath, kept);
+    *log_ << "--metrics: dropped " << dropped << " record(s) after step "
+          << step << ", which this run redoes\n";
   }
 
   // Metrics and progress are flushed line by line: a killed run keeps them.
@@ -346,6 +403,8 @@ class TrainingRun {
       log << "plan: " << note << "\n";
     if (summary_.startStep > 0)
       log << "resumed at step " << summary_.startStep << "\n";
+    if (!autoResumeNote_.empty())
+      log << autoResumeNote_ << "\n";
     if (!resumeNote_.empty())
       log << "resume: " << resumeNote_ << "\n";
     log << std::flush;
@@ -689,6 +748,7 @@ class TrainingRun {
   }
 
   const Config config_;
+  std::string autoResumeNote_; // declared before options_, which fills it
   TrainOptions options_;
   std::shared_ptr<Communicator> world_;
   std::ostringstream silent_;
