@@ -2,12 +2,13 @@
 # The tensors dataset as a user meets it: data written by Python's
 # torch.save, trained by tpipe on 2 stages, step for step equal to a PyTorch
 # loop over the same tensors, the same shuffled order and the same initial
-# weights (a TorchScript model); resumed mid-epoch bit for bit; and each kind
-# of bad file refused with exit 2, naming the file and the problem.
+# weights (a TorchScript model); resumed mid-epoch bit for bit; tpipe predict
+# on the checkpoint equal to PyTorch on its weights; and each kind of bad
+# file refused with exit 2, naming the file and the problem.
 set -uo pipefail
 tpipe=${1:?usage: tensors.sh TPIPE_BINARY}
 work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
+trap '[[ -n ${KEEP:-} ]] || rm -rf "$work"' EXIT
 passed=0 failed=0
 ok() { echo "ok: $1"; passed=$((passed + 1)); }
 bad() { echo "FAILED: $1"; echo "$2" | sed 's/^/    /' | head -20; failed=$((failed + 1)); }
@@ -90,6 +91,65 @@ if diff <(grep -h '"loss"' "$work/first.jsonl" "$work/second.jsonl" | /usr/bin/p
   ok "stopped at step 13 and resumed, every loss is bit-identical to the uninterrupted run"
 else
   bad "resume mid-epoch" "$(cat "$work/diff.log" "$work/resume.log")"
+fi
+
+# tpipe predict on the checkpoint of step 13: the outputs equal the
+# PyTorch module's with the checkpoint's weights, on 2 stages, on 1, and on
+# 2 processes under tpipe launch.
+"$tpipe" predict "$work/run.json" --resume "$work/ck" --input "$work/test.pt" --output "$work/out2.pt" >"$work/predict.log" 2>&1
+s2=$?
+"$tpipe" predict "$work/run.json" --set 'pipeline.devices=["cpu:0"]' --resume "$work/ck" --input "$work/test.pt" --output "$work/out1.pt" >>"$work/predict.log" 2>&1
+s1=$?
+# Across processes a checkpoint resumes in the layout that wrote it: train
+# under launch, then predict under launch.
+"$tpipe" launch --nproc 2 "$work/run.json" --save "$work/ckp" --stop-after 5 >>"$work/predict.log" 2>&1 &&
+  "$tpipe" launch --nproc 2 predict "$work/run.json" --resume "$work/ckp" --input "$work/test.pt" --output "$work/outp.pt" >>"$work/predict.log" 2>&1
+sp=$?
+/usr/bin/python3 - "$work" <<'PY' >"$work/predict-compare.log" 2>&1
+import sys, torch
+w = sys.argv[1]
+def expected(checkpoint):
+    model = torch.jit.load(f"{w}/mlp.pt")
+    import glob  # one process's checkpoint, or each rank's part of one
+    parts = glob.glob(f"{w}/{checkpoint}/model.pt") or glob.glob(f"{w}/{checkpoint}/rank-*/model.pt")
+    state = {}
+    for part in parts:
+        state.update(torch.load(part))
+    model.load_state_dict(state)
+    model.eval()
+    with torch.no_grad():
+        return model(torch.load(f"{w}/test.pt")["inputs"])
+pairs = (("out2", "ck"), ("out1", "ck"), ("outp", "ckp"))
+worst = max((torch.load(f"{w}/{out}.pt") - expected(ck)).abs().max().item() for out, ck in pairs)
+print(f"worst |tpipe - pytorch| = {worst:.2e} over 64 x 4 outputs")
+sys.exit(0 if worst <= 1e-6 else 1)
+PY
+compared=$?
+if [[ $s2 -eq 0 && $s1 -eq 0 && $sp -eq 0 && $compared -eq 0 ]] && grep -q "samples/s; wrote" "$work/predict.log"; then
+  ok "predict on 2 stages, 1 stage and 2 processes equals PyTorch on the checkpoint's weights ($(cat "$work/predict-compare.log"))"
+else
+  bad "predict (exit $s2 / $s1 / $sp)" "$(cat "$work/predict.log" "$work/predict-compare.log")"
+fi
+"$tpipe" predict "$work/run.json" --resume "$work/ck" --input "$work/shape.pt" --output "$work/o.pt" >"$work/p.log" 2>&1
+status=$?
+if [[ $status -eq 2 ]] && grep -qF "samples are [15] but model.input_shape is [16]" "$work/p.log" && [[ ! -e $work/o.pt ]]; then
+  ok "predict refuses inputs of another shape (exit 2) and writes nothing"
+else
+  bad "predict with wrong shapes (exit $status)" "$(cat "$work/p.log")"
+fi
+"$tpipe" predict "$work/run.json" --resume "$work/nowhere" --input "$work/test.pt" --output "$work/o.pt" >"$work/p.log" 2>&1
+expect_status=$?
+if [[ $expect_status -eq 2 ]] && grep -q "nowhere" "$work/p.log"; then
+  ok "predict names a missing checkpoint directory (exit 2)"
+else
+  bad "predict without a checkpoint (exit $expect_status)" "$(cat "$work/p.log")"
+fi
+"$tpipe" predict "$work/run.json" --resume "$work/ck" --input "$work/test.pt" --output "$work" >"$work/p.log" 2>&1
+expect_status=$?
+if [[ $expect_status -eq 2 ]] && grep -q -- "--output" "$work/p.log"; then
+  ok "predict refuses a directory as --output before running (exit 2)"
+else
+  bad "predict to a directory (exit $expect_status)" "$(cat "$work/p.log")"
 fi
 
 for variant in \

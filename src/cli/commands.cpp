@@ -15,6 +15,7 @@
 #include "tpipe/distributed.h"
 #include "tpipe/partition.h"
 #include "tpipe/plan.h"
+#include "tpipe/predict.h"
 #include "tpipe/profile.h"
 #include "tpipe/pipeline.h"
 #include "tpipe/trainer.h"
@@ -383,6 +384,7 @@ struct Arguments {
   std::string configPath;
   std::vector<std::string> overrides;
   tpipe::TrainOptions train;
+  tpipe::PredictOptions predict;
   int processes = 1;
   std::string profilePath, profileOut;
   int planStages = 0, profileSteps = 0;
@@ -466,8 +468,37 @@ CLI::App* addLaunch(CLI::App& app, Arguments& a) {
   launch->prefix_command(); // CONFIG and the train options follow, passed on as
                             // they are
   launch->footer(
-      "Everything after --nproc N is handed to `tpipe train` in every rank.");
+      "Everything after --nproc N is handed to `tpipe train` in every rank "
+      "(or to `tpipe predict`, when it starts with predict).");
   return launch;
+}
+
+CLI::App* addPredict(CLI::App& app, Arguments& a) {
+  auto* predict = app.add_subcommand(
+      "predict",
+      "run a trained checkpoint on new inputs (pipelined, micro-batched)");
+  predict->add_option("config", a.configPath, "JSON config file")
+      ->required()
+      ->check(CLI::ExistingFile);
+  predict->add_option(
+      "--set", a.overrides, "override a config value: key.path=value");
+  predict
+      ->add_option(
+          "--resume",
+          a.predict.resumeDir,
+          "the checkpoint directory (train --save)")
+      ->required();
+  predict
+      ->add_option(
+          "--input",
+          a.predict.inputPath,
+          "torch.save(X) or torch.save({\"inputs\": X}) file")
+      ->required();
+  predict
+      ->add_option(
+          "--output", a.predict.outputPath, "outputs, as a torch.load file")
+      ->required();
+  return predict;
 }
 
 CLI::App* addValidate(CLI::App& app, Arguments& a) {
@@ -667,7 +698,8 @@ int runProfile(Arguments& a) {
 
 // The subcommands that parsed, run; their errors become exit codes here.
 struct Subcommands {
-  CLI::App *train, *launch, *validate, *plan, *profile, *schedule, *tune;
+  CLI::App *train, *launch, *validate, *plan, *profile, *schedule, *tune,
+      *predict;
 };
 
 int dispatch(const Subcommands& c, Arguments& a) {
@@ -682,6 +714,11 @@ int dispatch(const Subcommands& c, Arguments& a) {
     if (arguments.empty())
       throw tpipe::ConfigError("launch: give a CONFIG after --nproc N");
     return tpipe::launchLocal("/proc/self/exe", a.processes, arguments);
+  }
+  if (*c.predict) {
+    tpipe::predict(
+        tpipe::parseConfig(configJson(a.configPath, a.overrides)), a.predict);
+    return 0;
   }
   if (*c.validate)
     return validateConfig(a.configPath, a.overrides);
@@ -713,7 +750,8 @@ int tpipe::runCommandLine(int argc, char** argv) {
       addPlan(app, arguments),
       addProfile(app, arguments),
       addSchedule(app, arguments),
-      addTune(app, arguments)};
+      addTune(app, arguments),
+      addPredict(app, arguments)};
   try {
     app.parse(argc, argv);
   } catch (const CLI::Success&) {

@@ -16,6 +16,7 @@
 #include <torch/csrc/jit/serialization/pickle.h>
 #include <torch/nn/functional/activation.h>
 
+#include "data/tensor_files.h"
 #include "tpipe/trainer.h"
 
 namespace tpipe {
@@ -23,15 +24,18 @@ namespace {
 
 // A data file must be a regular file: a directory, a device such as
 // /dev/zero or a FIFO is named as what it is, not as missing.
-void requireRegularFile(const std::string& path, const std::string& hint) {
+void requireRegularFile(
+    const std::string& path,
+    const std::string& hint,
+    const std::string& flag = "data.path") {
   struct stat info {};
   if (::stat(path.c_str(), &info) != 0)
-    throw ConfigError("data.path: " + path + " not found" + hint);
+    throw ConfigError(flag + ": " + path + " not found" + hint);
   if (S_ISDIR(info.st_mode))
-    throw ConfigError("data.path: " + path + " is a directory, not a file");
+    throw ConfigError(flag + ": " + path + " is a directory, not a file");
   if (!S_ISREG(info.st_mode)) {
     throw ConfigError(
-        "data.path: " + path +
+        flag + ": " + path +
         " is not a regular file (a device, FIFO or socket); give a file");
   }
 }
@@ -272,8 +276,11 @@ Dataset nextSymbol(
   return data;
 }
 
-std::vector<char> readWhole(const std::string& path, const char* hint) {
-  requireRegularFile(path, hint);
+std::vector<char> readWhole(
+    const std::string& path,
+    const char* hint,
+    const std::string& flag = "data.path") {
+  requireRegularFile(path, hint, flag);
   std::ifstream file(path, std::ios::binary);
   return std::vector<char>(
       (std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
@@ -346,6 +353,25 @@ std::string shapeText(at::IntArrayRef shape) {
   return text + "]";
 }
 
+at::Tensor tensorOfDict(
+    const c10::impl::GenericDict& dict,
+    const char* name,
+    const std::string& where) {
+  for (const auto& entry : dict) {
+    if (entry.key().isString() && entry.key().toStringRef() == name) {
+      if (!entry.value().isTensor()) {
+        throw ConfigError(
+            where + ": \"" + name + "\" is a " + entry.value().tagKind() +
+            ", expected a tensor");
+      }
+      return entry.value().toTensor();
+    }
+  }
+  throw ConfigError(
+      where + ": missing key \"" + name +
+      "\" (expected {\"inputs\": tensor, \"targets\": tensor})");
+}
+
 // One torch.save({"inputs": X, "targets": Y}, path) file, read by
 // LibTorch's own unpickler and checked against the model: the sample
 // shapes, the dtypes, and every class label in range.
@@ -359,42 +385,16 @@ TensorPair readTensorFile(
     const Config& config,
     const BuiltModel& model) {
   const std::string where = key + ": " + path;
-  std::vector<char> bytes = readWhole(path, "");
-  if (bytes.empty())
-    throw ConfigError(where + " is empty (expected a torch.save file)");
-  c10::IValue value;
-  try {
-    value = torch::jit::pickle_load(bytes);
-  } catch (const c10::Error& error) {
-    throw ConfigError(
-        where +
-        " is not a torch.save file that LibTorch's unpickler reads (it reads "
-        "what torch.save writes by default; " +
-        error.what_without_backtrace() + ")");
-  }
-  bytes = std::vector<char>(); // the tensors own their data now
+  const c10::IValue value = readTorchSave(key, path);
   if (!value.isGenericDict()) {
     throw ConfigError(
         where + " holds a " + value.tagKind() +
         "; expected a dict {\"inputs\": tensor, \"targets\": tensor}");
   }
   const c10::impl::GenericDict dict = value.toGenericDict();
-  auto tensorAt = [&](const char* name) {
-    for (const auto& entry : dict) {
-      if (entry.key().isString() && entry.key().toStringRef() == name) {
-        if (!entry.value().isTensor()) {
-          throw ConfigError(
-              where + ": \"" + name + "\" is a " + entry.value().tagKind() +
-              ", expected a tensor");
-        }
-        return entry.value().toTensor();
-      }
-    }
-    throw ConfigError(
-        where + ": missing key \"" + name +
-        "\" (expected {\"inputs\": tensor, \"targets\": tensor})");
-  };
-  TensorPair pair{tensorAt("inputs"), tensorAt("targets")};
+  TensorPair pair{
+      tensorOfDict(dict, "inputs", where),
+      tensorOfDict(dict, "targets", where)};
   at::Tensor& x = pair.inputs;
   at::Tensor& y = pair.targets;
   if (x.dim() == 0 || y.dim() == 0 || x.size(0) != y.size(0)) {
@@ -402,41 +402,7 @@ TensorPair readTensorFile(
         where + ": \"inputs\" " + shapeText(x.sizes()) + " and \"targets\" " +
         shapeText(y.sizes()) + " do not hold the same number of samples");
   }
-  if (x.size(0) == 0)
-    throw ConfigError(where + " holds no samples");
-  const std::vector<int64_t>& in = model.shapes.front();
-  if (x.sizes().slice(1) != at::IntArrayRef(in)) {
-    throw ConfigError(
-        where + ": \"inputs\" samples are " + shapeText(x.sizes().slice(1)) +
-        " but model.input_shape is " + shapeText(in));
-  }
-  const bool integer = !at::isFloatingType(x.scalar_type()) &&
-      !at::isComplexType(x.scalar_type()) && x.scalar_type() != at::kBool;
-  if (model.integerInput) {
-    if (!integer) {
-      throw ConfigError(
-          where + ": \"inputs\" are " +
-          std::string(c10::toString(x.scalar_type())) +
-          " but the model starts with an embedding, which takes integer token ids");
-    }
-    x = x.to(at::kLong).contiguous();
-    const int64_t low = x.min().item<int64_t>(), high = x.max().item<int64_t>();
-    if (low < 0 || high >= model.inputVocabulary) {
-      throw ConfigError(
-          where + ": \"inputs\" hold token id " +
-          std::to_string(low < 0 ? low : high) +
-          ", outside the embedding's num_embeddings " +
-          std::to_string(model.inputVocabulary));
-    }
-  } else {
-    if (!at::isFloatingType(x.scalar_type())) {
-      throw ConfigError(
-          where + ": \"inputs\" are " +
-          std::string(c10::toString(x.scalar_type())) +
-          "; a model without an embedding first takes floating-point inputs");
-    }
-    x = x.to(at::kFloat).contiguous();
-  }
+  x = modelInputs(x, where + ": \"inputs\"", model);
   const std::vector<int64_t>& out = model.shapes.back();
   if (config.train.loss == "cross_entropy") {
     const std::vector<int64_t> want(out.begin(), out.end() - 1);
@@ -603,6 +569,60 @@ void checkLossFits(const Config& config, const BuiltModel& model) {
         "train.loss: mse needs regression targets; " + dataset +
         " has class labels (use cross_entropy)");
   }
+}
+
+c10::IValue readTorchSave(const std::string& flag, const std::string& path) {
+  const std::string where = flag + ": " + path;
+  std::vector<char> bytes = readWhole(path, "", flag);
+  if (bytes.empty())
+    throw ConfigError(where + " is empty (expected a torch.save file)");
+  try {
+    return torch::jit::pickle_load(bytes);
+  } catch (const c10::Error& error) {
+    throw ConfigError(
+        where +
+        " is not a torch.save file that LibTorch's unpickler reads (it reads "
+        "what torch.save writes by default; " +
+        error.what_without_backtrace() + ")");
+  }
+}
+
+at::Tensor modelInputs(
+    at::Tensor x,
+    const std::string& where,
+    const BuiltModel& model) {
+  if (x.dim() == 0 || x.size(0) == 0)
+    throw ConfigError(where + " holds no samples");
+  const std::vector<int64_t>& in = model.shapes.front();
+  if (x.sizes().slice(1) != at::IntArrayRef(in)) {
+    throw ConfigError(
+        where + " samples are " + shapeText(x.sizes().slice(1)) +
+        " but model.input_shape is " + shapeText(in));
+  }
+  const std::string dtype = c10::toString(x.scalar_type());
+  if (model.integerInput) {
+    if (!at::isIntegralType(x.scalar_type(), false)) {
+      throw ConfigError(
+          where + " are " + dtype +
+          " but the model starts with an embedding, which takes integer token "
+          "ids");
+    }
+    x = x.to(at::kLong).contiguous();
+    const int64_t low = x.min().item<int64_t>(), high = x.max().item<int64_t>();
+    if (low < 0 || high >= model.inputVocabulary) {
+      throw ConfigError(
+          where + " hold token id " + std::to_string(low < 0 ? low : high) +
+          ", outside the embedding's num_embeddings " +
+          std::to_string(model.inputVocabulary));
+    }
+    return x;
+  }
+  if (!at::isFloatingType(x.scalar_type())) {
+    throw ConfigError(
+        where + " are " + dtype +
+        "; a model without an embedding first takes floating-point inputs");
+  }
+  return x.to(at::kFloat).contiguous();
 }
 
 Dataset loadDataset(const Config& config, const BuiltModel& model) {

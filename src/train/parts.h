@@ -69,6 +69,16 @@ Plan planTraining(
     bool measure,
     Communicator* world);
 
+// ---- trainer.cpp ----------------------------------------------------------
+
+// What the pipeline of a run is made of: the config's devices, threads,
+// seed, precision and transports, and the plan's stages and schedule.
+PipelineOptions pipelineOptions(
+    const Config& config,
+    const BuiltModel& model,
+    const Plan& plan,
+    const std::shared_ptr<Communicator>& communicator);
+
 // ---- reports.cpp: memory table, bubble report and trace files -----------
 
 // Sized parts per device and the caps on what workers may allocate: the

@@ -112,35 +112,6 @@ Evaluation evaluate(
   return result;
 }
 
-PipelineOptions pipelineOptions(
-    const Config& config,
-    const BuiltModel& model,
-    const Plan& plan,
-    const std::shared_ptr<Communicator>& communicator) {
-  const auto& p = config.pipeline;
-  PipelineOptions options;
-  options.devices.clear();
-  for (const auto& device : p.devices)
-    options.devices.push_back(device.name);
-  // The plan carries the schedule, micro-batches and checkpoint mode.
-  options.plan = std::make_shared<const Plan>(plan);
-  options.threadsPerDevice = p.threadsPerDevice;
-  options.seed = config.train.seed;
-  options.layerOutputShapes.assign(
-      model.shapes.begin() + 1, model.shapes.end());
-  options.communicator = communicator;
-  options.tiedParameters = model.tiedParameters;
-  if (config.train.precision == "bf16")
-    options.autocast = at::kBFloat16;
-  options.overlapGradientSync = p.overlapGradSync;
-  options.nccl = p.nccl;
-  for (const auto& device : p.devices) {
-    if (device.memoryBytes > 0)
-      options.receivesAhead = 2 * plan.schedule.ranks;
-  }
-  return options;
-}
-
 // pipeline.auto: tune briefly (prediction only) and train with the choice.
 Config tunedIfAuto(const Config& config, const TrainOptions& options) {
   if (!config.pipeline.autoTune)
@@ -781,6 +752,35 @@ class TrainingRun {
 
 void setStepHook(StepHook hook) {
   stepHook() = std::move(hook);
+}
+
+PipelineOptions pipelineOptions(
+    const Config& config,
+    const BuiltModel& model,
+    const Plan& plan,
+    const std::shared_ptr<Communicator>& communicator) {
+  const auto& p = config.pipeline;
+  PipelineOptions options;
+  options.devices.clear();
+  for (const auto& device : p.devices)
+    options.devices.push_back(device.name);
+  // The plan carries the schedule, micro-batches and checkpoint mode.
+  options.plan = std::make_shared<const Plan>(plan);
+  options.threadsPerDevice = p.threadsPerDevice;
+  options.seed = config.train.seed;
+  options.layerOutputShapes.assign(
+      model.shapes.begin() + 1, model.shapes.end());
+  options.communicator = communicator;
+  options.tiedParameters = model.tiedParameters;
+  if (config.train.precision == "bf16")
+    options.autocast = at::kBFloat16;
+  options.overlapGradientSync = p.overlapGradSync;
+  options.nccl = p.nccl;
+  for (const auto& device : p.devices) {
+    if (device.memoryBytes > 0)
+      options.receivesAhead = 2 * plan.schedule.ranks;
+  }
+  return options;
 }
 
 TrainSummary train(const Config& config, const TrainOptions& options) {

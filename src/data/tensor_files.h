@@ -1,0 +1,25 @@
+// torch.save files, read with LibTorch's own unpickler: the tensors dataset
+// and `tpipe predict`'s inputs. Private to src/data and src/train.
+#pragma once
+
+#include <string>
+
+#include <ATen/core/ivalue.h>
+
+#include "tpipe/trainer.h"
+
+namespace tpipe {
+
+// The value a torch.save file holds. An empty file, or one LibTorch cannot
+// unpickle, is a ConfigError naming `flag` and the path.
+c10::IValue readTorchSave(const std::string& flag, const std::string& path);
+
+// `x` as the model takes it: samples shaped like model.input_shape, float32
+// (any floating dtype converted), or int64 token ids in the embedding's
+// range when the model starts with one. Errors name `where`.
+at::Tensor modelInputs(
+    at::Tensor x,
+    const std::string& where,
+    const BuiltModel& model);
+
+} // namespace tpipe

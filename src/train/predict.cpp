@@ -1,0 +1,116 @@
+// `tpipe predict`: the training run's pipeline, forward only, over a
+// checkpoint's weights.
+#include <chrono>
+#include <iostream>
+
+#include <torch/csrc/jit/serialization/pickle.h>
+
+#include "data/tensor_files.h"
+#include "tpipe/predict.h"
+#include "train/checkpoint.h"
+#include "train/files.h"
+#include "train/parts.h"
+
+namespace tpipe {
+namespace {
+
+// The tensor of a torch.save(X) file, or of the "inputs" key of a dict.
+at::Tensor inputTensor(const std::string& path) {
+  const c10::IValue value = readTorchSave("--input", path);
+  if (value.isTensor())
+    return value.toTensor();
+  if (value.isGenericDict()) {
+    for (const auto& entry : value.toGenericDict()) {
+      if (entry.key().isString() && entry.key().toStringRef() == "inputs" &&
+          entry.value().isTensor())
+        return entry.value().toTensor();
+    }
+  }
+  throw ConfigError(
+      "--input: " + path + " holds a " + value.tagKind() +
+      "; expected a tensor, or a dict with a tensor under \"inputs\"");
+}
+
+std::string shapeText(at::IntArrayRef shape) {
+  std::string text = "[";
+  for (size_t i = 0; i < shape.size(); ++i)
+    text += (i ? ", " : "") + std::to_string(shape[i]);
+  return text + "]";
+}
+
+} // namespace
+
+PredictSummary predict(const Config& config, const PredictOptions& options) {
+  if (options.resumeDir.empty())
+    throw ConfigError(
+        "predict: --resume DIR (a checkpoint of `train --save DIR`) is required");
+  if (options.inputPath.empty())
+    throw ConfigError("predict: --input X.pt is required");
+  if (options.outputPath.empty())
+    throw ConfigError("predict: --output Y.pt is required");
+  checkOutputPath("--output", options.outputPath);
+  std::ostream& log = options.log ? *options.log : std::cout;
+  const std::shared_ptr<Communicator> world = joinWorld(config);
+  const BuiltModel model = buildModel(config);
+  const at::Tensor inputs = modelInputs(
+      inputTensor(options.inputPath), "--input: " + options.inputPath, model);
+  const Plan plan =
+      planTraining(config, model, "", needsMeasuredCosts(config), world.get());
+  Pipeline pipe(model.layers, pipelineOptions(config, model, plan, world));
+  // The optimizer only receives the checkpoint's state: resume's checks
+  // (checksums, layer names, layout) are the ones a prediction needs.
+  auto optimizer = makeOptimizer(config.train.optimizer, pipe.parameters());
+  const CheckpointIdentity identity{
+      runFingerprint(config),
+      config.train.optimizer.type,
+      runDescription(config),
+      /*acceptChanges=*/true};
+  Resumed resumed;
+  {
+    DirectoryLock reading(
+        options.resumeDir, DirectoryLock::Mode::kRead, "--resume");
+    resumed = loadCheckpoint(
+        options.resumeDir, pipe, *optimizer, identity, world.get());
+  }
+  for (const auto& layer : pipe.layers())
+    layer.module.ptr()->train(false);
+  const bool writer = !world || world->replica() == 0;
+  if (!world || world->rank() == 0) {
+    log << "predict: " << inputs.size(0) << " samples, the weights of step "
+        << resumed.step << " from " << options.resumeDir << ", "
+        << plan.schedule.stages() << " stage(s), "
+        << config.pipeline.microBatches << " micro-batches per chunk of "
+        << config.train.batchSize << "\n";
+    if (!resumed.note.empty())
+      log << "predict: " << resumed.note << "\n";
+  }
+  const int64_t n = inputs.size(0), chunk = config.train.batchSize;
+  std::vector<at::Tensor> outputs;
+  const auto start = std::chrono::steady_clock::now();
+  for (int64_t first = 0; first < n; first += chunk) {
+    const at::Tensor out =
+        pipe.forward(inputs.narrow(0, first, std::min(chunk, n - first)));
+    if (out.defined() && writer)
+      outputs.push_back(out.to(at::kCPU));
+  }
+  PredictSummary summary;
+  summary.samples = n;
+  summary.seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
+          .count();
+  if (!outputs.empty()) {
+    const at::Tensor all = at::cat(outputs);
+    const std::vector<char> bytes = torch::jit::pickle_save(all);
+    writeOutputFile(
+        options.outputPath, std::string(bytes.begin(), bytes.end()));
+    summary.wroteOutput = true;
+    log << "predict: " << n << " samples in " << summary.seconds << " s, "
+        << static_cast<int64_t>(n / std::max(summary.seconds, 1e-9))
+        << " samples/s; wrote " << options.outputPath << " ("
+        << shapeText(all.sizes()) << " " << c10::toString(all.scalar_type())
+        << ")\n";
+  }
+  return summary;
+}
+
+} // namespace tpipe
