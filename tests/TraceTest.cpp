@@ -2,9 +2,11 @@
 
 #include <nlohmann/json.hpp>
 #include <regex>
+#include <sstream>
 #include <torch/torch.h>
 
 #include "tpipe/pipeline.h"
+#include "tpipe/curves.h"
 #include "tpipe/trace.h"
 
 namespace tpipe {
@@ -178,6 +180,69 @@ TEST(TraceTest, RecordingChangesNothingInResults) {
     for (size_t i = 0; i < off.grads.size(); ++i)
       EXPECT_TRUE(torch::equal(off.grads[i], on.grads[i]));
   }
+}
+
+// The points of the polyline of class `name`, as (x, y) pairs.
+std::vector<std::pair<double, double>> polyline(
+    const std::string& svg,
+    const std::string& name) {
+  const std::regex line(
+      "<polyline class=\"" + name + "\"[^>]*points=\"([^\"]*)\"");
+  std::smatch match;
+  std::vector<std::pair<double, double>> points;
+  if (!std::regex_search(svg, match, line))
+    return points;
+  std::istringstream in(match[1].str());
+  std::string pair;
+  while (in >> pair) {
+    const size_t comma = pair.find(',');
+    points.emplace_back(
+        std::stod(pair.substr(0, comma)), std::stod(pair.substr(comma + 1)));
+  }
+  return points;
+}
+
+// Curves from metrics lines: one point per record, later records of a step
+// replacing earlier ones, lines still being written skipped, x growing with
+// the step and y falling as the loss grows (SVG's y points down).
+TEST(TraceTest, CurvesDrawEveryRecordOnce) {
+  std::string lines;
+  for (int step = 1; step <= 30; ++step) {
+    lines +=
+        nlohmann::json{
+            {"step", step},
+            {"loss", 3.0 - 0.05 * step},
+            {"samples_per_s", 1000 + step}}
+            .dump() +
+        "\n";
+  }
+  lines += "{\"step\": 30, \"loss\": 2.0}\n"; // step 30 redone after a resume
+  lines +=
+      nlohmann::json{{"step", 10}, {"eval_loss", 2.5}, {"eval_accuracy", 0.4}}
+          .dump() +
+      "\n";
+  lines +=
+      nlohmann::json{{"step", 30}, {"eval_loss", 1.9}, {"eval_accuracy", 0.7}}
+          .dump() +
+      "\n";
+  lines += "{\"step\": 31, \"lo"; // cut mid-line
+  const std::string svg = curvesSvg(lines, "a <run> & co");
+  const auto loss = polyline(svg, "loss");
+  ASSERT_EQ(loss.size(), 30u);
+  for (size_t i = 1; i < loss.size(); ++i)
+    EXPECT_GT(loss[i].first, loss[i - 1].first);
+  EXPECT_GT(loss[10].second, loss[1].second);
+  // The redone step 30 (loss 2.0) is drawn above step 29 (loss 1.55).
+  EXPECT_LT(loss[29].second, loss[28].second);
+  EXPECT_EQ(polyline(svg, "eval-loss").size(), 2u);
+  EXPECT_EQ(polyline(svg, "eval-accuracy").size(), 2u);
+  EXPECT_EQ(polyline(svg, "samples-per-s").size(), 30u);
+  EXPECT_NE(svg.find("a &lt;run&gt; &amp; co"), std::string::npos);
+  EXPECT_NE(svg.find(">eval accuracy<"), std::string::npos);
+  EXPECT_NE(svg.find(">step<"), std::string::npos);
+  // Nothing yet: a picture that says so, not an error.
+  EXPECT_NE(
+      curvesSvg("", "t").find("no training records yet"), std::string::npos);
 }
 
 } // namespace

@@ -3,8 +3,9 @@
 # torch.save, trained by tpipe on 2 stages, step for step equal to a PyTorch
 # loop over the same tensors, the same shuffled order and the same initial
 # weights (a TorchScript model); resumed mid-epoch bit for bit; tpipe predict
-# on the checkpoint equal to PyTorch on its weights; and each kind of bad
-# file refused with exit 2, naming the file and the problem.
+# on the checkpoint equal to PyTorch on its weights; the run's curves drawn
+# and rendered; and each kind of bad file refused with exit 2, naming the
+# file and the problem.
 set -uo pipefail
 tpipe=${1:?usage: tensors.sh TPIPE_BINARY}
 work=$(mktemp -d)
@@ -150,6 +151,41 @@ if [[ $expect_status -eq 2 ]] && grep -q -- "--output" "$work/p.log"; then
   ok "predict refuses a directory as --output before running (exit 2)"
 else
   bad "predict to a directory (exit $expect_status)" "$(cat "$work/p.log")"
+fi
+
+# --plot draws the run's curves; tpipe plot redraws them from --metrics.
+# Rendered in headless Chromium (when installed: scripts/render-svg installs
+# it) and checked to show the training loss, eval loss and samples/s lines.
+"$tpipe" train "$work/run.json" --set train.eval_every=5 --plot "$work/curves.svg" --metrics "$work/plot.jsonl" >"$work/plot.log" 2>&1
+s1=$?
+"$tpipe" plot "$work/plot.jsonl" --out "$work/again.svg" --title "again" >>"$work/plot.log" 2>&1
+s2=$?
+if [[ $s1 -eq 0 && $s2 -eq 0 ]] && grep -q "run.json</text>" "$work/curves.svg" && grep -q ">again</text>" "$work/again.svg" &&
+   [[ $(grep -c "<circle" "$work/curves.svg") -ge 10 ]]; then
+  ok "--plot and tpipe plot write the curves, titled by the config and by --title"
+else
+  bad "plot (exit $s1 / $s2)" "$(cat "$work/plot.log")"
+fi
+if command -v chromium >/dev/null; then
+  "$(dirname "$0")/../scripts/render-svg" "$work/curves.svg" "$work/curves.png" 900x640 >/dev/null 2>&1
+  /usr/bin/python3 - "$work/curves.png" <<'PY' >"$work/render.log" 2>&1
+import sys
+from PIL import Image
+image = Image.open(sys.argv[1]).convert("RGB")
+def count(rgb):
+    return sum(1 for p in image.getdata() if all(abs(a - b) < 40 for a, b in zip(p, rgb)))
+shown = {name: count(rgb) for name, rgb in
+         (("loss", (31, 119, 180)), ("eval loss", (255, 127, 14)), ("samples/s", (148, 103, 189)))}
+print(shown)
+sys.exit(0 if all(n >= 150 for n in shown.values()) else 1)
+PY
+  if [[ $? -eq 0 ]]; then
+    ok "Chromium renders the curves: pixels of each line $(cat "$work/render.log")"
+  else
+    bad "rendered curves" "$(cat "$work/render.log")"
+  fi
+else
+  echo "skipped: rendering the curves (no chromium; scripts/render-svg installs it)"
 fi
 
 for variant in \

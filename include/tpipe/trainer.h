@@ -117,9 +117,14 @@ struct TrainOptions {
   // set (or the run resumes from that directory).
   bool overwrite = false;
   std::string metricsPath; // JSON lines; empty: none
-  std::string saveDir;     // checkpoints; empty: none
-  std::string resumeDir;   // continue from this checkpoint; empty: start;
-                           // "auto": saveDir's last checkpoint, if any
+  // An SVG of the run's curves (loss, eval loss and accuracy, samples/s),
+  // written when the run ends or stops; with metricsPath, of the whole
+  // file (a resumed run's history included). Empty: none.
+  std::string plotPath;
+  std::string runName;   // the plot's title, e.g. the config file's name
+  std::string saveDir;   // checkpoints; empty: none
+  std::string resumeDir; // continue from this checkpoint; empty: start;
+                         // "auto": saveDir's last checkpoint, if any
   // Resume a checkpoint whose run differs (a new learning rate): without
   // it, a checkpoint of another model, data or settings is refused naming
   // the first key that differs.

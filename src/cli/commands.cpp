@@ -1,6 +1,7 @@
 // The tpipe command line.
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <algorithm>
@@ -12,6 +13,7 @@
 #include "cli/commands.h"
 #include "json_input.h"
 #include "tpipe/config.h"
+#include "tpipe/curves.h"
 #include "tpipe/distributed.h"
 #include "tpipe/partition.h"
 #include "tpipe/plan.h"
@@ -19,6 +21,7 @@
 #include "tpipe/profile.h"
 #include "tpipe/pipeline.h"
 #include "tpipe/trainer.h"
+#include "train/files.h"
 #include "tpipe/schedule.h"
 #include "tpipe/tune.h"
 
@@ -385,6 +388,7 @@ struct Arguments {
   std::vector<std::string> overrides;
   tpipe::TrainOptions train;
   tpipe::PredictOptions predict;
+  std::string metricsIn, plotOut, plotTitle;
   int processes = 1;
   std::string profilePath, profileOut;
   int planStages = 0, profileSteps = 0;
@@ -408,6 +412,10 @@ CLI::App* addTrain(CLI::App& app, Arguments& a) {
   train->add_option(
       "--metrics", a.train.metricsPath, "write JSON lines, one per step");
   train->add_option("--save", a.train.saveDir, "checkpoint directory");
+  train->add_option(
+      "--plot",
+      a.train.plotPath,
+      "draw the loss, eval and samples/s curves as SVG when the run ends");
   train->add_option(
       "--resume",
       a.train.resumeDir,
@@ -499,6 +507,31 @@ CLI::App* addPredict(CLI::App& app, Arguments& a) {
           "--output", a.predict.outputPath, "outputs, as a torch.load file")
       ->required();
   return predict;
+}
+
+CLI::App* addPlot(CLI::App& app, Arguments& a) {
+  auto* plot = app.add_subcommand(
+      "plot", "draw a run's metrics (train --metrics) as SVG curves");
+  plot->add_option("metrics", a.metricsIn, "JSON lines from train --metrics")
+      ->required()
+      ->check(CLI::ExistingFile);
+  plot->add_option("--out", a.plotOut, "the SVG to write")->required();
+  plot->add_option(
+      "--title", a.plotTitle, "title (default: the metrics file's name)");
+  return plot;
+}
+
+int plotCommand(const Arguments& a) {
+  tpipe::checkOutputPath("--out", a.plotOut);
+  std::ifstream in(a.metricsIn);
+  std::ostringstream lines;
+  lines << in.rdbuf();
+  const std::string title = a.plotTitle.empty()
+      ? std::filesystem::path(a.metricsIn).filename().string()
+      : a.plotTitle;
+  tpipe::writeOutputFile(a.plotOut, tpipe::curvesSvg(lines.str(), title));
+  std::cout << "wrote " << a.plotOut << "\n";
+  return 0;
 }
 
 CLI::App* addValidate(CLI::App& app, Arguments& a) {
@@ -699,13 +732,18 @@ int runProfile(Arguments& a) {
 // The subcommands that parsed, run; their errors become exit codes here.
 struct Subcommands {
   CLI::App *train, *launch, *validate, *plan, *profile, *schedule, *tune,
-      *predict;
+      *predict, *plot;
 };
 
 int dispatch(const Subcommands& c, Arguments& a) {
   if (*c.train) {
     const tpipe::Config config =
         tpipe::parseConfig(configJson(a.configPath, a.overrides));
+    if (a.train.runName.empty()) {
+      a.train.runName = a.configPath.empty()
+          ? std::string("the built-in Fashion-MNIST CNN")
+          : std::filesystem::path(a.configPath).filename().string();
+    }
     const tpipe::TrainSummary summary = tpipe::train(config, a.train);
     return summary.stopSignal ? 128 + summary.stopSignal : 0;
   }
@@ -715,6 +753,8 @@ int dispatch(const Subcommands& c, Arguments& a) {
       throw tpipe::ConfigError("launch: give a CONFIG after --nproc N");
     return tpipe::launchLocal("/proc/self/exe", a.processes, arguments);
   }
+  if (*c.plot)
+    return plotCommand(a);
   if (*c.predict) {
     tpipe::predict(
         tpipe::parseConfig(configJson(a.configPath, a.overrides)), a.predict);
@@ -751,7 +791,8 @@ int tpipe::runCommandLine(int argc, char** argv) {
       addProfile(app, arguments),
       addSchedule(app, arguments),
       addTune(app, arguments),
-      addPredict(app, arguments)};
+      addPredict(app, arguments),
+      addPlot(app, arguments)};
   try {
     app.parse(argc, argv);
   } catch (const CLI::Success&) {

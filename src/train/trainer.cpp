@@ -17,6 +17,7 @@
 #include <nlohmann/json.hpp>
 
 #include "runtime/c10d_transport.h"
+#include "tpipe/curves.h"
 #include "tpipe/schedule.h"
 #include "train/checkpoint.h"
 #include "train/files.h"
@@ -178,6 +179,7 @@ class TrainingRun {
       if (world_->rank() != 0) {
         options_.log = &silent_;
         options_.metricsPath.clear();
+        options_.plotPath.clear();
       }
     }
     log_ = options_.log ? options_.log : &std::cout;
@@ -199,6 +201,7 @@ class TrainingRun {
     alignClocks();
     loop();
     finish();
+    writePlot();
     return summary_;
   }
 
@@ -317,8 +320,31 @@ class TrainingRun {
           << step << ", which this run redoes\n";
   }
 
+  void writePlot() {
+    if (options_.plotPath.empty())
+      return;
+    std::string lines = plotLines_;
+    std::error_code error;
+    if (!options_.metricsPath.empty() &&
+        std::filesystem::is_regular_file(options_.metricsPath, error)) {
+      std::ifstream in(options_.metricsPath);
+      std::ostringstream whole;
+      whole << in.rdbuf();
+      lines = whole.str();
+    }
+    writeOutputFile(
+        options_.plotPath,
+        curvesSvg(
+            lines,
+            options_.runName.empty() ? std::string("tpipe train")
+                                     : options_.runName));
+    *log_ << "plot: " << options_.plotPath << "\n";
+  }
+
   // Metrics and progress are flushed line by line: a killed run keeps them.
   void writeMetrics(const nlohmann::json& record) {
+    if (!options_.plotPath.empty())
+      plotLines_ += record.dump() + "\n";
     if (!metrics_.is_open())
       return;
     metrics_ << record.dump() << '\n' << std::flush;
@@ -544,16 +570,23 @@ class TrainingRun {
          {"samples_per_s", rate}});
     const double eta = static_cast<double>(total - done) *
         config_.train.batchSize / std::max(rate, 1e-9);
-    const int64_t every = config_.train.logEvery > 0
-        ? config_.train.logEvery
-        : std::max<int64_t>(1, total / 20);
+    // Off a terminal (a pipe, a log file, mpirun): a line every few
+    // seconds, or every log_every steps when set, and always the first,
+    // the last and the one a --stop-after run ends at.
+    const bool due = config_.train.logEvery > 0
+        ? done % config_.train.logEvery == 0
+        : seconds - lastProgressSeconds_ >= kProgressSeconds;
+    const bool edge = done == summary_.startStep + 1 || done == total ||
+        (options_.stopAfter > 0 &&
+         done == summary_.startStep + options_.stopAfter);
     std::ostream& log = *log_;
     if (live_) {
       log << "\rstep " << done << "/" << total << "  loss " << std::fixed
           << std::setprecision(4) << loss << "  " << std::setprecision(0)
           << rate << " samples/s  ETA " << duration(eta) << "   "
           << std::defaultfloat << std::flush;
-    } else if (done % every == 0 || done == total) {
+    } else if (due || edge) {
+      lastProgressSeconds_ = seconds;
       log << "step " << done << "/" << total << " loss " << std::fixed
           << std::setprecision(4) << loss << " " << std::setprecision(0) << rate
           << " samples/s ETA " << duration(eta) << std::defaultfloat
@@ -725,6 +758,9 @@ class TrainingRun {
   std::ostringstream silent_;
   std::ostream* log_ = nullptr;
   bool live_ = false;
+  static constexpr double kProgressSeconds = 5.0;
+  double lastProgressSeconds_ = 0.0;
+  std::string plotLines_; // this run's metrics records, for --plot
   CheckpointIdentity identity_;
   std::unique_ptr<DirectoryLock> saveLock_;
   BuiltModel model_;
@@ -790,6 +826,7 @@ TrainSummary train(const Config& config, const TrainOptions& options) {
   checkOutputPath("--trace", options.tracePath);
   checkOutputPath("--timeline", options.timelinePath);
   checkOutputPath("--report", options.reportPath);
+  checkOutputPath("--plot", options.plotPath);
   return TrainingRun(config, options).run();
 }
 
