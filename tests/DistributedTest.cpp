@@ -554,6 +554,62 @@ TEST_F(DistributedTest, ResumedRunMatchesTheUninterruptedOne) {
       << wrongLayout.output;
 }
 
+// tpipe launch --max-restarts: a 3-rank job whose rank 1 dies at step 25
+// (once) with checkpoint_every 10 goes on from step 20 by itself; its losses
+// from step 21 on equal those of a run stopped at step 20 and resumed by
+// hand, and its metrics hold each step once. A fault that comes back every
+// time spends the restarts and ends with a clear error.
+TEST_F(DistributedTest, AFailedRankRestartsTheJobFromTheLastCheckpoint) {
+  const std::string job = " launch --nproc 3 --max-restarts 2 " + config_ +
+      " --set 'pipeline.devices=[\"cpu:0\",\"cpu:1\",\"cpu:2\"]'"
+      " --set train.steps=40 --set train.checkpoint_every=10";
+  const Result restarted = shell(
+      "TPIPE_FAULT=1:25:exit:" + path("fired") + " " + faultyBinary() + job +
+      " --save " + path("ck") + " --metrics " + path("restarted.jsonl"));
+  ASSERT_EQ(restarted.status, 0) << restarted.output;
+  for (const char* said :
+       {"[rank 1] exited with status 17; ending the other ranks",
+        "launch: rank 1 failed (exit status 17); restart 1 of 2: 3 ranks, "
+        "resuming from step 20 in",
+        "--resume auto: resuming from",
+        "dropped 5 record(s) after step 20",
+        "launch: first step after the restart,"}) {
+    EXPECT_NE(restarted.output.find(said), std::string::npos)
+        << said << "\n"
+        << restarted.output;
+  }
+  const Result first = shell(
+      binary() + job + " --save " + path("by-hand") +
+      " --stop-after 20 --metrics " + path("by-hand.jsonl"));
+  ASSERT_EQ(first.status, 0) << first.output;
+  const Result rest = shell(
+      binary() + job + " --save " + path("by-hand") + " --metrics " +
+      path("by-hand.jsonl"));
+  ASSERT_EQ(rest.status, 0) << rest.output;
+  const std::vector<double> a = losses(path("restarted.jsonl")),
+                            b = losses(path("by-hand.jsonl"));
+  ASSERT_EQ(a.size(), 40u); // one record per step
+  expectSameLosses(a, b, 0.0);
+
+  const Result hopeless = shell(
+      "TPIPE_FAULT=1:25:exit " + faultyBinary() + job + " --save " +
+      path("hopeless"));
+  EXPECT_EQ(hopeless.status, 17) << hopeless.output;
+  EXPECT_NE(hopeless.output.find("restart 2 of 2"), std::string::npos)
+      << hopeless.output;
+  EXPECT_NE(
+      hopeless.output.find(
+          "launch: rank 1 failed (exit status 17) and no restarts are left (2 "
+          "used); giving up"),
+      std::string::npos)
+      << hopeless.output;
+  const Result unsaved = shell(binary() + job);
+  EXPECT_EQ(unsaved.status, 2);
+  EXPECT_NE(
+      unsaved.output.find("--max-restarts needs --save DIR"), std::string::npos)
+      << unsaved.output;
+}
+
 // Ranks that run different models, seeds or schedules would train a wrong
 // model or deadlock: rendezvous compares their runs first.
 TEST_F(DistributedTest, RanksThatDisagreeAboutTheRunStopNamingTheKey) {

@@ -138,4 +138,20 @@ int launchLocal(
     int processes,
     const std::vector<std::string>& arguments);
 
+// One attempt of a launch, as launchLocal, saying which rank failed first
+// and when. `sinceFailure` (a restart): the moment the previous attempt
+// failed; the attempt then prints how long after it rank 0 logged its first
+// step.
+struct LaunchOutcome {
+  int status = 0;       // 0, or the first failure's exit status
+  int failedRank = -1;  // the first rank that failed; -1: none
+  bool stopped = false; // ended by a forwarded SIGINT / SIGTERM
+  std::chrono::steady_clock::time_point failedAt;
+};
+LaunchOutcome launchAttempt(
+    const std::string& executable,
+    int processes,
+    const std::vector<std::string>& arguments,
+    std::chrono::steady_clock::time_point sinceFailure = {});
+
 } // namespace tpipe

@@ -390,6 +390,7 @@ struct Arguments {
   tpipe::PredictOptions predict;
   std::string metricsIn, plotOut, plotTitle;
   int processes = 1;
+  int maxRestarts = 0;
   std::string profilePath, profileOut;
   int planStages = 0, profileSteps = 0;
   bool json = false, csv = false;
@@ -473,6 +474,13 @@ CLI::App* addLaunch(CLI::App& app, Arguments& a) {
           "processes: pipeline ranks x data-parallel replicas")
       ->required()
       ->check(CLI::Range(1, 1024));
+  launch
+      ->add_option(
+          "--max-restarts",
+          a.maxRestarts,
+          "when a rank fails, end the others and start the job again, up to "
+          "this many times, resuming from the last checkpoint (needs --save)")
+      ->check(CLI::Range(0, 1000));
   launch->prefix_command(); // CONFIG and the train options follow, passed on as
                             // they are
   launch->footer(
@@ -730,6 +738,87 @@ int runProfile(Arguments& a) {
 }
 
 // The subcommands that parsed, run; their errors become exit codes here.
+// The value of `--flag VALUE` or `--flag=VALUE` among a command's words;
+// empty when absent.
+std::string flagValue(
+    const std::vector<std::string>& words,
+    const std::string& flag) {
+  for (size_t i = 0; i < words.size(); ++i) {
+    if (words[i] == flag && i + 1 < words.size())
+      return words[i + 1];
+    if (words[i].rfind(flag + "=", 0) == 0)
+      return words[i].substr(flag.size() + 1);
+  }
+  return "";
+}
+
+// The step of DIR's last committed checkpoint, or -1 when it has none.
+int64_t committedStep(const std::string& dir) {
+  std::ifstream in(std::filesystem::path(dir) / "checkpoint.json");
+  const nlohmann::json pointer = nlohmann::json::parse(in, nullptr, false);
+  if (!pointer.is_object() || !pointer.contains("step") ||
+      !pointer["step"].is_number_integer())
+    return -1;
+  return pointer["step"].get<int64_t>();
+}
+
+// `tpipe launch --max-restarts K`: each failed attempt (not one the user
+// stopped) is followed by a new one with the same ranks, which resumes from
+// the --save directory's last checkpoint (--resume auto), until one
+// succeeds or K restarts are spent.
+int launchWithRestarts(
+    int processes,
+    int maxRestarts,
+    std::vector<std::string> arguments) {
+  const bool predicting = arguments.front() == "predict";
+  const std::string saveDir = flagValue(arguments, "--save");
+  if (maxRestarts > 0) {
+    if (predicting)
+      throw tpipe::ConfigError(
+          "launch: --max-restarts restarts training, not predict");
+    if (saveDir.empty()) {
+      throw tpipe::ConfigError(
+          "launch: --max-restarts needs --save DIR, so that a restart resumes from "
+          "the last checkpoint instead of starting over");
+    }
+    const std::string resume = flagValue(arguments, "--resume");
+    if (!resume.empty() && resume != "auto") {
+      throw tpipe::ConfigError(
+          "launch: with --max-restarts, give --resume auto (or no --resume): a "
+          "restart resumes from --save " +
+          saveDir + ", not from " + resume);
+    }
+    if (resume.empty()) {
+      arguments.push_back("--resume");
+      arguments.push_back("auto");
+    }
+  }
+  std::chrono::steady_clock::time_point since{};
+  for (int restart = 0;; ++restart) {
+    const tpipe::LaunchOutcome outcome =
+        tpipe::launchAttempt("/proc/self/exe", processes, arguments, since);
+    if (outcome.status == 0 || outcome.stopped || maxRestarts == 0)
+      return outcome.status;
+    if (restart == maxRestarts) {
+      std::cout << "launch: rank " << outcome.failedRank
+                << " failed (exit status " << outcome.status
+                << ") and no restarts are left (" << maxRestarts
+                << " used); giving up" << std::endl;
+      return outcome.status;
+    }
+    const int64_t step = committedStep(saveDir);
+    std::cout << "launch: rank " << outcome.failedRank
+              << " failed (exit status " << outcome.status << "); restart "
+              << restart + 1 << " of " << maxRestarts << ": " << processes
+              << " ranks, "
+              << (step >= 0 ? "resuming from step " + std::to_string(step) +
+                          " in " + saveDir
+                            : "no checkpoint yet, starting over")
+              << std::endl;
+    since = outcome.failedAt;
+  }
+}
+
 struct Subcommands {
   CLI::App *train, *launch, *validate, *plan, *profile, *schedule, *tune,
       *predict, *plot;
@@ -751,7 +840,7 @@ int dispatch(const Subcommands& c, Arguments& a) {
     const std::vector<std::string> arguments = c.launch->remaining();
     if (arguments.empty())
       throw tpipe::ConfigError("launch: give a CONFIG after --nproc N");
-    return tpipe::launchLocal("/proc/self/exe", a.processes, arguments);
+    return launchWithRestarts(a.processes, a.maxRestarts, arguments);
   }
   if (*c.plot)
     return plotCommand(a);

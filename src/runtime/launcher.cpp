@@ -54,6 +54,7 @@ struct Child {
   int output = -1;     // read end of its stdout + stderr
   std::string pending; // a partial line
   bool running = true;
+  bool sawStep = false; // has logged a "step k/N" progress line
   int status = 0;
 };
 
@@ -74,8 +75,11 @@ void drain(Child& child, int rank, bool all) {
   }
   size_t newline;
   while ((newline = child.pending.find_first_of("\n\r")) != std::string::npos) {
-    if (newline > 0)
+    if (newline > 0) {
+      child.sawStep =
+          child.sawStep || child.pending.compare(0, 5, "step ") == 0;
       emit(rank, child.pending.substr(0, newline));
+    }
     child.pending.erase(0, newline + 1);
   }
 }
@@ -100,10 +104,12 @@ class Launcher {
   Launcher(
       std::string executable,
       int processes,
-      std::vector<std::string> arguments)
+      std::vector<std::string> arguments,
+      std::chrono::steady_clock::time_point sinceFailure)
       : executable_(std::move(executable)),
         arguments_(std::move(arguments)),
-        children_(processes) {
+        children_(processes),
+        sinceFailure_(sinceFailure) {
     const char* addr = std::getenv("MASTER_ADDR");
     masterAddr_ = addr && *addr ? addr : "127.0.0.1";
     masterPort_ = std::getenv("MASTER_PORT") ? std::getenv("MASTER_PORT")
@@ -111,7 +117,7 @@ class Launcher {
     token_ = jobToken();
   }
 
-  int run() {
+  LaunchOutcome run() {
     struct sigaction action {};
     action.sa_handler = onSignal;
     ::sigaction(SIGINT, &action, nullptr);
@@ -129,7 +135,12 @@ class Launcher {
         emit(rank, child.pending);
       ::close(child.output);
     }
-    return result_;
+    LaunchOutcome outcome;
+    outcome.status = result_;
+    outcome.failedRank = failedRank_;
+    outcome.stopped = stopped_;
+    outcome.failedAt = failedAt_;
+    return outcome;
   }
 
  private:
@@ -198,6 +209,8 @@ class Launcher {
     if (code == 0 || result_ != 0)
       return;
     result_ = code;
+    failedRank_ = rank;
+    failedAt_ = std::chrono::steady_clock::now();
     emit(
         rank,
         "exited with status " + std::to_string(code) +
@@ -223,10 +236,12 @@ class Launcher {
       if (children_[rank].output >= 0)
         drain(children_[rank], rank, false);
     }
+    noteFirstStep();
     if (const int signal = forwardedSignal.exchange(0)) {
       // The ranks finish their step and checkpoint; a second signal is
       // forwarded too.
       endOthers(signal);
+      stopped_ = true;
       if (result_ == 0)
         result_ = 128 + signal;
       deadline_ = std::min(
@@ -250,9 +265,31 @@ class Launcher {
     return anyRunning;
   }
 
+  // A restart says how long after the failure training went on: when rank
+  // 0's first progress line ("step k/N ...") comes through.
+  void noteFirstStep() {
+    if (sinceFailure_ == std::chrono::steady_clock::time_point{} ||
+        firstStepSeen_ || children_.empty() || !children_[0].sawStep)
+      return;
+    firstStepSeen_ = true;
+    const double seconds = std::chrono::duration<double>(
+                               std::chrono::steady_clock::now() - sinceFailure_)
+                               .count();
+    char text[96];
+    std::snprintf(
+        text,
+        sizeof text,
+        "launch: first step after the restart, %.1f s after the failure\n",
+        seconds);
+    (void)!::write(STDOUT_FILENO, text, std::strlen(text));
+  }
+
   std::string executable_;
   std::vector<std::string> arguments_;
   std::vector<Child> children_;
+  std::chrono::steady_clock::time_point sinceFailure_, failedAt_;
+  bool firstStepSeen_ = false, stopped_ = false;
+  int failedRank_ = -1;
   std::string masterAddr_, masterPort_, token_;
   const pid_t launcher_ = ::getpid();
   int result_ = 0;
@@ -266,8 +303,16 @@ int launchLocal(
     const std::string& executable,
     int processes,
     const std::vector<std::string>& arguments) {
+  return launchAttempt(executable, processes, arguments).status;
+}
+
+LaunchOutcome launchAttempt(
+    const std::string& executable,
+    int processes,
+    const std::vector<std::string>& arguments,
+    std::chrono::steady_clock::time_point sinceFailure) {
   TORCH_CHECK(processes >= 1, "launch: --nproc must be >= 1, got ", processes);
-  return Launcher(executable, processes, arguments).run();
+  return Launcher(executable, processes, arguments, sinceFailure).run();
 }
 
 } // namespace tpipe
