@@ -660,12 +660,16 @@ nlohmann::json scheduleTableFor(int p) {
   nlohmann::json rows = nlohmann::json::array();
   for (int m : {4, 8, 16}) {
     std::map<std::string, std::vector<double>> steps, ratio, bubble;
-    const char* schedules[] = {"1f1b", "zb-h1", "zb-h2", "zb-v", "auto"};
+    const char* schedules[] = {
+        "1f1b", "zb-h1", "zb-h2", "zb-v", "auto", "dualpipev"};
     for (int round = 0; round < 3; ++round) {
       for (const char* schedule : schedules) {
+        if (std::string(schedule) == "dualpipev" && m < 2 * p)
+          continue; // it needs as many micro-batches as stages
         tpipe::PipelineOptions options =
             benchOptions(p, m, schedule, CheckpointMode::kNever);
-        if (std::string(schedule) == "zb-v")
+        if (std::string(schedule) == "zb-v" ||
+            std::string(schedule) == "dualpipev")
           options.virtualStages = 2; // 2p half-size stages in a V
         const Measured r =
             timePipeline(tpipe::layersOf(net), options, x, y, 1, 3, false);
@@ -676,6 +680,8 @@ nlohmann::json scheduleTableFor(int p) {
       }
     }
     for (const char* schedule : schedules) {
+      if (steps[schedule].empty())
+        continue;
       const double step = median(steps[schedule]);
       std::printf(
           "%-4d %-6s %10.2f %12.3f %13.1f%% %14.3f\n",

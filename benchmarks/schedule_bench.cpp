@@ -67,7 +67,8 @@ int main(int argc, char** argv) {
   std::printf(
       "simulated schedules; span bubble = the Zero Bubble paper's measure; step = with a barrier "
       "(as tpipe runs today), steady = back-to-back without one, both / m (F+B+W);\n"
-      "held = peak micro-batches on a rank (zb-v: half-stages, 2p = 1F1B's p)\n");
+      "held = peak micro-batches on a rank (zb-v, dualpipev: half-stages, 2p = 1F1B's p);\n"
+      "dualpipev's pairs run one part after the other (overlap 0, as on CPU)\n");
   for (const CostCase& costs : costCases()) {
     std::printf("\n== %s costs\n", costs.name);
     std::printf(
@@ -96,6 +97,10 @@ int main(int argc, char** argv) {
         entries.push_back({"zb-h1", tpipe::zeroBubbleH1Schedule(p, m, mode)});
         entries.push_back({"zb-h2", tpipe::zeroBubbleH2Schedule(p, m, mode)});
         entries.push_back({"zb-v", tpipe::zeroBubbleVSchedule(p, m, mode)});
+        if (m >= 2 * p) {
+          entries.push_back(
+              {"dualpipev", tpipe::dualPipeVSchedule(p, m, mode)});
+        }
         for (int limit : {p, 2 * p}) {
           const auto start = std::chrono::steady_clock::now();
           Schedule s =

@@ -163,20 +163,25 @@ TEST_F(DistributedTest, TwoAndFourProcessesMatchTheThreadedRun) {
   expectNoOrphans();
 }
 
-// ZB-V places two stages on each rank in a V: the transport follows the
-// placement, and the losses equal the threaded run's.
+// ZB-V and DualPipeV place two stages on each rank in a V: the transport
+// follows the placement (and DualPipeV's overlapped pairs), and the losses
+// equal the threaded run's.
 TEST_F(DistributedTest, AVShapedScheduleMatchesTheThreadedRun) {
-  const std::string v = " --set pipeline.schedule=zb-v";
-  ASSERT_EQ(trainThreaded(v, "threaded.jsonl"), 0);
-  const Result r = shell(
-      binary() + " launch --nproc 2 " + config_ + v + " --metrics " +
-      path("two.jsonl"));
-  ASSERT_EQ(r.status, 0) << r.output;
-  EXPECT_NE(
-      r.output.find("4 stages on cpu:0 cpu:1 cpu:1 cpu:0"), std::string::npos)
-      << r.output;
-  expectSameLosses(
-      losses(path("threaded.jsonl")), losses(path("two.jsonl")), 1e-7);
+  for (const std::string schedule : {"zb-v", "dualpipev"}) {
+    const std::string v = " --set pipeline.schedule=" + schedule;
+    ASSERT_EQ(trainThreaded(v, schedule + "-threaded.jsonl"), 0);
+    const Result r = shell(
+        binary() + " launch --nproc 2 " + config_ + v + " --metrics " +
+        path(schedule + "-two.jsonl"));
+    ASSERT_EQ(r.status, 0) << r.output;
+    EXPECT_NE(
+        r.output.find("4 stages on cpu:0 cpu:1 cpu:1 cpu:0"), std::string::npos)
+        << r.output;
+    expectSameLosses(
+        losses(path(schedule + "-threaded.jsonl")),
+        losses(path(schedule + "-two.jsonl")),
+        1e-7);
+  }
   expectNoOrphans();
 }
 

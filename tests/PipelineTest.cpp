@@ -147,6 +147,33 @@ TEST(PipelineTest, ZeroBubbleH2AndVAreTransparent) {
   }
 }
 
+// torch.distributed.pipelining's own schedule files (compute-only with an
+// idle slot, lowered with its transfers, and DualPipeV with overlapped
+// pairs) and tpipe's DualPipeV train exactly as one stage does.
+TEST(PipelineTest, PyTorchsScheduleFilesAndDualPipeVAreTransparent) {
+  const std::string dir =
+      std::string(TPIPE_SOURCE_DIR) + "/../shared/conformance/pytorch/";
+  for (auto mode :
+       {CheckpointMode::kAlways,
+        CheckpointMode::kExceptLast,
+        CheckpointMode::kNever}) {
+    if (std::filesystem::exists(dir)) {
+      expectTransparent(
+          {dir + "zb1p_2rank_2stagep_compute.csv", 2, 2, 8, mode},
+          torch::kDouble);
+      expectTransparent(
+          {dir + "zb1p_2rank_2stagep_comms.csv", 2, 2, 8, mode},
+          torch::kDouble);
+      expectTransparent(
+          {dir + "dualpipev_4rank_10mb.csv", 4, 2, 10, mode}, torch::kDouble);
+    }
+    for (int ranks = 1; ranks <= 4; ++ranks) {
+      for (int m : {2 * ranks, 2 * ranks + 3})
+        expectTransparent({"dualpipev", ranks, 2, m, mode}, torch::kDouble);
+    }
+  }
+}
+
 TEST(PipelineTest, SeveralOptimizerStepsTrackSequentialTraining) {
   torch::nn::Sequential reference = makeNet(torch::kDouble, 3);
   torch::nn::Sequential piped = makeNet(torch::kDouble, 3);

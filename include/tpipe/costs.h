@@ -53,6 +53,10 @@ struct StageCosts {
   double backwardWeight = 1.0; // zero-bubble W
   double recompute = 1.0;
   double transfer = 0.0;
+  // An overlapped forward-and-backward pair takes F + B - overlap x min(F,
+  // B): 0 runs the two one after the other (CPU), 1 hides the shorter part
+  // under the longer entirely.
+  double overlap = 0.0;
 };
 
 } // namespace tpipe

@@ -46,10 +46,17 @@ bool isCheckpointed(CheckpointMode mode, int microBatch, int keptMicroBatch);
 //                  y = stage(x) (no-grad and keep only x when checkpointed)
 //                  last stage: loss[mb] = lossFn(y, target[mb]) * |mb| /
 //                  |batch|
+//                  overlapsBackward: this forward and the rank's next
+//                  compute instruction, a Backward (of another micro-batch,
+//                  possibly of another stage), are one overlapped step
+//                  (PyTorch's OVERLAP_F_B, DualPipe's paired F and B); the
+//                  receives of both come before it, the sends of both after.
+//                  On CPU the two run one after the other.
 struct Forward {
   int stage;
   int microBatch;
   bool checkpointed;
+  bool overlapsBackward = false;
 };
 // Recompute        restore the RNG state of Forward; y = stage(x) with grad
 struct Recompute {
@@ -151,8 +158,13 @@ enum class ScheduleKind {
                  // and 2p - 1 - r): zero bubble at 1F1B's memory
   kAuto,         // "auto": the list scheduler; unit costs until `tpipe train`
                  // measures the stages (after its first recorded steps)
+  kDualPipeV,    // "dualpipev": DeepSeek's DualPipeV, the V of zb-v with one
+                 // micro-batch's forward overlapped with another's backward
 };
 const char* scheduleKindName(ScheduleKind kind);
+// Whether the kind lays two stages on each rank in a V (zb-v, dualpipev):
+// such a schedule needs 2 virtual stages, and configs default to them.
+bool isVShaped(ScheduleKind kind);
 
 // Which schedule to run: a built-in generator or a schedule file (as
 // `tpipe schedule --json` writes it). Text converts implicitly, so options
@@ -237,12 +249,24 @@ Schedule autoSchedule(
 // are not written; reading derives them (recomputes from `mode`) and
 // validates the result. Stage s must run on rank s % ranks.
 std::string scheduleToCsv(const Schedule& schedule);
+// The same with the transfers (PyTorch's lowered form): SEND_F, RECV_F,
+// SEND_B and RECV_B cells in each rank's order; recomputes are not written.
+// Reading such a file keeps its communication order (the validator checks
+// it) and derives recomputes from the checkpoint mode.
+std::string scheduleToCsvWithComms(const Schedule& schedule);
 Schedule scheduleFromCsv(const std::string& text, CheckpointMode mode);
 Schedule loadScheduleCsv(const std::string& path, CheckpointMode mode);
 
 // 2p stages on p ranks in a V, from the list scheduler with unit costs and
 // p micro-batches of each stage in flight.
 Schedule zeroBubbleVSchedule(int ranks, int microBatches, CheckpointMode mode);
+// DeepSeek's DualPipeV on p ranks in a V (rank r holds stages r and
+// 2p - 1 - r): eight phases per rank, the steady one pairing a forward of
+// one stage with the full backward of the other (overlapsBackward), the
+// rest split backwards whose weight passes fill the ends. Needs m >= 2p
+// micro-batches (as many as stages). Equals torch.distributed.pipelining's
+// ScheduleDualPipeV action for action.
+Schedule dualPipeVSchedule(int ranks, int microBatches, CheckpointMode mode);
 // Inference: every rank forwards its stages' micro-batches in order, with
 // the stages placed as `placement` says (empty: s % ranks).
 Schedule forwardOnlySchedule(

@@ -308,7 +308,11 @@ struct ScheduleRequest {
   int memoryLimit = 0; // micro-batches in flight per stage; 0: p
 };
 
-int printSchedule(const ScheduleRequest& request, bool json, bool csv) {
+int printSchedule(
+    const ScheduleRequest& request,
+    bool json,
+    bool csv,
+    bool csvComms) {
   tpipe::ScheduleSpec spec = request.spec;
   std::vector<tpipe::StageCosts> costs{tpipe::StageCosts{}};
   if (!request.costsPath.empty())
@@ -330,12 +334,15 @@ int printSchedule(const ScheduleRequest& request, bool json, bool csv) {
                    .count();
   } else {
     spec.source = request.text;
-    if (request.text == "zb-v" && spec.virtualStages == 1)
+    if (spec.source.isBuiltIn() && tpipe::isVShaped(spec.source.kind()) &&
+        spec.virtualStages == 1)
       spec.virtualStages = 2; // P ranks hold 2P stages in a V
     schedule = tpipe::makeSchedule(spec);
   }
-  if (csv) {
-    std::cout << tpipe::scheduleToCsv(schedule);
+  if (csv || csvComms) {
+    std::cout
+        << (csvComms ? tpipe::scheduleToCsvWithComms(schedule)
+                     : tpipe::scheduleToCsv(schedule));
     return 0;
   }
   const tpipe::Simulation simulation = tpipe::simulate(schedule, costs);
@@ -393,7 +400,7 @@ struct Arguments {
   int maxRestarts = 0;
   std::string profilePath, profileOut;
   int planStages = 0, profileSteps = 0;
-  bool json = false, csv = false;
+  bool json = false, csv = false, csvComms = false;
   ScheduleRequest schedule;
   std::string checkpoint = "except_last";
   tpipe::TuneOptions tune;
@@ -642,6 +649,10 @@ CLI::App* addSchedule(CLI::App& app, Arguments& a) {
       "--csv",
       a.csv,
       "print torch.distributed.pipelining's compute-only action CSV");
+  schedule->add_flag(
+      "--csv-comms",
+      a.csvComms,
+      "print the action CSV with its transfers (SEND_F, RECV_F, SEND_B, RECV_B)");
   return schedule;
 }
 
@@ -863,7 +874,7 @@ int dispatch(const Subcommands& c, Arguments& a) {
   if (*c.tune)
     return runTune(a);
   a.schedule.spec.checkpoint = tpipe::parseCheckpointMode(a.checkpoint);
-  return printSchedule(a.schedule, a.json, a.csv);
+  return printSchedule(a.schedule, a.json, a.csv, a.csvComms);
 }
 
 } // namespace

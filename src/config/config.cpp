@@ -652,9 +652,8 @@ void parsePipeline(const Json& json, Config& config) {
   p.microBatches = static_cast<int>(
       pipeline.integer("micro_batches", 1, 1, "a positive integer", 65536));
   p.schedule = parseScheduleSource(pipeline);
-  // zb-v always lays two stages on each device.
-  const bool vShaped =
-      p.schedule.isBuiltIn() && p.schedule.kind() == ScheduleKind::kZeroBubbleV;
+  // zb-v and dualpipev always lay two stages on each device.
+  const bool vShaped = p.schedule.isBuiltIn() && isVShaped(p.schedule.kind());
   p.virtualStages = static_cast<int>(pipeline.integer(
       "virtual_stages", vShaped ? 2 : 1, 1, "a positive integer", 64));
   p.checkpoint = parseCheckpointMode(pipeline.choice(

@@ -115,10 +115,7 @@ const std::vector<ScheduleKind>& allSchedules() {
 }
 
 int virtualStagesOf(ScheduleKind kind) {
-  return kind == ScheduleKind::kInterleaved ||
-          kind == ScheduleKind::kZeroBubbleV
-      ? 2
-      : 1;
+  return kind == ScheduleKind::kInterleaved || isVShaped(kind) ? 2 : 1;
 }
 
 // Simplest first: what the choice prefers among plans within the noise.

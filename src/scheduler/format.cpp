@@ -153,6 +153,8 @@ nlohmann::json scheduleToJson(const Schedule& schedule) {
           {"micro_batch", microBatchOf(instruction)}};
       if (const auto* forward = std::get_if<Forward>(&instruction)) {
         item["checkpointed"] = forward->checkpointed;
+        if (forward->overlapsBackward)
+          item["overlaps_backward"] = true;
       }
       items.push_back(std::move(item));
     }
@@ -205,7 +207,8 @@ Instruction instructionFromJson(
   const int mb = requireInt(item, "micro_batch", path, 0, true);
   if (op == "forward") {
     const bool checkpointed = item.value("checkpointed", false);
-    return Forward{stage, mb, checkpointed};
+    return Forward{
+        stage, mb, checkpointed, item.value("overlaps_backward", false)};
   }
   if (op == "recompute")
     return Recompute{stage, mb};

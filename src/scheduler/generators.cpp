@@ -2,6 +2,8 @@
 // `lower` adds the transfers and recomputation every generator needs alike.
 #include <algorithm>
 #include <cctype>
+#include <cstring>
+#include <deque>
 #include <sstream>
 
 #include "tpipe/schedule.h"
@@ -15,6 +17,8 @@ struct ComputeStep {
   Pass pass;
   int stage;
   int microBatch;
+  // A forward overlapped with the next step, a whole backward.
+  bool overlapsNext = false;
 };
 
 using ComputeOrder = std::vector<std::vector<ComputeStep>>; // per rank
@@ -63,6 +67,18 @@ int keptMicroBatch(const ComputeOrder& order, int microBatches) {
   return firstBackward >= 0 ? firstBackward : microBatches - 1;
 }
 
+// The instruction of a backward step: whole, input pass or weight pass.
+Instruction backwardInstruction(const ComputeStep& step) {
+  switch (step.pass) {
+    case Pass::kBackward:
+      return Backward{step.stage, step.microBatch};
+    case Pass::kBackwardInput:
+      return BackwardInput{step.stage, step.microBatch};
+    default:
+      return BackwardWeight{step.stage, step.microBatch};
+  }
+}
+
 Schedule lower(
     std::string name,
     int ranks,
@@ -80,10 +96,33 @@ Schedule lower(
   const int last = ranks * virtualStages - 1;
   for (int rank = 0; rank < ranks; ++rank) {
     auto& list = schedule.perRank[rank];
-    for (const ComputeStep& step : order[rank]) {
+    const auto& steps = order[rank];
+    for (size_t k = 0; k < steps.size(); ++k) {
+      const ComputeStep& step = steps[k];
       const int s = step.stage;
       const int mb = step.microBatch;
       const bool checkpointed = isCheckpointed(mode, mb, kept);
+      if (step.overlapsNext) {
+        // One overlapped step: both receives before it, both sends after.
+        if (k + 1 >= steps.size() || steps[k + 1].pass != Pass::kBackward) {
+          throw ScheduleError(
+              "an overlapped forward must be followed by a whole backward");
+        }
+        const ComputeStep& back = steps[++k];
+        if (s > 0)
+          list.emplace_back(RecvActivation{s, mb});
+        if (isCheckpointed(mode, back.microBatch, kept))
+          list.emplace_back(Recompute{back.stage, back.microBatch});
+        if (back.stage < last)
+          list.emplace_back(RecvGrad{back.stage, back.microBatch});
+        list.emplace_back(Forward{s, mb, checkpointed, true});
+        list.emplace_back(Backward{back.stage, back.microBatch});
+        if (s < last)
+          list.emplace_back(SendActivation{s, mb});
+        if (back.stage > 0)
+          list.emplace_back(SendGrad{back.stage, back.microBatch});
+        continue;
+      }
       switch (step.pass) {
         case Pass::kForward:
           if (s > 0)
@@ -98,16 +137,12 @@ Schedule lower(
             list.emplace_back(Recompute{s, mb});
           if (s < last)
             list.emplace_back(RecvGrad{s, mb});
-          if (step.pass == Pass::kBackward) {
-            list.emplace_back(Backward{s, mb});
-          } else {
-            list.emplace_back(BackwardInput{s, mb});
-          }
+          list.push_back(backwardInstruction(step));
           if (s > 0)
             list.emplace_back(SendGrad{s, mb});
           break;
         case Pass::kBackwardWeight:
-          list.emplace_back(BackwardWeight{s, mb});
+          list.push_back(backwardInstruction(step));
           break;
       }
     }
@@ -584,7 +619,14 @@ bool isCheckpointed(CheckpointMode mode, int microBatch, int keptMicroBatch) {
 
 const std::vector<std::string>& scheduleNames() {
   static const std::vector<std::string> names = {
-      "gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v", "auto"};
+      "gpipe",
+      "1f1b",
+      "interleaved-1f1b",
+      "zb-h1",
+      "zb-h2",
+      "zb-v",
+      "auto",
+      "dualpipev"};
   return names;
 }
 
@@ -775,47 +817,101 @@ Schedule autoSchedule(
 
 namespace {
 
-// "0F1" -> stage 0, forward, micro-batch 1 (torch.distributed.pipelining's
-// action text: stage, computation type, micro-batch).
-ComputeStep parseAction(const std::string& text, int rank) {
+// One cell of torch.distributed.pipelining's action CSV: "0F1" (stage 0,
+// forward, micro-batch 1), with I, W and B for the backward passes;
+// "(0F7;7B3)OVERLAP_F_B" for an overlapped pair; and in the lowered form
+// "0SEND_F1", "2RECV_F1", "2SEND_B1", "0RECV_B1" for the transfers.
+struct Action {
+  enum Kind { kCompute, kSendF, kRecvF, kSendB, kRecvB } kind = kCompute;
+  ComputeStep step{Pass::kForward, 0, 0};
+};
+
+Action parseAction(const std::string& text, int rank) {
+  auto bad = [&](const std::string& why) {
+    return ScheduleError(
+        "CSV row " + std::to_string(rank) + ": cannot read action '" + text +
+        "'" + why);
+  };
   size_t at = 0;
   auto number = [&] {
     const size_t start = at;
     while (at < text.size() &&
            std::isdigit(static_cast<unsigned char>(text[at])))
       ++at;
-    if (at == start || at - start > 6) {
-      throw ScheduleError(
-          "CSV row " + std::to_string(rank) + ": cannot read action '" + text +
-          "'");
-    }
+    if (at == start || at - start > 6)
+      throw bad("");
     return std::stoi(text.substr(start, at - start));
   };
-  const int stage = number();
+  Action action;
+  action.step.stage = number();
   if (at >= text.size())
-    throw ScheduleError(
-        "CSV row " + std::to_string(rank) + ": action '" + text +
-        "' has no type");
+    throw bad(": it has no type");
+  static const std::pair<const char*, Action::Kind> kTransfers[] = {
+      {"SEND_F", Action::kSendF},
+      {"RECV_F", Action::kRecvF},
+      {"SEND_B", Action::kSendB},
+      {"RECV_B", Action::kRecvB}};
+  for (const auto& [name, kind] : kTransfers) {
+    if (text.compare(at, std::strlen(name), name) == 0) {
+      at += std::strlen(name);
+      action.kind = kind;
+      action.step.microBatch = number();
+      if (at != text.size())
+        throw bad("");
+      return action;
+    }
+  }
   const char type = text[at++];
-  const int mb = number();
+  action.step.microBatch = number();
   if (at != text.size())
-    throw ScheduleError(
-        "CSV row " + std::to_string(rank) + ": cannot read action '" + text +
-        "'");
+    throw bad("");
   switch (type) {
     case 'F':
-      return {Pass::kForward, stage, mb};
+      action.step.pass = Pass::kForward;
+      break;
     case 'B':
-      return {Pass::kBackward, stage, mb};
+      action.step.pass = Pass::kBackward;
+      break;
     case 'I':
-      return {Pass::kBackwardInput, stage, mb};
+      action.step.pass = Pass::kBackwardInput;
+      break;
     case 'W':
-      return {Pass::kBackwardWeight, stage, mb};
+      action.step.pass = Pass::kBackwardWeight;
+      break;
     default:
-      throw ScheduleError(
-          "CSV row " + std::to_string(rank) + ": action '" + text +
-          "' is not compute (F, B, I or W)");
+      throw bad(
+          ": not F, B, I, W, SEND_F, RECV_F, SEND_B, RECV_B or "
+          "(F;B)OVERLAP_F_B");
   }
+  return action;
+}
+
+// A cell's actions: one, or the two of an overlapped pair.
+std::vector<Action> parseCell(const std::string& text, int rank) {
+  const std::string suffix = ")OVERLAP_F_B";
+  if (text.front() != '(')
+    return {parseAction(text, rank)};
+  const size_t semicolon = text.find(';');
+  if (text.size() <= suffix.size() ||
+      text.compare(text.size() - suffix.size(), suffix.size(), suffix) != 0 ||
+      semicolon == std::string::npos) {
+    throw ScheduleError(
+        "CSV row " + std::to_string(rank) + ": cannot read action '" + text +
+        "' (an overlapped pair is written (0F1;3B0)OVERLAP_F_B)");
+  }
+  Action forward = parseAction(text.substr(1, semicolon - 1), rank);
+  const Action backward = parseAction(
+      text.substr(semicolon + 1, text.size() - suffix.size() - semicolon - 1),
+      rank);
+  if (forward.kind != Action::kCompute || forward.step.pass != Pass::kForward ||
+      backward.kind != Action::kCompute ||
+      backward.step.pass != Pass::kBackward) {
+    throw ScheduleError(
+        "CSV row " + std::to_string(rank) + ": '" + text +
+        "' must pair a forward with a whole backward (F;B)");
+  }
+  forward.step.overlapsNext = true;
+  return {forward, backward};
 }
 
 std::vector<std::string> splitCells(const std::string& line) {
@@ -838,57 +934,169 @@ std::vector<std::string> splitCells(const std::string& line) {
 
 } // namespace
 
-std::string scheduleToCsv(const Schedule& schedule) {
+namespace {
+
+// A schedule as action cells, one row per rank; with `comms`, the
+// transfers too.
+std::string csvOf(const Schedule& schedule, bool comms) {
   std::ostringstream csv;
   for (const auto& list : schedule.perRank) {
-    bool first = true;
+    std::vector<std::string> cells;
+    bool pairOpen = false;
     for (const Instruction& instruction : list) {
-      char type = 0;
-      if (std::holds_alternative<Forward>(instruction))
-        type = 'F';
-      if (std::holds_alternative<Backward>(instruction))
-        type = 'B';
-      if (std::holds_alternative<BackwardInput>(instruction))
-        type = 'I';
-      if (std::holds_alternative<BackwardWeight>(instruction))
-        type = 'W';
-      if (type == 0)
-        continue; // transfers and recomputes are derived
-      csv << (first ? "" : ",") << stageOf(instruction) << type
-          << microBatchOf(instruction);
-      first = false;
+      const std::string at = std::to_string(stageOf(instruction));
+      const std::string mb = std::to_string(microBatchOf(instruction));
+      std::string cell;
+      if (const auto* f = std::get_if<Forward>(&instruction)) {
+        cell = at + "F" + mb;
+        if (f->overlapsBackward) {
+          cells.push_back("(" + cell);
+          pairOpen = true;
+          continue;
+        }
+      } else if (std::holds_alternative<Backward>(instruction)) {
+        cell = at + "B" + mb;
+        if (pairOpen) {
+          cells.back() += ";" + cell + ")OVERLAP_F_B";
+          pairOpen = false;
+          continue;
+        }
+      } else if (std::holds_alternative<BackwardInput>(instruction)) {
+        cell = at + "I" + mb;
+      } else if (std::holds_alternative<BackwardWeight>(instruction)) {
+        cell = at + "W" + mb;
+      } else if (comms && std::holds_alternative<SendActivation>(instruction)) {
+        cell = at + "SEND_F" + mb;
+      } else if (comms && std::holds_alternative<RecvActivation>(instruction)) {
+        cell = at + "RECV_F" + mb;
+      } else if (comms && std::holds_alternative<SendGrad>(instruction)) {
+        cell = at + "SEND_B" + mb;
+      } else if (comms && std::holds_alternative<RecvGrad>(instruction)) {
+        cell = at + "RECV_B" + mb;
+      } else {
+        continue; // recomputes are derived; transfers too without comms
+      }
+      cells.push_back(cell);
     }
+    for (size_t i = 0; i < cells.size(); ++i)
+      csv << (i ? "," : "") << cells[i];
     csv << '\n';
   }
   return csv.str();
 }
 
+} // namespace
+
+std::string scheduleToCsv(const Schedule& schedule) {
+  return csvOf(schedule, false);
+}
+
+std::string scheduleToCsvWithComms(const Schedule& schedule) {
+  return csvOf(schedule, true);
+}
+
+namespace {
+
+// A lowered CSV's own instruction lists: its transfers in its order, a
+// recompute before each checkpointed micro-batch's backward (before the
+// pair, for an overlapped one).
+std::vector<std::vector<Instruction>> loweredAsWritten(
+    const std::vector<std::vector<Action>>& rows,
+    int lastStage,
+    CheckpointMode mode,
+    int kept) {
+  std::vector<std::vector<Instruction>> perRank;
+  for (const auto& row : rows) {
+    auto& list = perRank.emplace_back();
+    for (size_t k = 0; k < row.size(); ++k) {
+      const ComputeStep& step = row[k].step;
+      const int s = step.stage, mb = step.microBatch;
+      const bool checkpointed = isCheckpointed(mode, mb, kept);
+      switch (row[k].kind) {
+        case Action::kSendF:
+          list.emplace_back(SendActivation{s, mb});
+          continue;
+        case Action::kRecvF:
+          list.emplace_back(RecvActivation{s, mb});
+          continue;
+        case Action::kSendB:
+          list.emplace_back(SendGrad{s, mb});
+          continue;
+        case Action::kRecvB:
+          // As lowering does: a checkpointed micro-batch recomputes before
+          // it waits for its gradient.
+          if (isCheckpointed(mode, mb, kept))
+            list.emplace_back(Recompute{s, mb});
+          list.emplace_back(RecvGrad{s, mb});
+          continue;
+        case Action::kCompute:
+          break;
+      }
+      switch (step.pass) {
+        case Pass::kForward:
+          if (step.overlapsNext && k + 1 < row.size()) {
+            const ComputeStep& back = row[k + 1].step;
+            if (back.stage == lastStage &&
+                isCheckpointed(mode, back.microBatch, kept))
+              list.emplace_back(Recompute{back.stage, back.microBatch});
+          }
+          list.emplace_back(Forward{s, mb, checkpointed, step.overlapsNext});
+          break;
+        case Pass::kBackward:
+        case Pass::kBackwardInput:
+          if (checkpointed && s == lastStage &&
+              !(k > 0 && row[k - 1].step.overlapsNext &&
+                row[k - 1].kind == Action::kCompute)) {
+            list.emplace_back(Recompute{s, mb}); // no gradient to wait for
+          }
+          list.push_back(backwardInstruction(step));
+          break;
+        case Pass::kBackwardWeight:
+          list.push_back(backwardInstruction(step));
+          break;
+      }
+    }
+  }
+  return perRank;
+}
+
+} // namespace
+
 Schedule scheduleFromCsv(const std::string& text, CheckpointMode mode) {
   std::istringstream lines(text);
   std::string line;
+  std::vector<std::vector<Action>> rows;
   ComputeOrder order;
+  bool comms = false;
   int stages = 0, microBatches = 0;
   while (std::getline(lines, line)) {
-    if (line.find_first_not_of(" \t\r") == std::string::npos && order.empty())
+    if (line.find_first_not_of(" \t\r") == std::string::npos && rows.empty())
       continue;
+    rows.emplace_back();
     order.emplace_back();
+    const int rank = static_cast<int>(rows.size()) - 1;
     for (const std::string& cell : splitCells(line)) {
       if (cell.empty())
         continue; // an idle slot
-      const ComputeStep step =
-          parseAction(cell, static_cast<int>(order.size()) - 1);
-      order.back().push_back(step);
-      stages = std::max(stages, step.stage + 1);
-      microBatches = std::max(microBatches, step.microBatch + 1);
+      for (const Action& action : parseCell(cell, rank)) {
+        rows.back().push_back(action);
+        comms = comms || action.kind != Action::kCompute;
+        if (action.kind == Action::kCompute)
+          order.back().push_back(action.step);
+        stages = std::max(stages, action.step.stage + 1);
+        microBatches = std::max(microBatches, action.step.microBatch + 1);
+      }
     }
   }
-  while (!order.empty() && order.back().empty())
+  while (!rows.empty() && rows.back().empty()) {
+    rows.pop_back();
     order.pop_back();
+  }
   const int ranks = static_cast<int>(order.size());
   if (ranks == 0 || stages == 0)
     throw ScheduleError("CSV schedule: no actions");
-  // Each stage's rank is the row it appears on; the default (s % ranks) is
-  // kept implicit.
+  // Each stage's rank is the row its compute appears on; the default
+  // (s % ranks) is kept implicit.
   std::vector<int> placement(stages, -1);
   for (int rank = 0; rank < ranks; ++rank) {
     for (const ComputeStep& step : order[rank]) {
@@ -917,6 +1125,10 @@ Schedule scheduleFromCsv(const std::string& text, CheckpointMode mode) {
   const int virtualStages = stages / ranks;
   Schedule schedule =
       lower("custom", ranks, virtualStages, microBatches, mode, order);
+  if (comms) {
+    schedule.perRank = loweredAsWritten(
+        rows, stages - 1, mode, keptMicroBatch(order, microBatches));
+  }
   if (!interleaved)
     schedule.placement = placement;
   validate(schedule);
@@ -966,6 +1178,107 @@ Schedule zeroBubbleVSchedule(int ranks, int microBatches, CheckpointMode mode) {
   return schedule;
 }
 
+// DeepSeek's DualPipeV (as torch.distributed.pipelining's
+// ScheduleDualPipeV builds it): rank r holds stage r (chunk 0, going down)
+// and stage 2p - 1 - r (chunk 1, coming back). Each rank runs eight phases;
+// I is an input pass whose weight pass waits in a queue for a W.
+Schedule dualPipeVSchedule(int ranks, int microBatches, CheckpointMode mode) {
+  requireCounts(ranks, microBatches, 2);
+  const int p = ranks, m = microBatches;
+  if (m < 2 * p) {
+    throw ScheduleError(
+        "schedule 'dualpipev' needs at least as many micro-batches as stages (" +
+        std::to_string(2 * p) + " for " + std::to_string(p) + " ranks), got " +
+        std::to_string(m));
+  }
+  ComputeOrder order(p);
+  for (int r = 0; r < p; ++r) {
+    auto& steps = order[r];
+    const int down = r, up = 2 * p - 1 - r; // chunk 0 and chunk 1
+    int next[2] = {0, 0}, nextBackward[2] = {0, 0};
+    std::deque<std::pair<int, int>> weights; // (stage, micro-batch)
+    auto stageOf = [&](int chunk) { return chunk == 0 ? down : up; };
+    auto forward = [&](int chunk, bool overlapped = false) {
+      steps.push_back(
+          {Pass::kForward, stageOf(chunk), next[chunk]++, overlapped});
+    };
+    auto backward = [&](int chunk, bool split) {
+      const int stage = stageOf(chunk), mb = nextBackward[chunk]++;
+      steps.push_back(
+          {split ? Pass::kBackwardInput : Pass::kBackward, stage, mb});
+      if (split)
+        weights.emplace_back(stage, mb);
+    };
+    auto weight = [&] {
+      steps.push_back(
+          {Pass::kBackwardWeight,
+           weights.front().first,
+           weights.front().second});
+      weights.pop_front();
+    };
+    // Forward of `chunkF` overlapped with the whole backward of the other.
+    auto pair = [&](int chunkF) {
+      forward(chunkF, true);
+      backward(1 - chunkF, false);
+    };
+    // 1: warm-up forwards of chunk 0.
+    for (int i = 0; i < (p - r - 1) * 2; ++i)
+      forward(0);
+    // 2: forwards of both chunks.
+    for (int i = 0; i < r + 1; ++i) {
+      forward(0);
+      forward(1);
+    }
+    // 3: chunk 1's split backward, its weight pass at once, a forward.
+    for (int i = 0; i < p - r - 1; ++i) {
+      backward(1, true);
+      weight();
+      forward(1);
+    }
+    // 4: the steady state, overlapped pairs (the last rank starts with a
+    // forward and a backward apart).
+    for (int i = 0; i < m - 2 * p + r + 1; ++i) {
+      if (i == 0 && r == p - 1) {
+        forward(0);
+        backward(1, false);
+      } else {
+        pair(0);
+      }
+      pair(1);
+    }
+    // 5: chunk 1's backwards, each with a pair.
+    for (int i = 0; i < p - r - 1; ++i) {
+      backward(1, false);
+      pair(1);
+    }
+    // 6: backwards of both chunks; from the middle on, split.
+    bool split = false;
+    for (int i = 0; i < r + 1; ++i) {
+      if (i == (r + 1) / 2 && r % 2 == 1)
+        split = true;
+      backward(1, split);
+      if (i == (r + 1) / 2 && r % 2 == 0)
+        split = true;
+      backward(0, split);
+    }
+    // 7: a queued weight pass, then chunk 0's split backward.
+    for (int i = 0; i < p - r - 1; ++i) {
+      weight();
+      backward(0, true);
+    }
+    // 8: the remaining weight passes.
+    while (!weights.empty())
+      weight();
+  }
+  Schedule schedule = lower("dualpipev", p, 2, m, mode, order);
+  schedule.placement = vPlacement(p);
+  return schedule;
+}
+
+bool isVShaped(ScheduleKind kind) {
+  return kind == ScheduleKind::kZeroBubbleV || kind == ScheduleKind::kDualPipeV;
+}
+
 const char* scheduleKindName(ScheduleKind kind) {
   switch (kind) {
     case ScheduleKind::kGpipe:
@@ -982,6 +1295,8 @@ const char* scheduleKindName(ScheduleKind kind) {
       return "zb-v";
     case ScheduleKind::kAuto:
       return "auto";
+    case ScheduleKind::kDualPipeV:
+      return "dualpipev";
   }
   return "?";
 }
@@ -994,7 +1309,8 @@ ScheduleSource::ScheduleSource(const std::string& text) {
         ScheduleKind::kZeroBubbleH1,
         ScheduleKind::kZeroBubbleH2,
         ScheduleKind::kZeroBubbleV,
-        ScheduleKind::kAuto}) {
+        ScheduleKind::kAuto,
+        ScheduleKind::kDualPipeV}) {
     if (text == scheduleKindName(kind)) {
       kind_ = kind;
       known_ = true;
@@ -1084,19 +1400,20 @@ Schedule makeSchedule(const ScheduleSpec& spec) {
   }
   checkSize(spec);
   const ScheduleKind kind = spec.source.kind();
-  if (kind == ScheduleKind::kZeroBubbleV && spec.virtualStages != 2) {
+  if (isVShaped(kind) && spec.virtualStages != 2) {
     throw ScheduleError(
-        "schedule 'zb-v' lays two stages on each rank: it needs 2 virtual "
+        "schedule '" + spec.source.text() +
+        "' lays two stages on each rank: it needs 2 virtual "
         "stages, got " +
         std::to_string(spec.virtualStages));
   }
-  if (kind != ScheduleKind::kInterleaved &&
-      kind != ScheduleKind::kZeroBubbleV && spec.virtualStages != 1) {
+  if (kind != ScheduleKind::kInterleaved && !isVShaped(kind) &&
+      spec.virtualStages != 1) {
     throw ScheduleError(
         "schedule '" + spec.source.text() +
         "' has one stage per rank; virtual stages (" +
         std::to_string(spec.virtualStages) +
-        ") need 'interleaved-1f1b' or 'zb-v'");
+        ") need 'interleaved-1f1b', 'zb-v' or 'dualpipev'");
   }
   Schedule schedule;
   switch (kind) {
@@ -1122,6 +1439,10 @@ Schedule makeSchedule(const ScheduleSpec& spec) {
     case ScheduleKind::kZeroBubbleV:
       schedule =
           zeroBubbleVSchedule(spec.ranks, spec.microBatches, spec.checkpoint);
+      break;
+    case ScheduleKind::kDualPipeV:
+      schedule =
+          dualPipeVSchedule(spec.ranks, spec.microBatches, spec.checkpoint);
       break;
     case ScheduleKind::kAuto:
       schedule = autoSchedule(

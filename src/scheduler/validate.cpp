@@ -225,6 +225,31 @@ std::string transferOrderMismatch(const Schedule& schedule) {
   return "";
 }
 
+namespace {
+
+// An overlapped forward pairs with the rank's next compute instruction,
+// which must be a whole backward (PyTorch's OVERLAP_F_B).
+void checkOverlappedPair(
+    const Schedule& schedule,
+    const std::vector<Instruction>& list,
+    int forwardIndex) {
+  for (size_t next = forwardIndex + 1; next < list.size(); ++next) {
+    if (!isCompute(list[next]))
+      continue;
+    if (std::holds_alternative<Backward>(list[next]))
+      return;
+    break;
+  }
+  fail(
+      schedule,
+      shortLabel(list[forwardIndex]) + " of stage " +
+          std::to_string(stageOf(list[forwardIndex])) +
+          " overlaps a backward, but the next compute instruction of its rank "
+          "is not a whole backward");
+}
+
+} // namespace
+
 void validate(const Schedule& schedule) {
   if (schedule.ranks < 1 || schedule.virtualStages < 1 ||
       schedule.microBatches < 1) {
@@ -288,6 +313,8 @@ void validate(const Schedule& schedule) {
       record(schedule, *slotFor(p, instruction), i, instruction);
       if (const auto* forward = std::get_if<Forward>(&instruction)) {
         p.checkpointed = forward->checkpointed;
+        if (forward->overlapsBackward)
+          checkOverlappedPair(schedule, list, i);
       }
     }
   }
@@ -319,7 +346,8 @@ class Simulator {
         next_(schedule.ranks, 0),
         clock_(schedule.ranks, 0.0),
         firstStart_(schedule.ranks, -1.0),
-        lastEnd_(schedule.ranks, 0.0) {
+        lastEnd_(schedule.ranks, 0.0),
+        pairedForward_(schedule.ranks, -1.0) {
     if (costs.size() != 1 && static_cast<int>(costs.size()) != stages_) {
       throw ScheduleError(
           "simulate: expected 1 or " + std::to_string(stages_) +
@@ -376,9 +404,19 @@ class Simulator {
         Overloaded{
             [&](const Forward& f) {
               duration = c.forward, bump(s, 1, f.checkpointed ? 0 : 1);
+              pairedForward_[rank] = f.overlapsBackward ? c.forward : -1.0;
             },
             [&](const Recompute&) { duration = c.recompute, bump(s, 0, 1); },
-            [&](const Backward&) { duration = c.backward, bump(s, -1, -1); },
+            [&](const Backward&) {
+              duration = c.backward, bump(s, -1, -1);
+              // The second half of an overlapped pair: the part hidden
+              // under the forward just run is not spent again.
+              if (pairedForward_[rank] >= 0) {
+                duration -=
+                    c.overlap * std::min(pairedForward_[rank], c.backward);
+                pairedForward_[rank] = -1.0;
+              }
+            },
             [&](const BackwardInput&) { duration = c.backwardInput; },
             [&](const BackwardWeight&) {
               duration = c.backwardWeight, bump(s, -1, -1);
@@ -454,6 +492,9 @@ class Simulator {
   std::vector<int> stashed_, live_;
   std::vector<size_t> next_;
   std::vector<double> clock_, firstStart_, lastEnd_;
+  // Per rank: the duration of an overlapped forward whose backward is next;
+  // < 0: none.
+  std::vector<double> pairedForward_;
   Simulation result_;
 };
 
