@@ -650,7 +650,7 @@ nlohmann::json scheduleTableFor(int p) {
       kCores,
       p > kCores ? " (oversubscribed)" : "");
   std::printf(
-      "%-4s %-6s %10s %12s %14s %14s\n",
+      "%-4s %-9s %10s %12s %14s %14s\n",
       "m",
       "sched",
       "step ms",
@@ -684,7 +684,7 @@ nlohmann::json scheduleTableFor(int p) {
         continue;
       const double step = median(steps[schedule]);
       std::printf(
-          "%-4d %-6s %10.2f %12.3f %13.1f%% %14.3f\n",
+          "%-4d %-9s %10.2f %12.3f %13.1f%% %14.3f\n",
           m,
           schedule,
           step,

@@ -583,7 +583,12 @@ c10::IValue readTorchSave(const std::string& flag, const std::string& path) {
         where +
         " is not a torch.save file that LibTorch's unpickler reads (it reads "
         "what torch.save writes by default; " +
-        error.what_without_backtrace() + ")");
+        error.what_without_backtrace() + ")" +
+        (std::string(error.what_without_backtrace()).find("at 0x73") !=
+                 std::string::npos
+             ? "; a dict with a single key is beyond it: save the tensor "
+               "itself (torch.save(X)) or a dict of two or more keys"
+             : ""));
   }
 }
 

@@ -14,6 +14,8 @@
 namespace tpipe {
 namespace {
 
+constexpr int64_t kChunksPerCall = 8;
+
 // The tensor of a torch.save(X) file, or of the "inputs" key of a dict.
 at::Tensor inputTensor(const std::string& path) {
   const c10::IValue value = readTorchSave("--input", path);
@@ -54,9 +56,19 @@ PredictSummary predict(const Config& config, const PredictOptions& options) {
   const BuiltModel model = buildModel(config);
   const at::Tensor inputs = modelInputs(
       inputTensor(options.inputPath), "--input: " + options.inputPath, model);
-  const Plan plan =
-      planTraining(config, model, "", needsMeasuredCosts(config), world.get());
-  Pipeline pipe(model.layers, pipelineOptions(config, model, plan, world));
+  // Training's micro-batch size, but up to 8 times as many micro-batches
+  // per pipelined call: a forward-only call idles (p - 1) / (m + p - 1) of
+  // its time filling and draining, so longer calls waste less.
+  Config inference = config;
+  const int64_t calls = std::max<int64_t>(
+      1,
+      std::min<int64_t>(
+          kChunksPerCall, inputs.size(0) / config.train.batchSize));
+  inference.train.batchSize *= calls;
+  inference.pipeline.microBatches *= static_cast<int>(calls);
+  const Plan plan = planTraining(
+      inference, model, "", needsMeasuredCosts(inference), world.get());
+  Pipeline pipe(model.layers, pipelineOptions(inference, model, plan, world));
   // The optimizer only receives the checkpoint's state: resume's checks
   // (checksums, layer names, layout) are the ones a prediction needs.
   auto optimizer = makeOptimizer(config.train.optimizer, pipe.parameters());
@@ -79,12 +91,12 @@ PredictSummary predict(const Config& config, const PredictOptions& options) {
     log << "predict: " << inputs.size(0) << " samples, the weights of step "
         << resumed.step << " from " << options.resumeDir << ", "
         << plan.schedule.stages() << " stage(s), "
-        << config.pipeline.microBatches << " micro-batches per chunk of "
-        << config.train.batchSize << "\n";
+        << inference.pipeline.microBatches << " micro-batches per chunk of "
+        << inference.train.batchSize << "\n";
     if (!resumed.note.empty())
       log << "predict: " << resumed.note << "\n";
   }
-  const int64_t n = inputs.size(0), chunk = config.train.batchSize;
+  const int64_t n = inputs.size(0), chunk = inference.train.batchSize;
   std::vector<at::Tensor> outputs;
   const auto start = std::chrono::steady_clock::now();
   for (int64_t first = 0; first < n; first += chunk) {
