@@ -17,7 +17,7 @@ floor_of() { # a source folder or a header path -> floor number
     plan | profiling | tpipe/plan.h | tpipe/tune.h | tpipe/trace.h | tpipe/curves.h) echo 2 ;;
     runtime | runtime/* | tpipe/pipeline.h | tpipe/distributed.h) echo 4 ;;
     profiler | tpipe/profile.h) echo 5 ;;
-    config | model | data | model/* | data/* | tpipe/config.h | tpipe/torchscript.h) echo 6 ;;
+    config | model | data | model/* | data/* | tpipe/config.h | tpipe/torchscript.h | tpipe/model.h) echo 6 ;;
     train | train/* | tpipe/trainer.h | tpipe/predict.h) echo 7 ;;
     cli | cli/*) echo 8 ;;
     *) echo "?" ;;
@@ -37,10 +37,6 @@ known=(
   "src/runtime/pipeline.cpp -> model/skips.h"
   "src/runtime/executor.cpp -> model/skips.h"
   "src/profiler/profile.cpp -> model/skips.h"
-  "src/model/layers.cpp -> tpipe/trainer.h"
-  "src/model/torchscript.cpp -> tpipe/trainer.h"
-  "src/data/datasets.cpp -> tpipe/trainer.h"
-  "src/data/tensor_files.h -> tpipe/trainer.h"
 )
 
 failed=0 found=()

@@ -17,7 +17,7 @@
 #include <torch/nn/functional/activation.h>
 
 #include "data/tensor_files.h"
-#include "tpipe/trainer.h"
+#include "tpipe/model.h"
 
 namespace tpipe {
 namespace {

@@ -6,7 +6,7 @@
 
 #include <ATen/core/ivalue.h>
 
-#include "tpipe/trainer.h"
+#include "tpipe/model.h"
 
 namespace tpipe {
 

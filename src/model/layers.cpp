@@ -14,7 +14,7 @@
 #include <torch/utils.h>
 
 #include "model/layer_types.h"
-#include "tpipe/trainer.h"
+#include "tpipe/model.h"
 
 namespace tpipe {
 

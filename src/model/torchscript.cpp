@@ -8,7 +8,7 @@
 
 #include "model/layer_types.h"
 #include "tpipe/errors.h"
-#include "tpipe/trainer.h"
+#include "tpipe/model.h"
 
 namespace tpipe {
 namespace {
