@@ -94,6 +94,36 @@ else
   bad "resume mid-epoch" "$(cat "$work/diff.log" "$work/resume.log")"
 fi
 
+# A large file is held once while it loads: the peak RSS grows by less than
+# 1.5 times the file's size over a tiny file's run (twice would be 2x; the
+# whole-buffer unpickler took 3.3x).
+/usr/bin/python3 - "$tpipe" "$work" <<'PY' >"$work/rss.log" 2>&1
+import json, os, resource, subprocess, sys, torch
+tpipe, w = sys.argv[1], sys.argv[2]
+def run(n):
+    g = torch.Generator().manual_seed(0)
+    torch.save({"inputs": torch.randn(n, 256, generator=g),
+                "targets": torch.randint(0, 4, (n,), generator=g)}, f"{w}/rss{n}.pt")
+    json.dump({"model": {"input_shape": [256], "layers": [{"type": "linear", "out_features": 4}]},
+               "data": {"dataset": "tensors", "path": f"{w}/rss{n}.pt"},
+               "pipeline": {"devices": ["cpu:0"]},
+               "train": {"batch_size": 64, "steps": 2, "loss": "cross_entropy", "eval_every": 0}},
+              open(f"{w}/rss{n}.json", "w"))
+    subprocess.run([tpipe, "train", f"{w}/rss{n}.json"], stdout=subprocess.DEVNULL, check=True)
+    # the largest child so far: the small run goes first
+    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024, os.path.getsize(f"{w}/rss{n}.pt")
+small, _ = run(1000)
+big, size = run(250000)
+os.remove(f"{w}/rss250000.pt")
+print(f"peak RSS grew by {(big - small) / size:.2f}x the file's {size >> 20} MiB")
+sys.exit(0 if big - small < 1.5 * size else 1)
+PY
+if [[ $? -eq 0 ]]; then
+  ok "a large tensors file is held once while it loads: $(cat "$work/rss.log")"
+else
+  bad "large file memory" "$(cat "$work/rss.log")"
+fi
+
 # tpipe predict on the checkpoint of step 13: the outputs equal the
 # PyTorch module's with the checkpoint's weights, on 2 stages, on 1, and on
 # 2 processes under tpipe launch.

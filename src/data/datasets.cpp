@@ -8,12 +8,14 @@
 
 #include <array>
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <iterator>
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
-#include <torch/csrc/jit/serialization/pickle.h>
+#include <caffe2/serialize/inline_container.h>
+#include <torch/csrc/jit/serialization/import_read.h>
 #include <torch/nn/functional/activation.h>
 
 #include "data/tensor_files.h"
@@ -573,11 +575,22 @@ void checkLossFits(const Config& config, const BuiltModel& model) {
 
 c10::IValue readTorchSave(const std::string& flag, const std::string& path) {
   const std::string where = flag + ": " + path;
-  std::vector<char> bytes = readWhole(path, "", flag);
-  if (bytes.empty())
+  requireRegularFile(path, "", flag);
+  std::error_code sizeError;
+  if (std::filesystem::file_size(path, sizeError) == 0 && !sizeError)
     throw ConfigError(where + " is empty (expected a torch.save file)");
   try {
-    return torch::jit::pickle_load(bytes);
+    // Read record by record from the file (what torch::pickle_load does
+    // over a buffer), so a large file is not held twice while it loads.
+    caffe2::serialize::PyTorchStreamReader reader(path);
+    return torch::jit::readArchiveAndTensors(
+        "data",
+        /*pickle_prefix=*/"",
+        /*tensor_prefix=*/"",
+        /*type_resolver=*/c10::nullopt,
+        /*obj_loader=*/c10::nullopt,
+        /*device=*/c10::nullopt,
+        reader);
   } catch (const c10::Error& error) {
     throw ConfigError(
         where +
