@@ -21,6 +21,7 @@
 #include "tpipe/profile.h"
 #include "tpipe/pipeline.h"
 #include "tpipe/trainer.h"
+#include "train/checkpoint.h"
 #include "train/files.h"
 #include "tpipe/schedule.h"
 #include "tpipe/tune.h"
@@ -763,16 +764,6 @@ std::string flagValue(
   return "";
 }
 
-// The step of DIR's last committed checkpoint, or -1 when it has none.
-int64_t committedStep(const std::string& dir) {
-  std::ifstream in(std::filesystem::path(dir) / "checkpoint.json");
-  const nlohmann::json pointer = nlohmann::json::parse(in, nullptr, false);
-  if (!pointer.is_object() || !pointer.contains("step") ||
-      !pointer["step"].is_number_integer())
-    return -1;
-  return pointer["step"].get<int64_t>();
-}
-
 // `tpipe launch --max-restarts K`: each failed attempt (not one the user
 // stopped) is followed by a new one with the same ranks, which resumes from
 // the --save directory's last checkpoint (--resume auto), until one
@@ -817,14 +808,14 @@ int launchWithRestarts(
                 << " used); giving up" << std::endl;
       return outcome.status;
     }
-    const int64_t step = committedStep(saveDir);
+    const std::optional<int64_t> step = tpipe::committedStep(saveDir);
     std::cout << "launch: rank " << outcome.failedRank
               << " failed (exit status " << outcome.status << "); restart "
               << restart + 1 << " of " << maxRestarts << ": " << processes
               << " ranks, "
-              << (step >= 0 ? "resuming from step " + std::to_string(step) +
+              << (step ? "resuming from step " + std::to_string(*step) +
                           " in " + saveDir
-                            : "no checkpoint yet, starting over")
+                       : "no checkpoint yet, starting over")
               << std::endl;
     since = outcome.failedAt;
   }

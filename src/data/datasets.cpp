@@ -348,31 +348,6 @@ Dataset tokens(const Config& config, const BuiltModel& model) {
 // Inputs from N(0, 1); targets from a fixed random linear teacher: class
 // argmax for cross-entropy, tanh of the projection for mse. Learnable, so a
 // smoke run shows the loss falling.
-std::string shapeText(at::IntArrayRef shape) {
-  std::string text = "[";
-  for (size_t i = 0; i < shape.size(); ++i)
-    text += (i ? ", " : "") + std::to_string(shape[i]);
-  return text + "]";
-}
-
-at::Tensor tensorOfDict(
-    const c10::impl::GenericDict& dict,
-    const char* name,
-    const std::string& where) {
-  for (const auto& entry : dict) {
-    if (entry.key().isString() && entry.key().toStringRef() == name) {
-      if (!entry.value().isTensor()) {
-        throw ConfigError(
-            where + ": \"" + name + "\" is a " + entry.value().tagKind() +
-            ", expected a tensor");
-      }
-      return entry.value().toTensor();
-    }
-  }
-  throw ConfigError(
-      where + ": missing key \"" + name +
-      "\" (expected {\"inputs\": tensor, \"targets\": tensor})");
-}
 
 // One torch.save({"inputs": X, "targets": Y}, path) file, read by
 // LibTorch's own unpickler and checked against the model: the sample
@@ -531,23 +506,17 @@ void checkLossFits(const Config& config, const BuiltModel& model) {
   const auto& out = model.shapes.back();
   const std::string& loss = config.train.loss;
   const std::string& dataset = config.data.dataset;
-  auto shape = [](const std::vector<int64_t>& s) {
-    std::string text = "[";
-    for (size_t i = 0; i < s.size(); ++i)
-      text += (i ? ", " : "") + std::to_string(s[i]);
-    return text + "]";
-  };
   if (loss == "cross_entropy") {
     if (out.size() != 1 && out.size() != 2) {
       throw ConfigError(
           "train.loss: cross_entropy needs an output of [classes] or [seq_len, classes] "
           "per sample; the model outputs " +
-          shape(out));
+          shapeText(out));
     }
     if (dataset == "fashion-mnist" && (out.size() != 1 || out[0] < 10)) {
       throw ConfigError(
           "model.layers: fashion-mnist has 10 classes; the model outputs " +
-          shape(out) +
+          shapeText(out) +
           " per sample (end with a linear layer of out_features 10)");
     }
     if (dataset == "tokens" &&
@@ -556,7 +525,7 @@ void checkLossFits(const Config& config, const BuiltModel& model) {
           "model.layers: a token model predicts a token at each of " +
           std::to_string(config.data.seqLen) + " positions, [" +
           std::to_string(config.data.seqLen) +
-          ", vocabulary]; the model outputs " + shape(out));
+          ", vocabulary]; the model outputs " + shapeText(out));
     }
     if (dataset == "text" &&
         (out.size() != 2 || out[0] != config.data.seqLen || out[1] < 256)) {
@@ -564,13 +533,39 @@ void checkLossFits(const Config& config, const BuiltModel& model) {
           "model.layers: a text model predicts 256 byte values at each of " +
           std::to_string(config.data.seqLen) + " positions, [" +
           std::to_string(config.data.seqLen) + ", 256]; the model outputs " +
-          shape(out));
+          shapeText(out));
     }
   } else if (dataset != "synthetic" && dataset != "tensors") {
     throw ConfigError(
         "train.loss: mse needs regression targets; " + dataset +
         " has class labels (use cross_entropy)");
   }
+}
+
+std::string shapeText(at::IntArrayRef shape) {
+  std::string text = "[";
+  for (size_t i = 0; i < shape.size(); ++i)
+    text += (i ? ", " : "") + std::to_string(shape[i]);
+  return text + "]";
+}
+
+at::Tensor tensorOfDict(
+    const c10::impl::GenericDict& dict,
+    const char* name,
+    const std::string& where) {
+  for (const auto& entry : dict) {
+    if (entry.key().isString() && entry.key().toStringRef() == name) {
+      if (!entry.value().isTensor()) {
+        throw ConfigError(
+            where + ": \"" + name + "\" is a " + entry.value().tagKind() +
+            ", expected a tensor");
+      }
+      return entry.value().toTensor();
+    }
+  }
+  throw ConfigError(
+      where + ": missing key \"" + name +
+      "\" (expected a dict such as {\"inputs\": tensor, \"targets\": tensor})");
 }
 
 c10::IValue readTorchSave(const std::string& flag, const std::string& path) {

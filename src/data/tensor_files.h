@@ -14,6 +14,16 @@ namespace tpipe {
 // unpickle, is a ConfigError naming `flag` and the path.
 c10::IValue readTorchSave(const std::string& flag, const std::string& path);
 
+// "[2, 3]".
+std::string shapeText(at::IntArrayRef shape);
+
+// The tensor under `name` of a torch.save'd dict; ConfigError naming
+// `where` when the key is missing or holds something else.
+at::Tensor tensorOfDict(
+    const c10::impl::GenericDict& dict,
+    const char* name,
+    const std::string& where);
+
 // `x` as the model takes it: samples shaped like model.input_shape, float32
 // (any floating dtype converted), or int64 token ids in the embedding's
 // range when the model starts with one. Errors name `where`.

@@ -503,6 +503,19 @@ std::string restoreGenerators(const fs::path& file, Pipeline& pipe) {
 
 } // namespace
 
+std::optional<int64_t> committedStep(const std::string& dir) {
+  const fs::path pointer = fs::path(dir) / "checkpoint.json";
+  std::error_code error;
+  if (!fs::exists(pointer, error))
+    return std::nullopt;
+  std::ifstream in(pointer);
+  const nlohmann::json json = nlohmann::json::parse(in, nullptr, false);
+  if (!json.is_object() || !json.contains("step") ||
+      !json["step"].is_number_integer())
+    return std::nullopt;
+  return json["step"].get<int64_t>();
+}
+
 Resumed loadCheckpoint(
     const std::string& root,
     Pipeline& pipe,

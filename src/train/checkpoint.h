@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include <torch/optim/optimizer.h>
@@ -71,6 +72,11 @@ void saveCheckpoint(
     torch::optim::Optimizer& optimizer,
     const CheckpointIdentity& identity,
     Communicator* communicator);
+
+// The step of DIR's last committed checkpoint (its checkpoint.json); none
+// when DIR holds no checkpoint or the pointer names no step. Resuming
+// checks the pointer fully (loadCheckpoint); this only says whether to.
+std::optional<int64_t> committedStep(const std::string& dir);
 
 struct Resumed {
   int64_t step = 0;

@@ -21,23 +21,11 @@ at::Tensor inputTensor(const std::string& path) {
   const c10::IValue value = readTorchSave("--input", path);
   if (value.isTensor())
     return value.toTensor();
-  if (value.isGenericDict()) {
-    for (const auto& entry : value.toGenericDict()) {
-      if (entry.key().isString() && entry.key().toStringRef() == "inputs" &&
-          entry.value().isTensor())
-        return entry.value().toTensor();
-    }
-  }
+  if (value.isGenericDict())
+    return tensorOfDict(value.toGenericDict(), "inputs", "--input: " + path);
   throw ConfigError(
       "--input: " + path + " holds a " + value.tagKind() +
       "; expected a tensor, or a dict with a tensor under \"inputs\"");
-}
-
-std::string shapeText(at::IntArrayRef shape) {
-  std::string text = "[";
-  for (size_t i = 0; i < shape.size(); ++i)
-    text += (i ? ", " : "") + std::to_string(shape[i]);
-  return text + "]";
 }
 
 } // namespace

@@ -153,9 +153,7 @@ TrainOptions withAutoResume(TrainOptions options, std::string& note) {
         "--resume auto needs --save DIR: it resumes from DIR's last checkpoint, or starts "
         "fresh and checkpoints there");
   }
-  std::error_code error;
-  if (std::filesystem::exists(
-          std::filesystem::path(options.saveDir) / "checkpoint.json", error)) {
+  if (committedStep(options.saveDir)) {
     options.resumeDir = options.saveDir;
     note = "--resume auto: resuming from " + options.saveDir +
         "'s last checkpoint";
