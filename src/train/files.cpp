@@ -4,6 +4,7 @@
 #include "train/files.h"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -90,13 +91,32 @@ void writeFileAtomically(
 
 namespace {
 
-std::string lockHolder(int fd) {
+std::string readLockText(int fd) {
   char text[32] = {0};
   const ssize_t n = ::pread(fd, text, sizeof text - 1, 0);
   std::string pid = n > 0 ? std::string(text, static_cast<size_t>(n)) : "";
   while (!pid.empty() && (pid.back() == '\n' || pid.back() == ' '))
     pid.pop_back();
-  return pid.empty() ? "unknown" : pid;
+  return pid;
+}
+
+bool isLiveProcess(const std::string& pid) {
+  if (pid.empty() || pid.size() > 9 ||
+      pid.find_first_not_of("0123456789") != std::string::npos)
+    return false;
+  return ::kill(static_cast<pid_t>(std::stol(pid)), 0) == 0 || errno == EPERM;
+}
+
+// The holder takes the lock and only then writes its PID, so a run that
+// loses the race by microseconds can read an empty file, or the PID of the
+// dead run before it; it waits briefly for the live holder's PID.
+std::string lockHolder(int fd) {
+  std::string pid = readLockText(fd);
+  for (int tries = 0; tries < 200 && !isLiveProcess(pid); ++tries) {
+    ::usleep(10000);
+    pid = readLockText(fd);
+  }
+  return isLiveProcess(pid) ? pid : "unknown";
 }
 
 } // namespace
@@ -132,9 +152,9 @@ DirectoryLock::DirectoryLock(
   }
   if (write) {
     const std::string pid = std::to_string(::getpid()) + "\n";
-    if (::ftruncate(fd_, 0) != 0 ||
-        ::pwrite(fd_, pid.data(), pid.size(), 0) !=
-            static_cast<ssize_t>(pid.size())) {
+    if (::pwrite(fd_, pid.data(), pid.size(), 0) !=
+            static_cast<ssize_t>(pid.size()) ||
+        ::ftruncate(fd_, static_cast<off_t>(pid.size())) != 0) {
       const int error = errno;
       ::close(fd_);
       fd_ = -1;
