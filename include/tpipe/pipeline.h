@@ -58,62 +58,13 @@
 #include <utility>
 #include <vector>
 
-#include <torch/nn/modules/container/any.h>
-#include <torch/nn/modules/container/sequential.h>
-
 #include "tpipe/distributed.h"
+#include "tpipe/layers.h"
 #include "tpipe/plan.h"
 #include "tpipe/schedule.h"
 #include "tpipe/trace.h"
 
 namespace tpipe {
-
-// Whether a layer draws random numbers (see the header comment).
-enum class Randomness {
-  kAuto,  // dropout-like modules and unknown modules draw; known ones do not
-  kNone,  // declared deterministic: its stage skips the generator swap
-  kDraws, // declared random: its stage's numbers are replayed on recompute
-};
-
-// How a layer takes back the skip tensor it pops (NamedLayer::pop).
-enum class SkipMerge {
-  kAdd,      // output = layer(x) + skip (a residual)
-  kConcat,   // output = cat({layer(x), skip}, 1): channels (a U-Net)
-  kArgument, // output = layer(x, skip): a module whose forward takes both
-};
-
-struct NamedLayer {
-  std::string name; // parameter names are "<name>.<parameter>"
-  torch::nn::AnyModule module;
-  Randomness randomness = Randomness::kAuto;
-  // Skip connections that may jump over stages (torchgpipe's stash and
-  // pop). The layer's output, after its own merge, is also kept under each
-  // name in `stash`; the later layer naming it in `pop` takes it back,
-  // merged into that layer's output by `merge` (kArgument: passed to its
-  // forward, exactly one pop). Each name is stashed once and popped once.
-  // A stashed tensor travels with the activations over every stage
-  // boundary it crosses, and its gradient back with theirs.
-  std::vector<std::string> stash{};
-  std::vector<std::string> pop{};
-  SkipMerge merge = SkipMerge::kAdd;
-};
-using LayerList = std::vector<NamedLayer>;
-
-// The plain sequential model: each layer in order, with its skips. A
-// pipelined step is transparent against this. Throws c10::Error naming the
-// layer when the skips are malformed (a name popped before it is stashed,
-// stashed twice, never popped).
-torch::Tensor runSequential(const LayerList& layers, const torch::Tensor& x);
-
-// The children of a Sequential, named "0", "1", ... as PyTorch names them.
-LayerList layersOf(const torch::nn::Sequential& sequential);
-
-// Parameter elements per layer.
-std::vector<int64_t> parameterCounts(const LayerList& layers);
-
-// Costs known without running anything: each layer's parameter bytes (what
-// PartitionMethod::kParameters balances), no times.
-std::vector<LayerCost> parameterCosts(const LayerList& layers);
 
 struct PipelineOptions {
   // "cpu:K" is a virtual CPU device (its own worker); "cuda:K" a GPU.
@@ -268,6 +219,9 @@ class Pipeline {
   const PipelineOptions& options() const;
   // The device each stage runs on, as named in the options.
   std::vector<std::string> stageDevices() const;
+  // How pipeline rank `stageRank`'s stages reach other processes: "over
+  // Gloo through host memory" or "over NCCL from cuda:K".
+  std::string crossProcessTransfers(int stageRank) const;
 
   // The recorded training steps (PipelineOptions::record); inference steps
   // are not recorded. setRecording switches recording for later steps.

@@ -10,7 +10,7 @@
 
 #include "json_input.h"
 #include "model/layer_types.h"
-#include "model/skip_rules.h"
+#include "layers/skip_rules.h"
 #include "tpipe/schedule.h"
 
 namespace tpipe {

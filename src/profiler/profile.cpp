@@ -14,7 +14,7 @@
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/cuda.h>
 
-#include "model/skips.h"
+#include "layers/skips.h"
 #include "runtime/memory.h"
 
 namespace tpipe {

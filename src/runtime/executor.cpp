@@ -15,7 +15,7 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/version.h>
 
-#include "model/skips.h"
+#include "layers/skips.h"
 #include "overloaded.h"
 
 namespace tpipe {

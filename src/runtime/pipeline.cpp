@@ -18,7 +18,7 @@
 #include <torch/cuda.h>
 #include <torch/types.h>
 
-#include "model/skips.h"
+#include "layers/skips.h"
 #include "runtime/c10d_transport.h"
 #include "runtime/executor.h"
 #include "runtime/memory.h"
@@ -28,39 +28,6 @@
 #include "tpipe/partition.h"
 
 namespace tpipe {
-
-LayerList layersOf(const torch::nn::Sequential& sequential) {
-  LayerList layers;
-  size_t index = 0;
-  for (const auto& module : *sequential) {
-    layers.push_back({std::to_string(index++), module});
-  }
-  return layers;
-}
-
-std::vector<LayerCost> parameterCosts(const LayerList& layers) {
-  std::vector<LayerCost> costs;
-  for (const auto& layer : layers) {
-    LayerCost cost;
-    cost.name = layer.name;
-    for (const auto& parameter : layer.module.ptr()->parameters()) {
-      cost.paramBytes += static_cast<int64_t>(parameter.nbytes());
-    }
-    costs.push_back(cost);
-  }
-  return costs;
-}
-
-std::vector<int64_t> parameterCounts(const LayerList& layers) {
-  std::vector<int64_t> counts;
-  for (const auto& layer : layers) {
-    int64_t count = 0;
-    for (const auto& parameter : layer.module.ptr()->parameters())
-      count += parameter.numel();
-    counts.push_back(count);
-  }
-  return counts;
-}
 
 namespace {
 
@@ -1107,6 +1074,20 @@ std::vector<std::string> Pipeline::stageDevices() const {
   for (const auto& stage : impl_->stages)
     names.push_back(stage.deviceName);
   return names;
+}
+
+std::string Pipeline::crossProcessTransfers(int stageRank) const {
+  const Schedule& schedule = impl_->schedule;
+  std::vector<c10::Device> ranks(schedule.ranks, c10::kCPU);
+  for (int s = 0; s < schedule.stages(); ++s) {
+    const std::string& name = impl_->stages[s].deviceName;
+    if (name.rfind("cuda", 0) == 0)
+      ranks[schedule.rankOfStage(s)] = c10::Device(name);
+  }
+  const c10::Device device =
+      runtime::transferDevice(ranks, stageRank, impl_->options.nccl);
+  return device.is_cpu() ? std::string("over Gloo through host memory")
+                         : "over NCCL from " + device.str();
 }
 
 } // namespace tpipe

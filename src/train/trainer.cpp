@@ -16,7 +16,6 @@
 
 #include <nlohmann/json.hpp>
 
-#include "runtime/c10d_transport.h"
 #include "tpipe/curves.h"
 #include "tpipe/schedule.h"
 #include "train/checkpoint.h"
@@ -135,8 +134,13 @@ Config tunedIfAuto(const Config& config, const TrainOptions& options) {
   const TuneCandidate& choice =
       outcome.result.candidates[outcome.result.choice];
   log << "tune: chose " << choice.label() << " of " << outcome.result.feasible()
-      << " feasible plans; predicted " << std::fixed << std::setprecision(2)
-      << choice.predictedStepMs << " ms per step" << std::defaultfloat << "\n";
+      << " feasible plans; " << std::fixed << std::setprecision(2);
+  if (choice.measuredStepMs >= 0)
+    log << "measured " << choice.measuredStepMs << " ms per step (predicted "
+        << choice.predictedStepMs << ")";
+  else
+    log << "predicted " << choice.predictedStepMs << " ms per step";
+  log << std::defaultfloat << "\n";
   for (const auto& note : outcome.result.notes)
     log << "tune: " << note << "\n";
   return configWithPlan(config, choice);
@@ -353,18 +357,7 @@ class TrainingRun {
 
   // How this process's activations and gradients reach other processes.
   std::string transfersText() const {
-    const Schedule& schedule = pipe_->schedule();
-    const std::vector<std::string> names = pipe_->stageDevices();
-    std::vector<c10::Device> ranks(schedule.ranks, c10::kCPU);
-    for (int s = 0; s < schedule.stages(); ++s) {
-      if (names[s].rfind("cuda", 0) == 0)
-        ranks[schedule.rankOfStage(s)] = c10::Device(names[s]);
-    }
-    const c10::Device device = runtime::transferDevice(
-        ranks, world()->stageRank(), pipe_->options().nccl);
-    return device.is_cpu()
-        ? std::string("transfers over Gloo through host memory")
-        : "transfers over NCCL from " + device.str();
+    return "transfers " + pipe_->crossProcessTransfers(world()->stageRank());
   }
 
   void logStart() {

@@ -1,4 +1,6 @@
-#include "model/skips.h"
+// The layer list run plainly (runLayer, runSequential, the skips
+// checked) and described without running (names, parameter counts, costs).
+#include "layers/skips.h"
 
 #include <algorithm>
 
@@ -115,6 +117,39 @@ torch::Tensor runSequential(const LayerList& layers, const torch::Tensor& x) {
   for (const auto& layer : layers)
     y = runLayer(layer, y, live);
   return y;
+}
+
+LayerList layersOf(const torch::nn::Sequential& sequential) {
+  LayerList layers;
+  size_t index = 0;
+  for (const auto& module : *sequential) {
+    layers.push_back({std::to_string(index++), module});
+  }
+  return layers;
+}
+
+std::vector<LayerCost> parameterCosts(const LayerList& layers) {
+  std::vector<LayerCost> costs;
+  for (const auto& layer : layers) {
+    LayerCost cost;
+    cost.name = layer.name;
+    for (const auto& parameter : layer.module.ptr()->parameters()) {
+      cost.paramBytes += static_cast<int64_t>(parameter.nbytes());
+    }
+    costs.push_back(cost);
+  }
+  return costs;
+}
+
+std::vector<int64_t> parameterCounts(const LayerList& layers) {
+  std::vector<int64_t> counts;
+  for (const auto& layer : layers) {
+    int64_t count = 0;
+    for (const auto& parameter : layer.module.ptr()->parameters())
+      count += parameter.numel();
+    counts.push_back(count);
+  }
+  return counts;
 }
 
 } // namespace tpipe

@@ -1,4 +1,4 @@
-// Running layers with their skip connections (tpipe/pipeline.h,
+// Running layers with their skip connections (tpipe/layers.h,
 // NamedLayer::stash and pop): the executor, the profiler and the
 // sequential reference all run a layer through runLayer.
 #pragma once
@@ -9,8 +9,8 @@
 
 #include <ATen/core/Tensor.h>
 
-#include "model/skip_rules.h"
-#include "tpipe/pipeline.h"
+#include "layers/skip_rules.h"
+#include "tpipe/layers.h"
 
 namespace tpipe {
 

@@ -1,0 +1,226 @@
+// The simulator: a schedule's instruction lists replayed in time under
+// per-stage costs, for the validator's deadlock check, the bubble reports,
+// the partitioner's and the tuner's predictions.
+#include <algorithm>
+#include <sstream>
+
+#include "overloaded.h"
+#include "tpipe/schedule.h"
+
+namespace tpipe {
+namespace {
+
+// Replays a schedule's instruction lists in time: each rank runs its list in
+// order, a receive waits for its send, compute takes its stage's cost.
+class Simulator {
+ public:
+  Simulator(const Schedule& schedule, const std::vector<StageCosts>& costs)
+      : schedule_(schedule),
+        costs_(costs),
+        stages_(schedule.stages()),
+        m_(schedule.microBatches),
+        activationReady_(static_cast<size_t>(stages_) * m_, -1.0),
+        gradReady_(static_cast<size_t>(stages_) * m_, -1.0),
+        stashed_(stages_, 0),
+        live_(stages_, 0),
+        next_(schedule.ranks, 0),
+        clock_(schedule.ranks, 0.0),
+        firstStart_(schedule.ranks, -1.0),
+        lastEnd_(schedule.ranks, 0.0),
+        pairedForward_(schedule.ranks, -1.0) {
+    if (costs.size() != 1 && static_cast<int>(costs.size()) != stages_) {
+      throw ScheduleError(
+          "simulate: expected 1 or " + std::to_string(stages_) +
+          " stage costs, got " + std::to_string(costs.size()));
+    }
+    result_.busy.assign(schedule.ranks, 0.0);
+    result_.idle.assign(schedule.ranks, 0.0);
+    result_.peakStashed.assign(stages_, 0);
+    result_.peakLive.assign(stages_, 0);
+  }
+
+  Simulation run() {
+    for (bool progress = true; progress;) {
+      progress = false;
+      for (int rank = 0; rank < schedule_.ranks; ++rank) {
+        while (next_[rank] < schedule_.perRank[rank].size() && step(rank))
+          progress = true;
+      }
+    }
+    finish();
+    return result_;
+  }
+
+ private:
+  const StageCosts& cost(int stage) const {
+    return costs_.size() == 1 ? costs_[0] : costs_[stage];
+  }
+  size_t index(int stage, int mb) const {
+    return static_cast<size_t>(stage) * m_ + mb;
+  }
+
+  void bump(int stage, int stashDelta, int liveDelta) {
+    stashed_[stage] += stashDelta;
+    live_[stage] += liveDelta;
+    result_.peakStashed[stage] =
+        std::max(result_.peakStashed[stage], stashed_[stage]);
+    result_.peakLive[stage] = std::max(result_.peakLive[stage], live_[stage]);
+  }
+
+  // Runs the rank's next instruction; false when it waits for a transfer.
+  bool step(int rank) {
+    const Instruction& instruction = schedule_.perRank[rank][next_[rank]];
+    const int s = stageOf(instruction);
+    const int mb = microBatchOf(instruction);
+    const StageCosts& c = cost(s);
+    double start = clock_[rank];
+    double duration = 0.0;
+    bool blocked = false;
+    auto await = [&](double ready) {
+      blocked = ready < 0;
+      start = std::max(start, ready);
+    };
+    std::visit(
+        Overloaded{
+            [&](const Forward& f) {
+              duration = c.forward, bump(s, 1, f.checkpointed ? 0 : 1);
+              pairedForward_[rank] = f.overlapsBackward ? c.forward : -1.0;
+            },
+            [&](const Recompute&) { duration = c.recompute, bump(s, 0, 1); },
+            [&](const Backward&) {
+              duration = c.backward, bump(s, -1, -1);
+              // The second half of an overlapped pair: the part hidden
+              // under the forward just run is not spent again.
+              if (pairedForward_[rank] >= 0) {
+                duration -=
+                    c.overlap * std::min(pairedForward_[rank], c.backward);
+                pairedForward_[rank] = -1.0;
+              }
+            },
+            [&](const BackwardInput&) { duration = c.backwardInput; },
+            [&](const BackwardWeight&) {
+              duration = c.backwardWeight, bump(s, -1, -1);
+            },
+            [&](const SendActivation&) {
+              activationReady_[index(s, mb)] = start + c.transfer;
+            },
+            [&](const SendGrad&) {
+              gradReady_[index(s, mb)] = start + cost(s - 1).transfer;
+            },
+            [&](const RecvActivation&) {
+              await(s > 0 ? activationReady_[index(s - 1, mb)] : -1);
+            },
+            [&](const RecvGrad&) {
+              await(s + 1 < stages_ ? gradReady_[index(s + 1, mb)] : -1);
+            }},
+        instruction);
+    if (blocked)
+      return false;
+    const double end = start + duration;
+    if (isCompute(instruction)) {
+      result_.busy[rank] += duration;
+      if (firstStart_[rank] < 0)
+        firstStart_[rank] = start;
+      lastEnd_[rank] = end;
+    }
+    result_.timeline.push_back(
+        {rank, static_cast<int>(next_[rank]), start, end});
+    clock_[rank] = end;
+    ++next_[rank];
+    return true;
+  }
+
+  void finish() {
+    std::ostringstream stuck;
+    for (int rank = 0; rank < schedule_.ranks; ++rank) {
+      const auto& list = schedule_.perRank[rank];
+      if (next_[rank] < list.size()) {
+        result_.finished = false;
+        stuck << "rank " << rank << " waits at instruction " << next_[rank]
+              << " (" << shortLabel(list[next_[rank]]) << "); ";
+      }
+    }
+    result_.stuck = stuck.str();
+    if (!result_.stuck.empty())
+      result_.stuck.resize(result_.stuck.size() - 2);
+    result_.makespan = *std::max_element(clock_.begin(), clock_.end());
+    double idle = 0.0;
+    for (int rank = 0; rank < schedule_.ranks; ++rank) {
+      result_.idle[rank] = result_.makespan - result_.busy[rank];
+      idle += result_.idle[rank];
+    }
+    result_.bubbleFraction = result_.makespan > 0
+        ? idle / (schedule_.ranks * result_.makespan)
+        : 0.0;
+    double worstIdle = 0.0, mostWork = 0.0;
+    result_.span.assign(schedule_.ranks, 0.0);
+    for (int rank = 0; rank < schedule_.ranks; ++rank) {
+      if (firstStart_[rank] >= 0)
+        result_.span[rank] = lastEnd_[rank] - firstStart_[rank];
+      worstIdle = std::max(worstIdle, result_.span[rank] - result_.busy[rank]);
+      mostWork = std::max(mostWork, result_.busy[rank]);
+    }
+    result_.spanBubble =
+        worstIdle > 0 ? worstIdle / (mostWork + worstIdle) : 0.0;
+  }
+
+  const Schedule& schedule_;
+  const std::vector<StageCosts>& costs_;
+  int stages_, m_;
+  // Time at which a sent tensor is available to its receiver; < 0: not sent.
+  std::vector<double> activationReady_, gradReady_;
+  std::vector<int> stashed_, live_;
+  std::vector<size_t> next_;
+  std::vector<double> clock_, firstStart_, lastEnd_;
+  // Per rank: the duration of an overlapped forward whose backward is next;
+  // < 0: none.
+  std::vector<double> pairedForward_;
+  Simulation result_;
+};
+
+} // namespace
+
+Simulation simulate(
+    const Schedule& schedule,
+    const std::vector<StageCosts>& costs) {
+  return Simulator(schedule, costs).run();
+}
+
+double steadyStepTime(
+    const Schedule& schedule,
+    const std::vector<StageCosts>& costs) {
+  // Step k's micro-batches are numbered k m .. k m + m - 1, so transfers of
+  // different steps never meet; each rank's lists simply follow each other.
+  constexpr int kSteps = 3;
+  const int m = schedule.microBatches;
+  auto repeated = [&](int steps) {
+    Schedule run = schedule;
+    run.microBatches = m * steps;
+    for (int rank = 0; rank < schedule.ranks; ++rank) {
+      auto& list = run.perRank[rank];
+      list.clear();
+      for (int step = 0; step < steps; ++step) {
+        for (Instruction instruction : schedule.perRank[rank]) {
+          std::visit([&](auto& op) { op.microBatch += step * m; }, instruction);
+          list.push_back(instruction);
+        }
+      }
+    }
+    const Simulation simulation = simulate(run, costs);
+    if (!simulation.finished)
+      throw ScheduleError("steady step: stalls: " + simulation.stuck);
+    return simulation.makespan;
+  };
+  return (repeated(kSteps) - repeated(1)) / (kSteps - 1);
+}
+
+double theoreticalBubble(int stages, int microBatches) {
+  return static_cast<double>(stages - 1) / (microBatches + stages - 1);
+}
+
+double theoreticalBubble(const Schedule& schedule) {
+  return theoreticalBubble(
+      schedule.ranks, schedule.microBatches * schedule.virtualStages);
+}
+
+} // namespace tpipe
