@@ -1,17 +1,30 @@
-// The tuner checked by measurement: for each example config and the
-// reference job, tune predicts every candidate, then a grid of them (the
-// top predicted, a spread over the rest of the ranking, the choice) runs
-// side by side, in alternating rounds, on the same run. Reports how far the
-// choice's measured step is from the best measured, and the prediction
-// error over the grid; `cluster` times the GPT-3 plan on 1024 devices.
+// The tuner checked by measurement. For each config, `tpipe tune --quick`
+// (what pipeline.auto runs before training) chooses a plan `--repeat` times,
+// each in a fresh process; then a grid of plans (every distinct choice, the
+// top predicted, a spread over the rest of the ranking) runs in turn, in
+// alternating rounds, in this process. With --busy, everything is done again
+// while another process spins one core in bursts of 0.1-0.9 s, as jobs
+// starting and stopping do. Reports, per config and machine state:
+// - how often the most frequent choice was chosen, and how much slower the
+//   other choices measured;
+// - each choice's measured step over the best measured in the grid;
+// - prediction error: median over the grid, and worst for the choice;
+// and `cluster` times the GPT-3 plan on 1024 devices.
 //
-//   tune_bench OUT.json [CONFIG ...]
+//   tune_bench OUT.json [--repeat N] [--busy] [CONFIG ...]
+#include <signal.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <iostream>
+#include <map>
+#include <random>
 
 #include <nlohmann/json.hpp>
 
@@ -28,69 +41,227 @@ double median(std::vector<double> values) {
   return n % 2 ? values[n / 2] : 0.5 * (values[n / 2 - 1] + values[n / 2]);
 }
 
-// The top 5 predicted, then every few places down the ranking: 10 plans.
-std::vector<size_t> gridOf(const TuneResult& result) {
-  const size_t feasible = static_cast<size_t>(result.feasible());
-  std::vector<size_t> grid;
-  for (size_t i = 0; i < std::min<size_t>(5, feasible); ++i)
-    grid.push_back(i);
-  const size_t rest = feasible > 5 ? feasible - 5 : 0;
-  for (size_t k = 1; k <= 5 && rest > 0; ++k) {
-    const size_t i = 5 + (rest - 1) * k / 5;
-    if (std::find(grid.begin(), grid.end(), i) == grid.end())
-      grid.push_back(i);
+// The other process of --busy: one core spinning and resting in turn,
+// 0.1-0.9 s each, until killed.
+pid_t startBusyNeighbour() {
+  const pid_t child = ::fork();
+  if (child != 0)
+    return child;
+  std::mt19937 random(static_cast<unsigned>(::getpid()));
+  std::uniform_int_distribution<int> ms(100, 900);
+  volatile double sink = 0.0;
+  for (;;) {
+    const auto until =
+        std::chrono::steady_clock::now() + std::chrono::milliseconds(ms(random));
+    while (std::chrono::steady_clock::now() < until)
+      sink = sink + 1.0;
+    const int rest = ms(random);
+    const timespec pause{rest / 1000, (rest % 1000) * 1000000L};
+    ::nanosleep(&pause, nullptr);
   }
-  if (std::find(grid.begin(), grid.end(), result.choice) == grid.end())
-    grid.push_back(result.choice);
+}
+
+void stopBusyNeighbour(pid_t child) {
+  if (child <= 0)
+    return;
+  ::kill(child, SIGKILL);
+  ::waitpid(child, nullptr, 0);
+}
+
+ScheduleKind scheduleNamed(const std::string& name) {
+  const ScheduleSource source(name);
+  if (!source.isBuiltIn())
+    throw std::runtime_error("unknown schedule " + name);
+  return source.kind();
+}
+
+TuneCandidate candidateOf(const nlohmann::json& json) {
+  TuneCandidate c;
+  c.stages = json.at("stages");
+  c.ranks = json.at("ranks");
+  c.microBatches = json.at("micro_batches");
+  c.schedule = scheduleNamed(json.at("schedule"));
+  c.checkpoint = parseCheckpointMode(json.at("checkpoint"));
+  c.virtualStages = json.at("virtual_stages");
+  c.threadsPerStage = json.at("threads_per_stage");
+  c.dataParallel = json.at("data_parallel");
+  c.boundaries = json.at("boundaries").get<std::vector<int>>();
+  c.predictedStepMs = json.value("predicted_step_ms", 0.0);
+  c.measuredStepMs = json.value("measured_step_ms", -1.0);
+  return c;
+}
+
+std::string keyOf(const TuneCandidate& c) {
+  std::string key = c.label() + " @";
+  for (int b : c.boundaries)
+    key += " " + std::to_string(b);
+  return key;
+}
+
+// One fresh `tpipe tune --quick --json` process: its candidates, choice
+// first.
+std::vector<TuneCandidate> tuneInAFreshProcess(
+    const std::string& tpipe,
+    const std::string& config) {
+  const std::string command =
+      "'" + tpipe + "' tune '" + config + "' --quick --json 2>/dev/null";
+  FILE* pipe = ::popen(command.c_str(), "r");
+  if (!pipe)
+    throw std::runtime_error("cannot run " + command);
+  std::string text;
+  char buffer[65536];
+  size_t n;
+  while ((n = std::fread(buffer, 1, sizeof buffer, pipe)) > 0)
+    text.append(buffer, n);
+  if (::pclose(pipe) != 0)
+    throw std::runtime_error(command + " failed");
+  const nlohmann::json result = nlohmann::json::parse(text);
+  std::vector<TuneCandidate> out{candidateOf(result.at("choice"))};
+  for (const auto& c : result.at("candidates")) {
+    if (!c.contains("infeasible"))
+      out.push_back(candidateOf(c));
+  }
+  return out;
+}
+
+// Every distinct choice, the top 5 predicted, then every few places down
+// the ranking: about 10 plans.
+std::vector<TuneCandidate> gridOf(
+    const std::vector<TuneCandidate>& choices,
+    const std::vector<TuneCandidate>& ranked) {
+  std::vector<TuneCandidate> grid;
+  auto add = [&](const TuneCandidate& c) {
+    for (const auto& g : grid) {
+      if (keyOf(g) == keyOf(c))
+        return;
+    }
+    grid.push_back(c);
+  };
+  for (const auto& c : choices)
+    add(c);
+  for (size_t i = 0; i < std::min<size_t>(5, ranked.size()); ++i)
+    add(ranked[i]);
+  const size_t rest = ranked.size() > 5 ? ranked.size() - 5 : 0;
+  for (size_t k = 1; k <= 5 && rest > 0; ++k)
+    add(ranked[5 + (rest - 1) * k / 5]);
   return grid;
 }
 
-nlohmann::json benchConfig(const std::string& path) {
+struct Summary {
+  int sameChoice = 0, repeats = 0;
+  double othersSlower = 0.0;   // the other choices against the usual one
+  double worstOverBest = 0.0;  // a choice's measured step over the grid's best
+  double medianError = 0.0;    // |predicted - measured| / measured, the grid
+  double worstChoiceError = 0.0;
+  // The tuner's own measurement of its choice (where it ran the near ties),
+  // else its prediction, against this process's measurement: what a user
+  // expects from the choice line.
+  double worstExpectedError = 0.0;
+};
+
+nlohmann::json benchConfig(
+    const std::string& tpipe,
+    const std::string& path,
+    int repeats,
+    bool busy,
+    Summary& summary) {
   const Config config = loadConfig(path);
-  std::cout << "== " << path << std::endl;
-  const TuneOutcome outcome = tuneConfig(config, TuneOptions{});
-  for (const auto& line : outcome.calibration)
-    std::cout << "calibration: " << line << "\n";
-  const std::vector<size_t> grid = gridOf(outcome.result);
-  std::vector<TuneCandidate> plans;
-  for (size_t i : grid)
-    plans.push_back(outcome.result.candidates[i]);
-  const std::vector<double> measured = measureCandidates(config, plans, 4, 3);
-  double best = measured[0], choiceMs = 0.0;
+  std::cout << "== " << path << (busy ? " (busy)" : " (quiet)") << std::endl;
+  const pid_t neighbour = busy ? startBusyNeighbour() : 0;
+  std::vector<TuneCandidate> choices, ranked;
+  for (int r = 0; r < repeats; ++r) {
+    std::vector<TuneCandidate> run = tuneInAFreshProcess(tpipe, path);
+    choices.push_back(run.front());
+    ranked.assign(run.begin() + 1, run.end());
+    std::cout << "run " << r + 1 << ": " << run.front().label()
+              << ", predicted " << run.front().predictedStepMs << " ms"
+              << std::endl;
+  }
+  const std::vector<TuneCandidate> grid = gridOf(choices, ranked);
+  const std::vector<double> measured = measureCandidates(config, grid, 3, 5);
+  stopBusyNeighbour(neighbour);
+  std::map<std::string, double> measuredOf;
+  for (size_t g = 0; g < grid.size(); ++g)
+    measuredOf[keyOf(grid[g])] = measured[g];
+  const double best = *std::min_element(measured.begin(), measured.end());
+  std::map<std::string, int> counts;
+  for (const auto& c : choices)
+    ++counts[keyOf(c)];
+  std::string usual;
+  for (const auto& [key, count] : counts) {
+    if (usual.empty() || count > counts[usual])
+      usual = key;
+  }
+  summary = Summary{};
+  summary.repeats = repeats;
+  summary.sameChoice = counts[usual];
+  nlohmann::json runs = nlohmann::json::array();
+  for (const auto& c : choices) {
+    const double ms = measuredOf[keyOf(c)];
+    summary.othersSlower =
+        std::max(summary.othersSlower, ms / measuredOf[usual] - 1.0);
+    summary.worstOverBest = std::max(summary.worstOverBest, ms / best);
+    const double error = std::abs(c.predictedStepMs - ms) / ms;
+    summary.worstChoiceError = std::max(summary.worstChoiceError, error);
+    const double expected =
+        c.measuredStepMs >= 0 ? c.measuredStepMs : c.predictedStepMs;
+    summary.worstExpectedError =
+        std::max(summary.worstExpectedError, std::abs(expected - ms) / ms);
+    nlohmann::json row = tuneCandidateToJson(c);
+    row["measured_step_ms"] = ms;
+    runs.push_back(row);
+  }
+  // The grid's predictions are the last run's (the choices' are their own).
+  std::map<std::string, double> predictedOf;
+  for (const auto& c : ranked)
+    predictedOf[keyOf(c)] = c.predictedStepMs;
   std::vector<double> errors;
   nlohmann::json rows = nlohmann::json::array();
-  std::printf("%-56s %10s %10s %8s\n", "plan", "pred ms", "meas ms", "error");
+  std::printf("%-48s %10s %10s %8s\n", "plan", "pred ms", "meas ms", "error");
   for (size_t g = 0; g < grid.size(); ++g) {
-    const TuneCandidate& c = plans[g];
-    best = std::min(best, measured[g]);
-    if (grid[g] == outcome.result.choice)
-      choiceMs = measured[g];
-    const double error = (c.predictedStepMs - measured[g]) / measured[g];
+    const std::string key = keyOf(grid[g]);
+    const double predicted = predictedOf.count(key) ? predictedOf[key]
+                                                    : grid[g].predictedStepMs;
+    const double error = (predicted - measured[g]) / measured[g];
     errors.push_back(std::abs(error));
     std::printf(
-        "%-56s %10.2f %10.2f %+7.1f%%%s\n",
-        c.label().c_str(),
-        c.predictedStepMs,
+        "%-48s %10.2f %10.2f %+7.1f%%%s\n",
+        grid[g].label().c_str(),
+        predicted,
         measured[g],
         100.0 * error,
-        grid[g] == outcome.result.choice ? "  <- choice" : "");
-    nlohmann::json row = tuneCandidateToJson(c);
+        counts.count(key) ? ("  <- chosen " + std::to_string(counts[key]) +
+                             "x")
+                                .c_str()
+                          : "");
+    nlohmann::json row = tuneCandidateToJson(grid[g]);
+    row["predicted_step_ms"] = predicted;
     row["measured_step_ms"] = measured[g];
     rows.push_back(row);
   }
-  const double worst = *std::max_element(errors.begin(), errors.end());
+  summary.medianError = median(errors);
   std::printf(
-      "choice / best measured %.3f; |error| median %.1f%%, worst %.1f%%\n\n",
-      choiceMs / best,
-      100.0 * median(errors),
-      100.0 * worst);
+      "same choice %d/%d, others +%.1f%%; choice / best measured <= %.3f; "
+      "|error| median %.1f%%, choice's worst %.1f%% (as measured by the "
+      "tuner: %.1f%%)\n\n",
+      summary.sameChoice,
+      summary.repeats,
+      100.0 * summary.othersSlower,
+      summary.worstOverBest,
+      100.0 * summary.medianError,
+      100.0 * summary.worstChoiceError,
+      100.0 * summary.worstExpectedError);
   return {
       {"config", path},
-      {"calibration", outcome.calibration},
-      {"choice_over_best", choiceMs / best},
-      {"median_abs_error", median(errors)},
-      {"worst_abs_error", worst},
-      {"abs_errors", errors},
+      {"busy", busy},
+      {"repeats", repeats},
+      {"same_choice", summary.sameChoice},
+      {"others_slower", summary.othersSlower},
+      {"choice_over_best", summary.worstOverBest},
+      {"median_abs_error", summary.medianError},
+      {"worst_choice_abs_error", summary.worstChoiceError},
+      {"worst_choice_expected_abs_error", summary.worstExpectedError},
+      {"choices", runs},
       {"grid", rows}};
 }
 
@@ -124,56 +295,82 @@ nlohmann::json benchCluster() {
 } // namespace
 
 int main(int argc, char** argv) {
-  if (argc < 2) {
-    std::cerr << "usage: tune_bench OUT.json [CONFIG ...]\n";
+  std::vector<std::string> args(argv + 1, argv + argc);
+  if (args.empty()) {
+    std::cerr
+        << "usage: tune_bench OUT.json [--repeat N] [--busy] [CONFIG ...]\n";
     return 2;
   }
-  std::vector<std::string> configs(argv + 2, argv + argc);
+  const std::string out_path = args.front();
+  int repeats = 1;
+  bool busy = false;
+  std::vector<std::string> configs;
+  for (size_t i = 1; i < args.size(); ++i) {
+    if (args[i] == "--repeat" && i + 1 < args.size())
+      repeats = std::max(1, std::atoi(args[++i].c_str()));
+    else if (args[i] == "--busy")
+      busy = true;
+    else
+      configs.push_back(args[i]);
+  }
+  const std::string self = argv[0];
+  const std::string tpipe =
+      self.substr(0, self.rfind('/') + 1) + "tpipe";
   if (configs.empty()) {
     const std::string dir = std::string(TPIPE_SOURCE_DIR) + "/configs/";
     for (const char* name :
          {"reference_mlp.json",
-          "mlp_synthetic.json",
-          "char_transformer.json",
           "fashion_mnist_cnn.json",
-          "beyond_one_device.json"})
+          "mlp_synthetic.json",
+          "char_transformer.json"})
       configs.push_back(dir + name);
   }
   nlohmann::json out = {{"configs", nlohmann::json::array()}};
   out["cluster"] = benchCluster();
   std::cout << std::endl;
-  std::vector<double> ratios, medians, worsts, all;
+  struct Row {
+    std::string name;
+    bool busy;
+    Summary summary;
+  };
+  std::vector<Row> rows;
   for (const auto& path : configs) {
-    const nlohmann::json row = benchConfig(path);
-    ratios.push_back(row["choice_over_best"]);
-    medians.push_back(row["median_abs_error"]);
-    worsts.push_back(row["worst_abs_error"]);
-    for (double e : row["abs_errors"])
-      all.push_back(e);
-    out["configs"].push_back(row);
+    for (bool state : busy ? std::vector<bool>{false, true}
+                           : std::vector<bool>{false}) {
+      Summary summary;
+      out["configs"].push_back(
+          benchConfig(tpipe, path, repeats, state, summary));
+      rows.push_back({path.substr(path.rfind('/') + 1), state, summary});
+    }
   }
   std::printf(
-      "%-40s %14s %14s %14s\n",
+      "%-26s %-6s %8s %9s %12s %13s %13s %13s\n",
       "config",
+      "state",
+      "same",
+      "others",
       "choice/best",
       "median |err|",
-      "worst |err|");
-  for (size_t i = 0; i < configs.size(); ++i) {
-    const std::string name = configs[i].substr(configs[i].rfind('/') + 1);
+      "choice |err|",
+      "as measured");
+  std::vector<double> medians;
+  for (const auto& row : rows) {
     std::printf(
-        "%-40s %14.3f %13.1f%% %13.1f%%\n",
-        name.c_str(),
-        ratios[i],
-        100.0 * medians[i],
-        100.0 * worsts[i]);
+        "%-26s %-6s %5d/%-2d %+8.1f%% %12.3f %12.1f%% %12.1f%% %12.1f%%\n",
+        row.name.c_str(),
+        row.busy ? "busy" : "quiet",
+        row.summary.sameChoice,
+        row.summary.repeats,
+        100.0 * row.summary.othersSlower,
+        row.summary.worstOverBest,
+        100.0 * row.summary.medianError,
+        100.0 * row.summary.worstChoiceError,
+        100.0 * row.summary.worstExpectedError);
+    medians.push_back(row.summary.medianError);
   }
   std::printf(
-      "over all %zu measured plans: median |error| %.1f%%, worst %.1f%%\n",
-      all.size(),
-      100.0 * median(all),
-      100.0 * *std::max_element(all.begin(), all.end()));
-  out["median_abs_error"] = median(all);
-  out["worst_abs_error"] = *std::max_element(all.begin(), all.end());
-  std::ofstream(argv[1]) << out.dump(1) << "\n";
+      "goals: same choice >= 4 of 5 and others within 5%%; choice/best <= "
+      "1.05; median |err| <= 10%%; choice |err| <= 10%% in every run\n");
+  std::ofstream(out_path) << out.dump(1) << "\n";
   return 0;
 }

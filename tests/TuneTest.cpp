@@ -81,6 +81,80 @@ TEST(TuneTest, PipeliningWinsWhenThreadsDoNotScale) {
   }
 }
 
+// Plans that run the same instructions are one candidate: on one stage
+// except_last recomputes nothing (the only stage is the last), and with one
+// micro-batch fill-drain and 1F1B are the same list.
+TEST(TuneTest, PlansRunningTheSameInstructionsAreListedOnce) {
+  const TuneResult result = tunePlans(equalLayers(4, 2.0), twoCores());
+  int oneMicroBatch = 0;
+  for (const auto& c : result.candidates) {
+    if (c.ranks != 1)
+      continue;
+    EXPECT_NE(c.checkpoint, CheckpointMode::kExceptLast) << c.label();
+    if (c.microBatches == 1 && c.checkpoint == CheckpointMode::kNever) {
+      ++oneMicroBatch;
+      EXPECT_EQ(c.schedule, ScheduleKind::kGpipe) << c.label();
+    }
+  }
+  EXPECT_EQ(oneMicroBatch, 1);
+  // Asked for 1F1B alone, one stage and one micro-batch is still there.
+  TuneRequest only = twoCores();
+  only.schedules = {ScheduleKind::kOneFOneB};
+  bool found = false;
+  for (const auto& c : tunePlans(equalLayers(4, 2.0), only).candidates)
+    found = found || (c.ranks == 1 && c.microBatches == 1);
+  EXPECT_TRUE(found);
+}
+
+// Holding activations costs time only beyond one micro-batch per stage, the
+// working set the layers were profiled with: a one-stage, one-micro-batch
+// plan pays nothing, fill-drain over 4 pays for the 3 it holds beyond one.
+TEST(TuneTest, HeldActivationsAreChargedBeyondOneMicroBatch) {
+  CostModel model = equalLayers(4, 2.0);
+  TuneRequest request = twoCores();
+  request.stageCounts = {1};
+  request.microBatches = {1, 4};
+  request.schedules = {ScheduleKind::kGpipe};
+  request.checkpoints = {CheckpointMode::kNever};
+  auto stepOf = [&](const TuneResult& result, int m) {
+    for (const auto& c : result.candidates) {
+      if (c.microBatches == m)
+        return c;
+    }
+    ADD_FAILURE() << "no candidate with " << m << " micro-batches";
+    return TuneCandidate{};
+  };
+  const TuneResult free = tunePlans(model, request);
+  model.heldByteMs = 1e-3;
+  const TuneResult charged = tunePlans(model, request);
+  EXPECT_DOUBLE_EQ(
+      stepOf(charged, 1).predictedStepMs, stepOf(free, 1).predictedStepMs);
+  const TuneCandidate four = stepOf(charged, 4);
+  EXPECT_NEAR(
+      four.predictedStepMs - stepOf(free, 4).predictedStepMs,
+      1e-3 * 0.75 * static_cast<double>(four.peakActivationBytes),
+      1e-9);
+}
+
+// Among plans equally fast, fewer devices, then the plainer schedule, then
+// less recomputation, then fewer micro-batches.
+TEST(TuneTest, SimplerPlansComeFirst) {
+  TuneCandidate a, b;
+  b.ranks = 2;
+  EXPECT_TRUE(isSimplerPlan(a, b));
+  EXPECT_FALSE(isSimplerPlan(b, a));
+  b = a;
+  b.schedule = ScheduleKind::kOneFOneB;
+  EXPECT_TRUE(isSimplerPlan(a, b));
+  b = a;
+  b.checkpoint = CheckpointMode::kAlways;
+  EXPECT_TRUE(isSimplerPlan(a, b));
+  b = a;
+  b.microBatches = 2;
+  EXPECT_TRUE(isSimplerPlan(a, b));
+  EXPECT_FALSE(isSimplerPlan(a, a));
+}
+
 TEST(TuneTest, SmallMicroBatchesPayTheirFixedCost) {
   CostModel model = equalLayers(4, 1.0);
   model.instructionMs = 5.0; // dispatch dominates tiny micro-batches

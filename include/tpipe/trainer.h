@@ -171,10 +171,14 @@ struct TuneOutcome {
 
 // Calibrates a cost model on this machine for the config's job (profiles
 // every layer at the micro-batch sizes and thread counts the search needs,
-// then times a few real steps for the runtime's own costs) and searches.
-// With measure, the top candidates run side by side and the fastest
-// measured one becomes the choice. The config's devices are the devices a
-// plan may use; its pipeline settings are ignored.
+// then times real steps, in turn, for the runtime's own costs and the
+// noise) and searches. Where the prediction cannot decide (the plans
+// predicted within 25% of the fastest, at most 4, the predicted choice, and
+// the fastest predicted per device count within 2x) or with measure (the
+// top candidates), they run in turn, built once, a few
+// steps each per round, and the fastest measured becomes the choice, or the
+// simplest within the measurement's noise of it (at least 3%). The config's
+// devices are the devices a plan may use; its pipeline settings are ignored.
 TuneOutcome tuneConfig(const Config& config, const TuneOptions& options);
 
 // Plans for a described cluster, nothing measured: per-layer FLOPs and
@@ -186,9 +190,10 @@ TuneOutcome tuneForCluster(
     const nlohmann::json& cluster,
     const std::string& source);
 
-// Runs each candidate (one process, threads) for rounds x (2 warm-up + steps)
-// steps, in turn, from the same initial weights: the median ms per step
-// (batch, forward, backward, optimizer) of each.
+// Runs each candidate (one process, threads) from the same initial weights:
+// each built once and given 2 warm-up steps, then `rounds` rounds in which
+// each takes `steps` steps in turn. The median ms per step (batch, forward,
+// backward, optimizer) of each.
 std::vector<double> measureCandidates(
     const Config& config,
     const std::vector<TuneCandidate>& candidates,

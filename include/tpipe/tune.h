@@ -63,9 +63,10 @@ struct CostModel {
   double instructionMsAt(int threads) const;
   double stepMs = 0.0;        // per step: optimizer, loss, batch assembly
   double splitBackward = 1.0; // (input + weight pass) / fused backward
-  // Per byte of activations a device holds at its peak: schedules holding
-  // more micro-batches run slower than their instruction counts say (the
-  // working set leaves the caches), measured as GPipe against 1F1B.
+  // Per byte of activations a device holds at its peak beyond one
+  // micro-batch per stage: schedules holding more micro-batches run slower
+  // than their instruction counts say (the working set leaves the caches),
+  // measured as GPipe against 1F1B.
   double heldByteMs = 0.0;
   // Stages of one process run at once on shared memory bandwidth: their
   // compute is this much slower than the layers measured alone.
@@ -147,6 +148,11 @@ TuneCandidate predictCandidate(
     const CostModel& model,
     const TuneRequest& request,
     const TuneCandidate& shape);
+
+// The order in which plans that run equally fast are preferred: fewer
+// devices, fewer virtual stages, the plainer schedule (gpipe, 1f1b, ...),
+// less recomputation, fewer micro-batches.
+bool isSimplerPlan(const TuneCandidate& a, const TuneCandidate& b);
 
 nlohmann::json tuneResultToJson(const TuneResult& result);
 nlohmann::json tuneCandidateToJson(const TuneCandidate& candidate);

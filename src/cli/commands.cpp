@@ -676,6 +676,10 @@ CLI::App* addTune(CLI::App& app, Arguments& a) {
       a.tune.measure,
       "run the top candidates side by side; the fastest measured is chosen");
   tune->add_flag(
+      "--quick",
+      a.tune.quick,
+      "calibrate as briefly as pipeline.auto does before training");
+  tune->add_flag(
       "--json", a.json, "print the choice and every candidate as JSON");
   tune->add_option(
       "--write",

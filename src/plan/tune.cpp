@@ -137,7 +137,9 @@ int checkpointRank(CheckpointMode mode) {
   return 3;
 }
 
-bool simpler(const TuneCandidate& a, const TuneCandidate& b) {
+} // namespace
+
+bool isSimplerPlan(const TuneCandidate& a, const TuneCandidate& b) {
   auto key = [](const TuneCandidate& c) {
     return std::make_tuple(
         c.ranks * c.dataParallel,
@@ -148,6 +150,8 @@ bool simpler(const TuneCandidate& a, const TuneCandidate& b) {
   };
   return key(a) < key(b);
 }
+
+namespace {
 
 // What the search spans, with the request's defaults filled in.
 struct Space {
@@ -281,19 +285,29 @@ PlanRequest planRequestFor(
 }
 
 // Peak bytes per device (a device holding several stages holds them all);
-// false, with the reason set, when one exceeds its capacity.
+// false, with the reason set, when one exceeds its capacity. `beyondOne`:
+// the most activations a device holds beyond one micro-batch per stage,
+// which is what a working set larger than the profile's costs in time.
 bool fitsDevices(
     const Plan& plan,
     const PlanRequest& request,
-    TuneCandidate& c) {
+    TuneCandidate& c,
+    double& beyondOne) {
   c.peakBytes.assign(static_cast<size_t>(c.ranks), 0);
   std::vector<int64_t> activations(static_cast<size_t>(c.ranks), 0);
+  std::vector<double> extra(static_cast<size_t>(c.ranks), 0.0);
   for (int k = 0; k < plan.stageCount(); ++k) {
-    c.peakBytes[plan.schedule.rankOfStage(k)] += plan.stages[k].memoryBytes;
-    activations[plan.schedule.rankOfStage(k)] += plan.stages[k].activationBytes;
+    const StageReport& stage = plan.stages[k];
+    const int rank = plan.schedule.rankOfStage(k);
+    c.peakBytes[rank] += stage.memoryBytes;
+    activations[rank] += stage.activationBytes;
+    if (stage.inFlight > 1)
+      extra[rank] += static_cast<double>(stage.activationBytes) *
+          (stage.inFlight - 1) / stage.inFlight;
   }
   c.peakActivationBytes =
       *std::max_element(activations.begin(), activations.end());
+  beyondOne = *std::max_element(extra.begin(), extra.end());
   for (int r = 0; r < c.ranks; ++r) {
     const int64_t capacity = request.devices[r].memoryBytes;
     if (capacity > 0 && c.peakBytes[r] > capacity) {
@@ -355,7 +369,8 @@ TuneCandidate evaluate(
     return c;
   }
   c.boundaries = plan.boundaries;
-  if (!fitsDevices(plan, planRequest, c))
+  double heldBeyondOne = 0.0;
+  if (!fitsDevices(plan, planRequest, c, heldBeyondOne))
     return c;
   const Simulation simulation = s.schedule == ScheduleKind::kAuto
       ? simulateAuto(planRequest, plan, s)
@@ -364,7 +379,7 @@ TuneCandidate evaluate(
   c.allReduceMs = allReduceMs(
       request, planRequest.layers, plan.boundaries, s.ranks, s.replicas);
   c.predictedStepMs = simulation.makespan + model.stepMs + c.allReduceMs +
-      model.heldByteMs * static_cast<double>(c.peakActivationBytes);
+      model.heldByteMs * heldBeyondOne;
   c.samplesPerSecond =
       static_cast<double>(request.batchSize) * 1000.0 / c.predictedStepMs;
   return c;
@@ -417,16 +432,30 @@ void searchStageCount(
   if (threads == 0)
     threads = *std::min_element(model.threads.begin(), model.threads.end());
   const int64_t batch = request.batchSize / replicas;
+  std::vector<ScheduleKind> oneStageKinds;
+  for (ScheduleKind kind : space.schedules) {
+    if (scheduleRank(kind) <= 1)
+      oneStageKinds.push_back(kind);
+  }
   for (int m : microBatchCounts(request, batch)) {
     // Fewer micro-batches than stages leaves most stages idle most of the
     // step: never the fastest way to fill the devices, so not searched.
     if (m < ranks)
       continue;
     for (ScheduleKind kind : space.schedules) {
-      // One stage: every schedule is fill-drain or 1F1B.
-      if (ranks == 1 && scheduleRank(kind) > 1)
+      // One stage: every schedule is fill-drain or 1F1B, and one
+      // micro-batch makes those two the same instructions (listed once).
+      if (ranks == 1 &&
+          (scheduleRank(kind) > 1 || (m == 1 && kind != oneStageKinds[0])))
         continue;
       for (CheckpointMode mode : space.checkpoints) {
+        // The last stage never recomputes: except_last is never there.
+        if (ranks == 1 && mode == CheckpointMode::kExceptLast &&
+            std::count(
+                space.checkpoints.begin(),
+                space.checkpoints.end(),
+                CheckpointMode::kNever))
+          continue;
         out.push_back(evaluate(
             model, request, {ranks, replicas, threads, m, batch, kind, mode}));
       }
@@ -466,7 +495,7 @@ void rank(const CostModel& model, TuneResult& result) {
   for (size_t i = 1; i < all.size(); ++i) {
     if (!all[i].infeasible.empty() || all[i].predictedStepMs > bound)
       break;
-    if (simpler(all[i], all[result.choice]))
+    if (isSimplerPlan(all[i], all[result.choice]))
       result.choice = i;
   }
 }

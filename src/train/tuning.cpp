@@ -77,6 +77,57 @@ struct StepTiming {
   double pipelineMs = 0.0; // Pipeline::trainStep alone
 };
 
+// Relative spread of repeated measurements: the median absolute deviation
+// over the median. Robust to the one step a busy machine stretches.
+double relativeSpread(const std::vector<double>& values) {
+  if (values.size() < 2)
+    return 0.0;
+  const double middle = median(values);
+  std::vector<double> deviations;
+  for (double v : values)
+    deviations.push_back(std::abs(v - middle));
+  return middle > 0.0 ? median(deviations) / middle : 0.0;
+}
+
+// One candidate built and ready to step: its pipeline, optimizer and batches
+// live as long as it does, so several can take turns, step by step.
+class PlanRun {
+ public:
+  PlanRun(
+      const Config& config,
+      const Dataset& data,
+      PipelineOptions options,
+      int microBatches)
+      : model_(buildModel(config)),
+        batches_(
+            data,
+            config.train.batchSize,
+            config.data.shuffle,
+            config.train.seed) {
+    setBatchNormMicroBatches(model_, microBatches);
+    pipe_ = std::make_unique<Pipeline>(model_.layers, std::move(options));
+    optimizer_ = makeOptimizer(config.train.optimizer, pipe_->parameters());
+  }
+
+  StepTiming step(const LossFunction& loss) {
+    const auto start = Clock::now();
+    auto [x, y] = batches_.batch(step_++);
+    optimizer_->zero_grad();
+    const auto pipeStart = Clock::now();
+    pipe_->trainStep(x, y, loss);
+    const double pipelineMs = msSince(pipeStart);
+    optimizer_->step();
+    return {msSince(start), pipelineMs};
+  }
+
+ private:
+  BuiltModel model_;
+  BatchSource batches_;
+  std::unique_ptr<Pipeline> pipe_;
+  std::unique_ptr<torch::optim::Optimizer> optimizer_;
+  int64_t step_ = 0;
+};
+
 // Runs candidates on the config's data from the config's initial weights.
 class StepMeter {
  public:
@@ -86,27 +137,44 @@ class StepMeter {
         data_(loadDataset(config, shapes_)),
         loss_(makeLoss(config.train.loss)) {}
 
+  std::unique_ptr<PlanRun> start(const TuneCandidate& c) {
+    return std::make_unique<PlanRun>(
+        config_, data_, optionsFor(shapes_, c), c.microBatches);
+  }
+
+  StepTiming step(PlanRun& run) {
+    return run.step(loss_);
+  }
+
   std::vector<StepTiming> run(const TuneCandidate& c, int warmup, int steps) {
-    BuiltModel model = buildModel(config_);
-    setBatchNormMicroBatches(model, c.microBatches);
-    Pipeline pipe(model.layers, optionsFor(model, c));
-    auto optimizer = makeOptimizer(config_.train.optimizer, pipe.parameters());
-    BatchSource batches(
-        data_,
-        config_.train.batchSize,
-        config_.data.shuffle,
-        config_.train.seed);
-    std::vector<StepTiming> timings;
-    for (int step = 0; step < warmup + steps; ++step) {
-      const auto start = Clock::now();
-      auto [x, y] = batches.batch(step);
-      optimizer->zero_grad();
-      const auto pipeStart = Clock::now();
-      pipe.trainStep(x, y, loss_);
-      const double pipelineMs = msSince(pipeStart);
-      optimizer->step();
-      if (step >= warmup)
-        timings.push_back({msSince(start), pipelineMs});
+    return interleave({c}, warmup, 1, steps).front();
+  }
+
+  // Every candidate built once and given `warmup` untimed steps, then
+  // `rounds` rounds in which each takes `steps` timed steps in turn: a
+  // machine that gets busier or quieter meanwhile slows them all alike.
+  std::vector<std::vector<StepTiming>> interleave(
+      const std::vector<TuneCandidate>& candidates,
+      int warmup,
+      int rounds,
+      int steps,
+      std::ostream* log = nullptr) {
+    std::vector<std::unique_ptr<PlanRun>> runs;
+    for (const auto& c : candidates) {
+      runs.push_back(start(c));
+      for (int i = 0; i < warmup; ++i)
+        step(*runs.back());
+    }
+    std::vector<std::vector<StepTiming>> timings(candidates.size());
+    for (int round = 0; round < rounds; ++round) {
+      if (log && rounds > 1)
+        *log << "tune: measuring " << candidates.size()
+             << " plans in turn, round " << round + 1 << "/" << rounds
+             << std::endl;
+      for (size_t i = 0; i < runs.size(); ++i) {
+        for (int k = 0; k < steps; ++k)
+          timings[i].push_back(step(*runs[i]));
+      }
     }
     return timings;
   }
@@ -146,16 +214,34 @@ class StepMeter {
   LossFunction loss_;
 };
 
-// The first seconds of a process run large steps slower than the rest
-// (the allocator and thread pools are still growing); timing starts after
-// a few untimed steps of the whole model.
+std::vector<double> stepTimes(const std::vector<StepTiming>& timings) {
+  std::vector<double> ms;
+  for (const auto& t : timings)
+    ms.push_back(t.stepMs);
+  return ms;
+}
+
+// The first seconds of a process run large steps slower than the rest (the
+// allocator and thread pools are still growing, caches and clocks are
+// cold): whole-model steps until they stop getting faster (the median of the
+// last four no lower than 0.98 of the four before), at most 40 steps or 5 s.
 void warmUp(StepMeter& meter, const TuneOptions& options) {
   if (options.log)
     *options.log << "tune: warming up" << std::endl;
   TuneCandidate whole;
   whole.threadsPerStage = machineCores();
   whole.boundaries = {0, static_cast<int>(meter.model().layers.size())};
-  meter.run(whole, 0, 8);
+  auto run = meter.start(whole);
+  std::vector<double> ms;
+  const auto began = Clock::now();
+  for (int step = 0; step < 40 && msSince(began) < 5000.0; ++step) {
+    ms.push_back(meter.step(*run).stepMs);
+    if (ms.size() >= 8) {
+      const auto end = ms.end();
+      if (median({end - 4, end}) >= 0.98 * median({end - 8, end - 4}))
+        break;
+    }
+  }
 }
 
 // One stage holding every layer: the calibration runs.
@@ -233,13 +319,12 @@ void profileCurves(
       total += layer.cost.forwardMs + layer.cost.backwardMs;
     }
   }
-  model.noise = noise;
   lines.push_back(
       "size curves: residual " + fixed(100.0 * weighted / total, 1) +
       "% weighted by time, worst " + fixed(100.0 * worst, 1) + "% (over " +
       std::to_string(model.layers.size()) + " layers x " +
       std::to_string(profile.fitSizes.size()) + " sizes x " +
-      std::to_string(model.threads.size()) + " thread count(s)); noise " +
+      std::to_string(model.threads.size()) + " thread count(s)); worst layer noise " +
       fixed(100.0 * noise, 1) + "%");
 }
 
@@ -319,13 +404,33 @@ void calibrateConcurrency(
       fixed(model.concurrentSlowdown, 2));
 }
 
-// Scales the curves of one thread count by `factor`.
-void scaleCurves(CostModel& model, size_t threadIndex, double factor) {
+// Scales the curves of one thread count by a factor per micro-batch size,
+// given at `sizes` (ascending) and interpolated in log size between them
+// (the nearest beyond them): each calibrated size then predicts what it
+// measured.
+void scaleCurvesBySize(
+    CostModel& model,
+    size_t threadIndex,
+    const std::vector<double>& sizes,
+    const std::vector<double>& factors) {
+  auto factorAt = [&](double size) {
+    if (size <= sizes.front())
+      return factors.front();
+    for (size_t i = 1; i < sizes.size(); ++i) {
+      if (size <= sizes[i]) {
+        const double t = std::log(size / sizes[i - 1]) /
+            std::log(sizes[i] / sizes[i - 1]);
+        return factors[i - 1] + t * (factors[i] - factors[i - 1]);
+      }
+    }
+    return factors.back();
+  };
   for (auto& layer : model.layers) {
-    for (double& ms : layer.forward[threadIndex].ms)
-      ms *= factor;
-    for (double& ms : layer.backward[threadIndex].ms)
-      ms *= factor;
+    for (SizeCurve* curve :
+         {&layer.forward[threadIndex], &layer.backward[threadIndex]}) {
+      for (size_t k = 0; k < curve->sizes.size(); ++k)
+        curve->ms[k] *= factorAt(curve->sizes[k]);
+    }
   }
 }
 
@@ -440,50 +545,71 @@ void calibrateRuntime(
   const int many = std::min(8, most);
   if (options.log)
     *options.log << "tune: timing real steps to calibrate" << std::endl;
-  auto measure = [&](int m, ScheduleKind kind, double* step) {
-    std::vector<double> steps, pipes;
-    for (const auto& t : meter.run(wholeModel(model, threads, m, kind), 2, 4)) {
-      steps.push_back(t.stepMs);
-      pipes.push_back(t.pipelineMs);
-    }
-    if (step)
-      *step = median(steps);
-    return median(pipes);
-  };
-  double step = 0.0;
   std::vector<int> counts{1};
-  std::vector<double> measured{measure(1, ScheduleKind::kOneFOneB, &step)};
   for (int m : {many, most}) {
-    if (m > counts.back()) {
+    if (m > counts.back())
       counts.push_back(m);
-      measured.push_back(measure(m, ScheduleKind::kOneFOneB, nullptr));
-    }
   }
-  const double split = measure(many, ScheduleKind::kZeroBubbleH1, nullptr);
-  // Noise only ever adds time: the smaller of two differences is the one
-  // believed.
-  const double held = std::min(
-      measure(many, ScheduleKind::kGpipe, nullptr) -
-          measured[counts.size() > 1],
-      measure(many, ScheduleKind::kGpipe, nullptr) -
-          measure(many, ScheduleKind::kOneFOneB, nullptr));
-  const size_t at = counts.size() > 1 ? 1 : 0;
-  calibrateHeldBytes(request, many, held, model, lines);
-  std::vector<double> layers, computed = measured;
-  for (size_t i = 0; i < counts.size(); ++i)
-    layers.push_back(layerSum(model, batch, counts[i], threads, false));
+  std::vector<TuneCandidate> runs;
+  for (int m : counts)
+    runs.push_back(wholeModel(model, threads, m, ScheduleKind::kOneFOneB));
+  const size_t split = runs.size(), fillDrain = runs.size() + 1;
+  runs.push_back(wholeModel(model, threads, many, ScheduleKind::kZeroBubbleH1));
+  runs.push_back(wholeModel(model, threads, many, ScheduleKind::kGpipe));
+  const auto timings = meter.interleave(runs, 2, options.quick ? 3 : 5, 2);
+  std::vector<double> measured, spreads;
+  for (const auto& t : timings) {
+    std::vector<double> pipes;
+    for (const auto& one : t)
+      pipes.push_back(one.pipelineMs);
+    measured.push_back(median(pipes));
+    spreads.push_back(relativeSpread(stepTimes(t)));
+  }
+  const double step = median(stepTimes(timings.front()));
+  const size_t at = counts.size() > 1 ? 1 : 0; // `many` micro-batches
+  // GPipe's extra time over 1F1B is believed only beyond twice the noise
+  // of a median of this many steps: a busy second would otherwise charge
+  // every plan for the activations it holds.
+  const double heldNoise = 2.0 * median(spreads) * measured[at] /
+      std::sqrt(static_cast<double>(timings[at].size()));
+  const double held = measured[fillDrain] - measured[at];
+  calibrateHeldBytes(
+      request, many, held > heldNoise ? held : 0.0, model, lines);
+  std::vector<double> layers;
+  for (int m : counts)
+    layers.push_back(layerSum(model, batch, m, threads, false));
   model.instructionMs = instructionCostMs();
+  const std::vector<double> oneFOneB(
+      measured.begin(), measured.begin() + static_cast<long>(counts.size()));
   const PipelineFit fit =
-      fitPipeline(counts, computed, layers, model.instructionMs);
+      fitPipeline(counts, oneFOneB, layers, model.instructionMs);
   model.threadInstructionMs.assign(model.threads.size(), model.instructionMs);
   model.threadInstructionMs[0] = fit.instructionMs;
   model.stepMs = std::max(0.0, step - measured[0]);
-  scaleCurves(model, 0, fit.scale);
   const double o = fit.instructionMs;
+  // The fit's scale, corrected at each calibrated count to what it measured.
+  std::vector<double> sizes, factors;
+  for (size_t i = counts.size(); i-- > 0;) {
+    sizes.push_back(static_cast<double>(batch) / counts[i]);
+    factors.push_back(std::clamp(
+        (oneFOneB[i] - 2.0 * counts[i] * o) / layers[i],
+        0.5 * fit.scale,
+        2.0 * fit.scale));
+  }
+  scaleCurvesBySize(model, 0, sizes, factors);
   const double backward = layerSum(model, batch, counts[at], threads, true);
   model.splitBackward = std::clamp(
-      1.0 + (split - measured[at] - counts[at] * o) / backward, 1.0, 2.0);
+      1.0 + (measured[split] - measured[at] - counts[at] * o) / backward,
+      1.0,
+      2.0);
+  // What "within noise" means for predictions: how much real steps of one
+  // plan vary here and now, not the profile's worst layer.
+  model.noise = median(spreads);
   describeRuntime(model, fit.scale, o, threads, many, most, lines);
+  lines.push_back(
+      "noise: repeated steps of one plan vary by " +
+      fixed(100.0 * model.noise, 1) + "% (median absolute deviation, " +
+      std::to_string(runs.size()) + " plans measured in turn)");
   calibrateConcurrency(config, meter, request, many, model, lines);
 }
 
@@ -514,25 +640,103 @@ TuneRequest requestFor(const Config& config) {
   return request;
 }
 
-// With measurements, the fastest measured becomes the choice.
-void chooseMeasured(TuneResult& result) {
-  size_t best = result.choice;
-  for (size_t i = 0; i < result.candidates.size(); ++i) {
-    const auto& c = result.candidates[i];
-    if (c.measuredStepMs >= 0 &&
-        (result.candidates[best].measuredStepMs < 0 ||
-         c.measuredStepMs < result.candidates[best].measuredStepMs))
+// Measured medians and the spread of their steps, per candidate.
+struct Measured {
+  std::vector<double> medians;
+  // How far a median of this many steps may stray: the median relative
+  // spread of one plan's steps over the square root of their count.
+  double noise = 0.0;
+};
+
+Measured measureInTurn(
+    StepMeter& meter,
+    const std::vector<TuneCandidate>& candidates,
+    int steps,
+    int rounds,
+    std::ostream* log) {
+  Measured out;
+  std::vector<double> spreads;
+  for (const auto& t : meter.interleave(candidates, 2, rounds, steps, log)) {
+    out.medians.push_back(median(stepTimes(t)));
+    spreads.push_back(relativeSpread(stepTimes(t)));
+  }
+  out.noise = median(spreads) / std::sqrt(static_cast<double>(rounds * steps));
+  return out;
+}
+
+// The plans whose predictions the calibration cannot tell apart from the
+// fastest's: within 25% of it (the busy machine's worst seen), at most 4 of
+// them; the predicted choice; and the fastest predicted on each device
+// count within twice the fastest, since a calibration that a busy second
+// spoiled misjudges all plans of one shape alike.
+std::vector<size_t> contenders(const TuneResult& result) {
+  std::vector<size_t> picked;
+  auto pick = [&](size_t i) {
+    if (std::find(picked.begin(), picked.end(), i) == picked.end())
+      picked.push_back(i);
+  };
+  const auto& all = result.candidates;
+  const double fastest = all.front().predictedStepMs;
+  for (size_t i = 0; i < all.size() && picked.size() < 4; ++i) {
+    if (!all[i].infeasible.empty() || all[i].predictedStepMs > 1.25 * fastest)
+      break;
+    pick(i);
+  }
+  pick(result.choice);
+  std::vector<int> devicesSeen;
+  for (size_t i = 0; i < all.size(); ++i) {
+    const int devices = all[i].ranks * all[i].dataParallel;
+    if (!all[i].infeasible.empty() || all[i].predictedStepMs > 2.0 * fastest)
+      break;
+    if (std::find(devicesSeen.begin(), devicesSeen.end(), devices) !=
+        devicesSeen.end())
+      continue;
+    devicesSeen.push_back(devices);
+    pick(i);
+  }
+  return picked;
+}
+
+// The fastest measured, or the simplest of those within the noise of it:
+// twice the medians' noise, at least 3%.
+void chooseMeasured(
+    TuneResult& result,
+    const std::vector<size_t>& measured,
+    double noise) {
+  size_t fastest = measured.front();
+  for (size_t i : measured) {
+    if (result.candidates[i].measuredStepMs <
+        result.candidates[fastest].measuredStepMs)
+      fastest = i;
+  }
+  const double tolerance = std::max(0.03, 2.0 * noise);
+  const double bound =
+      result.candidates[fastest].measuredStepMs * (1.0 + tolerance);
+  size_t best = fastest;
+  for (size_t i : measured) {
+    if (result.candidates[i].measuredStepMs <= bound &&
+        isSimplerPlan(result.candidates[i], result.candidates[best]))
       best = i;
   }
-  if (best != result.choice) {
-    result.notes.push_back(
-        "measured: " + result.candidates[best].label() + " ran fastest (" +
-        fixed(result.candidates[best].measuredStepMs, 2) +
-        " ms per step) and is chosen over the predicted " +
-        result.candidates[result.choice].label() + " (" +
-        fixed(result.candidates[result.choice].measuredStepMs, 2) + " ms)");
-    result.choice = best;
+  const TuneCandidate& chosen = result.candidates[best];
+  std::string note = "measured " + std::to_string(measured.size()) +
+      " plans in turn: " + chosen.label() + " ran " +
+      fixed(chosen.measuredStepMs, 2) + " ms per step";
+  if (best != fastest) {
+    note += ", the simplest within " + fixed(100.0 * tolerance, 1) +
+        "% (the noise) of the fastest, " +
+        result.candidates[fastest].label() + " (" +
+        fixed(result.candidates[fastest].measuredStepMs, 2) + " ms)";
+  } else {
+    note += ", the fastest";
   }
+  if (best != result.choice) {
+    note += "; chosen over the predicted " +
+        result.candidates[result.choice].label() + " (" +
+        fixed(result.candidates[result.choice].measuredStepMs, 2) + " ms)";
+  }
+  result.notes.push_back(note);
+  result.choice = best;
 }
 
 } // namespace
@@ -544,20 +748,7 @@ std::vector<double> measureCandidates(
     int rounds,
     std::ostream* log) {
   StepMeter meter(config);
-  std::vector<std::vector<double>> samples(candidates.size());
-  for (int round = 0; round < rounds; ++round) {
-    for (size_t i = 0; i < candidates.size(); ++i) {
-      if (log)
-        *log << "tune: measuring " << candidates[i].label() << " (round "
-             << round + 1 << "/" << rounds << ")" << std::endl;
-      for (const auto& timing : meter.run(candidates[i], 2, steps))
-        samples[i].push_back(timing.stepMs);
-    }
-  }
-  std::vector<double> medians;
-  for (const auto& values : samples)
-    medians.push_back(median(values));
-  return medians;
+  return measureInTurn(meter, candidates, steps, rounds, log).medians;
 }
 
 TuneOutcome tuneConfig(const Config& config, const TuneOptions& options) {
@@ -571,18 +762,35 @@ TuneOutcome tuneConfig(const Config& config, const TuneOptions& options) {
   calibrateRuntime(
       config, meter, options, request, outcome.model, outcome.calibration);
   outcome.result = tunePlans(outcome.model, request);
-  if (!options.measure)
+  std::vector<size_t> measured;
+  if (options.measure) {
+    const int count = std::min(options.top, outcome.result.feasible());
+    for (int i = 0; i < count; ++i)
+      measured.push_back(static_cast<size_t>(i));
+    if (std::find(measured.begin(), measured.end(), outcome.result.choice) ==
+        measured.end())
+      measured.push_back(outcome.result.choice);
+  } else {
+    measured = contenders(outcome.result);
+  }
+  if (measured.size() < 2)
     return outcome;
-  std::vector<TuneCandidate> top;
-  const int count = std::min(options.top, outcome.result.feasible());
-  for (int i = 0; i < count; ++i)
-    top.push_back(outcome.result.candidates[static_cast<size_t>(i)]);
-  const std::vector<double> measured = measureCandidates(
-      config, top, options.measureSteps, options.measureRounds, options.log);
-  for (int i = 0; i < count; ++i)
-    outcome.result.candidates[static_cast<size_t>(i)].measuredStepMs =
-        measured[static_cast<size_t>(i)];
-  chooseMeasured(outcome.result);
+  std::vector<TuneCandidate> plans;
+  for (size_t i : measured)
+    plans.push_back(outcome.result.candidates[i]);
+  if (options.log && !options.measure)
+    *options.log << "tune: running " << plans.size()
+                 << " plans the prediction cannot tell apart, in turn"
+                 << std::endl;
+  const Measured times = measureInTurn(
+      meter,
+      plans,
+      options.measure ? options.measureSteps : 3,
+      options.measure ? options.measureRounds : 5,
+      options.log);
+  for (size_t k = 0; k < measured.size(); ++k)
+    outcome.result.candidates[measured[k]].measuredStepMs = times.medians[k];
+  chooseMeasured(outcome.result, measured, times.noise);
   return outcome;
 }
 
