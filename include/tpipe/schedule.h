@@ -214,6 +214,11 @@ struct ScheduleSpec {
   int microBatches = 1;
   int virtualStages = 1;
   CheckpointMode checkpoint = CheckpointMode::kExceptLast;
+  // For "auto" (the list scheduler): the stages' costs (one entry: every
+  // stage alike; default unit costs) and the micro-batches in flight each
+  // rank may hold (0: `ranks`, 1F1B's memory).
+  std::vector<StageCosts> costs{StageCosts{}};
+  int inFlightLimit = 0;
 };
 
 // Names accepted by makeSchedule.

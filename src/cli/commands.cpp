@@ -321,15 +321,11 @@ int printSchedule(
   tpipe::Schedule schedule;
   double searchMs = -1.0;
   if (request.text == "auto") {
-    const int limit =
-        request.memoryLimit > 0 ? request.memoryLimit : spec.ranks;
+    spec.source = tpipe::ScheduleKind::kAuto;
+    spec.costs = costs;
+    spec.inFlightLimit = request.memoryLimit;
     const auto start = std::chrono::steady_clock::now();
-    schedule = tpipe::autoSchedule(
-        spec.ranks,
-        spec.microBatches,
-        spec.checkpoint,
-        costs,
-        std::vector<int>(spec.ranks, limit));
+    schedule = tpipe::makeSchedule(spec);
     searchMs = std::chrono::duration<double, std::milli>(
                    std::chrono::steady_clock::now() - start)
                    .count();

@@ -335,14 +335,13 @@ Simulation simulateAuto(
       plan.boundaries,
       request.instructionMs,
       request.splitBackward);
-  return simulate(
-      autoSchedule(
-          s.ranks,
-          s.microBatches,
-          s.checkpoint,
-          costs,
-          std::vector<int>(static_cast<size_t>(s.ranks), s.ranks)),
-      costs);
+  ScheduleSpec spec;
+  spec.source = ScheduleKind::kAuto;
+  spec.ranks = s.ranks;
+  spec.microBatches = s.microBatches;
+  spec.checkpoint = s.checkpoint;
+  spec.costs = costs;
+  return simulate(makeSchedule(spec), costs);
 }
 
 TuneCandidate evaluate(

@@ -1449,8 +1449,10 @@ Schedule makeSchedule(const ScheduleSpec& spec) {
           spec.ranks,
           spec.microBatches,
           spec.checkpoint,
-          {StageCosts{}},
-          std::vector<int>(spec.ranks, spec.ranks));
+          spec.costs,
+          std::vector<int>(
+              spec.ranks,
+              spec.inFlightLimit > 0 ? spec.inFlightLimit : spec.ranks));
       break;
   }
   validate(schedule);

@@ -621,12 +621,13 @@ class TrainingRun {
     const BubbleReport report = bubbleReport(pipe_->trace());
     const int p = plan_.schedule.ranks;
     Plan plan = plan_;
-    plan.schedule = autoSchedule(
-        p,
-        plan.schedule.microBatches,
-        plan.checkpoint,
-        report.measuredCosts,
-        std::vector<int>(p, p));
+    ScheduleSpec spec;
+    spec.source = ScheduleKind::kAuto;
+    spec.ranks = p;
+    spec.microBatches = plan.schedule.microBatches;
+    spec.checkpoint = plan.checkpoint;
+    spec.costs = report.measuredCosts;
+    plan.schedule = makeSchedule(spec);
     plan.simulation = simulate(plan.schedule, report.measuredCosts);
     const double h1 = simulate(
                           zeroBubbleH1Schedule(
