@@ -287,3 +287,37 @@ TEST(TuneTest, PlansGpt3On1024DevicesWithinTheirMemory) {
           config, nlohmann::json::parse(R"({"nodes": 1})"), "bad.json"),
       ConfigError);
 }
+
+// With the device's memory bandwidth the cluster model is a roofline: a
+// 4096 x 4096 linear layer in bf16 reads 32 MiB of weights per micro-batch,
+// so one sample costs as much as a few hundred (time flat below the ridge),
+// while a large micro-batch is compute-bound and proportional again.
+TEST(TuneTest, ClusterRooflineMakesSmallMicroBatchesBandwidthBound) {
+  const Config config = parseConfig(nlohmann::json::parse(R"({
+    "model": {"input_shape": [4096],
+              "layers": [{"type": "linear", "out_features": 4096}]},
+    "data": {"dataset": "synthetic", "samples": 64},
+    "pipeline": {"devices": ["cpu:0"]},
+    "train": {"batch_size": 64, "steps": 1, "loss": "mse"}})"));
+  auto forwardAt = [&](const char* device, double n) {
+    const nlohmann::json cluster = nlohmann::json::parse(
+        std::string(R"({"nodes": 1, "devices_per_node": 1, "device": )") +
+        device + R"(, "intra_node": {"bandwidth_gb_s": 100}})");
+    const TuneOutcome outcome = tuneForCluster(config, cluster, "test");
+    return outcome.model.layers.at(0).forward.at(0).at(n);
+  };
+  const char* roofline =
+      R"({"peak_tflops": 100, "efficiency": 1, "memory": "80GiB", "memory_gb_s": 1000})";
+  const char* flat =
+      R"({"peak_tflops": 100, "efficiency": 1, "memory": "80GiB"})";
+  const double weights = 4096.0 * 4097.0 * 2.0; // bytes, with the bias
+  const double flops = 2.0 * 4096.0 * 4096.0;   // per sample
+  // One sample: reading the weights at 1 TB/s, not 2 x 4096^2 FLOPs at
+  // 100 TFLOP/s.
+  EXPECT_NEAR(forwardAt(roofline, 1), (weights + 4 * 4096.0) / 1e9, 1e-6);
+  EXPECT_NEAR(forwardAt(roofline, 2), forwardAt(roofline, 1), 0.01 * forwardAt(roofline, 1));
+  EXPECT_NEAR(forwardAt(roofline, 4096), 4096 * flops / 1e11, 1e-3);
+  EXPECT_NEAR(forwardAt(flat, 1), flops / 1e11, 1e-9);
+  EXPECT_NEAR(forwardAt(flat, 4096), 4096 * flops / 1e11, 1e-6);
+}
+

@@ -95,7 +95,8 @@ struct TuneRequest {
   Topology topology;
   // Empty: every stage count from 1 to min(devices, layers).
   std::vector<int> stageCounts;
-  // Empty: powers of two up to the batch (per replica).
+  // Empty: every count that splits the batch (per replica) evenly, up to
+  // 1024, and the powers of two up to 256.
   std::vector<int> microBatches;
   // Empty: every built-in schedule.
   std::vector<ScheduleKind> schedules;

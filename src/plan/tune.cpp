@@ -189,10 +189,13 @@ std::vector<int> microBatchCounts(const TuneRequest& request, int64_t batch) {
       counts.push_back(m);
   }
   if (request.microBatches.empty()) {
-    for (int64_t m = 1; m <= batch && m <= 256; m *= 2)
-      counts.push_back(static_cast<int>(m));
-    if (batch <= 256 && counts.back() != batch)
-      counts.push_back(static_cast<int>(batch)); // one sample each
+    // Every count that splits the batch evenly (published runs use 24, 48,
+    // 96, ...), up to 1024, and the powers of two up to 256.
+    for (int64_t m = 1; m <= batch && m <= 1024; ++m) {
+      const bool power = (m & (m - 1)) == 0 && m <= 256;
+      if (batch % m == 0 || power)
+        counts.push_back(static_cast<int>(m));
+    }
   }
   return counts;
 }

@@ -1,6 +1,7 @@
 // `tpipe tune --cluster`: a cost model from shape inference and a cluster
 // description, for machines we do not have. Nothing is built or run, so a
 // 175-billion-parameter stack plans in a second. Assumptions: docs/tune.md.
+#include <algorithm>
 #include <cmath>
 
 #include <nlohmann/json.hpp>
@@ -84,6 +85,9 @@ struct Cluster {
   Topology topology;
   DeviceSpec device;
   double flopsPerMs = 0.0; // peak x efficiency
+  // Memory bandwidth for the roofline (bytes per ms); 0: compute-bound at
+  // every size, time proportional to the samples.
+  double memoryBytesPerMs = 0.0;
   double bytesPerValue = 2.0;
   double optimizerBytesPerParameter = -1.0; // < 0: from the config
   double instructionMs = 0.0;
@@ -117,7 +121,7 @@ Cluster parseCluster(const Json& root) {
   checkKeys(
       device,
       "cluster.device",
-      {"name", "peak_tflops", "efficiency", "memory"});
+      {"name", "peak_tflops", "efficiency", "memory", "memory_gb_s"});
   c.device.name = device.value("name", std::string("device"));
   c.device.memoryBytes = memoryOf(device);
   const double tflops =
@@ -125,12 +129,37 @@ Cluster parseCluster(const Json& root) {
   const double efficiency =
       numberAt(device, "cluster.device", "efficiency", 0.5, 1e-3, 1.0);
   c.flopsPerMs = tflops * 1e12 / 1e3 * efficiency;
+  c.memoryBytesPerMs =
+      numberAt(device, "cluster.device", "memory_gb_s", 0.0, 0.0, 1e9) * 1e6;
   c.bytesPerValue = numberAt(root, "cluster", "bytes_per_value", 2.0, 1.0, 8.0);
   c.optimizerBytesPerParameter = numberAt(
       root, "cluster", "optimizer_bytes_per_parameter", -1.0, 0.0, 64.0);
   c.instructionMs =
       numberAt(root, "cluster", "instruction_us", 0.0, 0.0, 1e6) / 1000.0;
   return c;
+}
+
+// One layer's time against the micro-batch size n: the roofline's
+// max(FLOPs / effective FLOP/s, bytes moved / bandwidth), where the weights
+// are read once per micro-batch and the activations once per sample. Small
+// micro-batches of a large layer are bound by reading its weights, so time
+// stops falling with n below the ridge: what one efficiency for all shapes
+// misses. Without a bandwidth: proportional to n.
+SizeCurve rooflineCurve(
+    const Cluster& cluster,
+    double flopsPerSample,
+    double fixedBytes,
+    double bytesPerSample) {
+  if (cluster.memoryBytesPerMs <= 0.0)
+    return SizeCurve::proportional(1.0, flopsPerSample / cluster.flopsPerMs);
+  SizeCurve curve;
+  for (double n = 1.0; n <= 65536.0; n *= 2.0) {
+    curve.sizes.push_back(n);
+    curve.ms.push_back(std::max(
+        n * flopsPerSample / cluster.flopsPerMs,
+        (fixedBytes + n * bytesPerSample) / cluster.memoryBytesPerMs));
+  }
+  return curve;
 }
 
 CostModel analyticModel(const Config& config, const Cluster& cluster) {
@@ -151,14 +180,25 @@ CostModel analyticModel(const Config& config, const Cluster& cluster) {
     const LayerFacts& f = facts[l];
     LayerModel layer;
     layer.name = std::to_string(l) + " " + config.model.layers[l].type;
-    const double forwardMs = f.forwardFlops / cluster.flopsPerMs;
-    layer.forward = {SizeCurve::proportional(1.0, forwardMs)};
-    layer.backward = {SizeCurve::proportional(1.0, 2.0 * forwardMs)};
     layer.paramBytes = static_cast<int64_t>(
         static_cast<double>(f.parameters) * cluster.bytesPerValue);
     double output = cluster.bytesPerValue;
     for (int64_t d : f.output)
       output *= static_cast<double>(d);
+    layer.forward = {rooflineCurve(
+        cluster,
+        f.forwardFlops,
+        static_cast<double>(layer.paramBytes),
+        input + output)};
+    // The backward: twice the FLOPs; reads the weights and writes their
+    // gradients, reads the output's gradient and the input, writes the
+    // input's gradient.
+    layer.backward = {rooflineCurve(
+        cluster,
+        2.0 * f.forwardFlops,
+        2.0 * static_cast<double>(layer.paramBytes),
+        2.0 * input + output)};
+    input = output;
     // A stage ending here also sends the skips alive across its end.
     layer.activationBytesPerSample =
         output + f.skipElements * cluster.bytesPerValue;
