@@ -178,7 +178,7 @@ nlohmann::json benchConfig(
               << std::endl;
   }
   const std::vector<TuneCandidate> grid = gridOf(choices, ranked);
-  const std::vector<double> measured = measureCandidates(config, grid, 3, 5);
+  const std::vector<double> measured = measureCandidates(config, grid, 1, 15);
   stopBusyNeighbour(neighbour);
   std::map<std::string, double> measuredOf;
   for (size_t g = 0; g < grid.size(); ++g)

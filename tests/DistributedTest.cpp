@@ -615,6 +615,28 @@ TEST_F(DistributedTest, AFailedRankRestartsTheJobFromTheLastCheckpoint) {
       << unsaved.output;
 }
 
+// A rank that freezes (SIGSTOP: a host that stops answering) fails the job
+// like one that exits: the other rank names it after timeout_s, the launcher
+// ends both (the stopped one too) and the restart finishes the job from the
+// last checkpoint, one metrics record per step.
+TEST_F(DistributedTest, AStoppedRankRestartsTheJobToo) {
+  const Result r = shell(
+      "TPIPE_FAULT=1:15:stop:" + path("stopped") + " " + faultyBinary() +
+      " launch --nproc 2 --max-restarts 1 " + config_ +
+      " --set 'pipeline.devices=[\"cpu:0\",\"cpu:1\"]'"
+      " --set pipeline.timeout_s=5 --set train.steps=30"
+      " --set train.checkpoint_every=10 --save " +
+      path("ck-stop") + " --metrics " + path("stop.jsonl"));
+  ASSERT_EQ(r.status, 0) << r.output;
+  for (const char* said :
+       {"restart 1 of 1: 2 ranks, resuming from step 10",
+        "--resume auto: resuming from"}) {
+    EXPECT_NE(r.output.find(said), std::string::npos) << said << "\n"
+                                                      << r.output;
+  }
+  EXPECT_EQ(losses(path("stop.jsonl")).size(), 30u);
+}
+
 // Ranks that run different models, seeds or schedules would train a wrong
 // model or deadlock: rendezvous compares their runs first.
 TEST_F(DistributedTest, RanksThatDisagreeAboutTheRunStopNamingTheKey) {

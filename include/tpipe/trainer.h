@@ -175,8 +175,8 @@ struct TuneOutcome {
 // noise) and searches. Where the prediction cannot decide (the plans
 // predicted within 25% of the fastest, at most 4, the predicted choice, and
 // the fastest predicted per device count within 2x) or with measure (the
-// top candidates), they run in turn, built once, a few
-// steps each per round, and the fastest measured becomes the choice, or the
+// top candidates), they run in turn, built once, one step each per round
+// over 15 rounds, and the fastest measured becomes the choice, or the
 // simplest within the measurement's noise of it (at least 3%). The config's
 // devices are the devices a plan may use; its pipeline settings are ignored.
 TuneOutcome tuneConfig(const Config& config, const TuneOptions& options);
@@ -192,8 +192,9 @@ TuneOutcome tuneForCluster(
 
 // Runs each candidate (one process, threads) from the same initial weights:
 // each built once and given 2 warm-up steps, then `rounds` rounds in which
-// each takes `steps` steps in turn. The median ms per step (batch, forward,
-// backward, optimizer) of each.
+// each takes `steps` steps in turn. The lower quartile of each one's ms per
+// step (batch, forward, backward, optimizer): a busy neighbour only adds
+// time, and the quartile is robust to bursts that hit one plan's steps more.
 std::vector<double> measureCandidates(
     const Config& config,
     const std::vector<TuneCandidate>& candidates,

@@ -77,6 +77,14 @@ struct StepTiming {
   double pipelineMs = 0.0; // Pipeline::trainStep alone
 };
 
+// The lower quartile: a step on a quiet machine. A neighbour's burst only
+// ever adds time, and it may cover half of one plan's steps and none of
+// another's; the lower quartile is the step most of them could have had.
+double lowerQuartile(std::vector<double> values) {
+  std::sort(values.begin(), values.end());
+  return values.empty() ? 0.0 : values[(values.size() - 1) / 4];
+}
+
 // Relative spread of repeated measurements: the median absolute deviation
 // over the median. Robust to the one step a busy machine stretches.
 double relativeSpread(const std::vector<double>& values) {
@@ -556,16 +564,16 @@ void calibrateRuntime(
   const size_t split = runs.size(), fillDrain = runs.size() + 1;
   runs.push_back(wholeModel(model, threads, many, ScheduleKind::kZeroBubbleH1));
   runs.push_back(wholeModel(model, threads, many, ScheduleKind::kGpipe));
-  const auto timings = meter.interleave(runs, 2, options.quick ? 3 : 5, 2);
+  const auto timings = meter.interleave(runs, 2, options.quick ? 6 : 10, 1);
   std::vector<double> measured, spreads;
   for (const auto& t : timings) {
     std::vector<double> pipes;
     for (const auto& one : t)
       pipes.push_back(one.pipelineMs);
-    measured.push_back(median(pipes));
+    measured.push_back(lowerQuartile(pipes));
     spreads.push_back(relativeSpread(stepTimes(t)));
   }
-  const double step = median(stepTimes(timings.front()));
+  const double step = lowerQuartile(stepTimes(timings.front()));
   const size_t at = counts.size() > 1 ? 1 : 0; // `many` micro-batches
   // GPipe's extra time over 1F1B is believed only beyond twice the noise
   // of a median of this many steps: a busy second would otherwise charge
@@ -640,11 +648,11 @@ TuneRequest requestFor(const Config& config) {
   return request;
 }
 
-// Measured medians and the spread of their steps, per candidate.
+// Measured steps (lower quartiles) and their noise, per candidate.
 struct Measured {
-  std::vector<double> medians;
-  // How far a median of this many steps may stray: the median relative
-  // spread of one plan's steps over the square root of their count.
+  std::vector<double> steps; // each plan's lower-quartile step
+  // How far such a figure may stray: the median relative spread of one
+  // plan's steps over the square root of their count.
   double noise = 0.0;
 };
 
@@ -657,7 +665,7 @@ Measured measureInTurn(
   Measured out;
   std::vector<double> spreads;
   for (const auto& t : meter.interleave(candidates, 2, rounds, steps, log)) {
-    out.medians.push_back(median(stepTimes(t)));
+    out.steps.push_back(lowerQuartile(stepTimes(t)));
     spreads.push_back(relativeSpread(stepTimes(t)));
   }
   out.noise = median(spreads) / std::sqrt(static_cast<double>(rounds * steps));
@@ -698,7 +706,7 @@ std::vector<size_t> contenders(const TuneResult& result) {
 }
 
 // The fastest measured, or the simplest of those within the noise of it:
-// twice the medians' noise, at least 3%.
+// twice the measurement's noise, at least 3%.
 void chooseMeasured(
     TuneResult& result,
     const std::vector<size_t>& measured,
@@ -748,7 +756,7 @@ std::vector<double> measureCandidates(
     int rounds,
     std::ostream* log) {
   StepMeter meter(config);
-  return measureInTurn(meter, candidates, steps, rounds, log).medians;
+  return measureInTurn(meter, candidates, steps, rounds, log).steps;
 }
 
 TuneOutcome tuneConfig(const Config& config, const TuneOptions& options) {
@@ -785,11 +793,11 @@ TuneOutcome tuneConfig(const Config& config, const TuneOptions& options) {
   const Measured times = measureInTurn(
       meter,
       plans,
-      options.measure ? options.measureSteps : 3,
-      options.measure ? options.measureRounds : 5,
+      1,
+      options.measure ? options.measureRounds * options.measureSteps : 15,
       options.log);
   for (size_t k = 0; k < measured.size(); ++k)
-    outcome.result.candidates[measured[k]].measuredStepMs = times.medians[k];
+    outcome.result.candidates[measured[k]].measuredStepMs = times.steps[k];
   chooseMeasured(outcome.result, measured, times.noise);
   return outcome;
 }
