@@ -51,8 +51,8 @@ pid_t startBusyNeighbour() {
   std::uniform_int_distribution<int> ms(100, 900);
   volatile double sink = 0.0;
   for (;;) {
-    const auto until =
-        std::chrono::steady_clock::now() + std::chrono::milliseconds(ms(random));
+    const auto until = std::chrono::steady_clock::now() +
+        std::chrono::milliseconds(ms(random));
     while (std::chrono::steady_clock::now() < until)
       sink = sink + 1.0;
     const int rest = ms(random);
@@ -149,9 +149,9 @@ std::vector<TuneCandidate> gridOf(
 
 struct Summary {
   int sameChoice = 0, repeats = 0;
-  double othersSlower = 0.0;   // the other choices against the usual one
-  double worstOverBest = 0.0;  // a choice's measured step over the grid's best
-  double medianError = 0.0;    // |predicted - measured| / measured, the grid
+  double othersSlower = 0.0;  // the other choices against the usual one
+  double worstOverBest = 0.0; // a choice's measured step over the grid's best
+  double medianError = 0.0;   // |predicted - measured| / measured, the grid
   double worstChoiceError = 0.0;
   // The tuner's own measurement of its choice (where it ran the near ties),
   // else its prediction, against this process's measurement: what a user
@@ -220,8 +220,8 @@ nlohmann::json benchConfig(
   std::printf("%-48s %10s %10s %8s\n", "plan", "pred ms", "meas ms", "error");
   for (size_t g = 0; g < grid.size(); ++g) {
     const std::string key = keyOf(grid[g]);
-    const double predicted = predictedOf.count(key) ? predictedOf[key]
-                                                    : grid[g].predictedStepMs;
+    const double predicted =
+        predictedOf.count(key) ? predictedOf[key] : grid[g].predictedStepMs;
     const double error = (predicted - measured[g]) / measured[g];
     errors.push_back(std::abs(error));
     std::printf(
@@ -230,10 +230,9 @@ nlohmann::json benchConfig(
         predicted,
         measured[g],
         100.0 * error,
-        counts.count(key) ? ("  <- chosen " + std::to_string(counts[key]) +
-                             "x")
-                                .c_str()
-                          : "");
+        counts.count(key)
+            ? ("  <- chosen " + std::to_string(counts[key]) + "x").c_str()
+            : "");
     nlohmann::json row = tuneCandidateToJson(grid[g]);
     row["predicted_step_ms"] = predicted;
     row["measured_step_ms"] = measured[g];
@@ -314,8 +313,7 @@ int main(int argc, char** argv) {
       configs.push_back(args[i]);
   }
   const std::string self = argv[0];
-  const std::string tpipe =
-      self.substr(0, self.rfind('/') + 1) + "tpipe";
+  const std::string tpipe = self.substr(0, self.rfind('/') + 1) + "tpipe";
   if (configs.empty()) {
     const std::string dir = std::string(TPIPE_SOURCE_DIR) + "/configs/";
     for (const char* name :
@@ -335,8 +333,8 @@ int main(int argc, char** argv) {
   };
   std::vector<Row> rows;
   for (const auto& path : configs) {
-    for (bool state : busy ? std::vector<bool>{false, true}
-                           : std::vector<bool>{false}) {
+    for (bool state :
+         busy ? std::vector<bool>{false, true} : std::vector<bool>{false}) {
       Summary summary;
       out["configs"].push_back(
           benchConfig(tpipe, path, repeats, state, summary));

@@ -315,9 +315,11 @@ TEST(TuneTest, ClusterRooflineMakesSmallMicroBatchesBandwidthBound) {
   // One sample: reading the weights at 1 TB/s, not 2 x 4096^2 FLOPs at
   // 100 TFLOP/s.
   EXPECT_NEAR(forwardAt(roofline, 1), (weights + 4 * 4096.0) / 1e9, 1e-6);
-  EXPECT_NEAR(forwardAt(roofline, 2), forwardAt(roofline, 1), 0.01 * forwardAt(roofline, 1));
+  EXPECT_NEAR(
+      forwardAt(roofline, 2),
+      forwardAt(roofline, 1),
+      0.01 * forwardAt(roofline, 1));
   EXPECT_NEAR(forwardAt(roofline, 4096), 4096 * flops / 1e11, 1e-3);
   EXPECT_NEAR(forwardAt(flat, 1), flops / 1e11, 1e-9);
   EXPECT_NEAR(forwardAt(flat, 4096), 4096 * flops / 1e11, 1e-6);
 }
-

@@ -184,7 +184,6 @@ WorldInfo worldFromEnvironment() {
   return world;
 }
 
-
 namespace {
 
 std::string jobToken(const WorldInfo& world) {

@@ -332,8 +332,8 @@ void profileCurves(
       "% weighted by time, worst " + fixed(100.0 * worst, 1) + "% (over " +
       std::to_string(model.layers.size()) + " layers x " +
       std::to_string(profile.fitSizes.size()) + " sizes x " +
-      std::to_string(model.threads.size()) + " thread count(s)); worst layer noise " +
-      fixed(100.0 * noise, 1) + "%");
+      std::to_string(model.threads.size()) +
+      " thread count(s)); worst layer noise " + fixed(100.0 * noise, 1) + "%");
 }
 
 // The whole model's predicted compute at `microBatches`, from the curves.
@@ -426,8 +426,8 @@ void scaleCurvesBySize(
       return factors.front();
     for (size_t i = 1; i < sizes.size(); ++i) {
       if (size <= sizes[i]) {
-        const double t = std::log(size / sizes[i - 1]) /
-            std::log(sizes[i] / sizes[i - 1]);
+        const double t =
+            std::log(size / sizes[i - 1]) / std::log(sizes[i] / sizes[i - 1]);
         return factors[i - 1] + t * (factors[i] - factors[i - 1]);
       }
     }
@@ -732,9 +732,8 @@ void chooseMeasured(
       fixed(chosen.measuredStepMs, 2) + " ms per step";
   if (best != fastest) {
     note += ", the simplest within " + fixed(100.0 * tolerance, 1) +
-        "% (the noise) of the fastest, " +
-        result.candidates[fastest].label() + " (" +
-        fixed(result.candidates[fastest].measuredStepMs, 2) + " ms)";
+        "% (the noise) of the fastest, " + result.candidates[fastest].label() +
+        " (" + fixed(result.candidates[fastest].measuredStepMs, 2) + " ms)";
   } else {
     note += ", the fastest";
   }
