@@ -398,9 +398,10 @@ void calibrateConcurrency(
   if (!predicted.infeasible.empty())
     return;
   std::vector<double> steps;
-  for (const auto& timing : meter.run(predicted, 2, 5))
+  for (const auto& timing : meter.run(predicted, 2, 6))
     steps.push_back(timing.stepMs);
-  const double measured = median(steps);
+  // The same statistic as the one-stage calibration the prediction rests on.
+  const double measured = lowerQuartile(steps);
   model.concurrentSlowdown = std::clamp(
       (measured - model.stepMs) / (predicted.predictedStepMs - model.stepMs),
       0.5,
