@@ -219,6 +219,7 @@ struct ScheduleSpec {
   // rank may hold (0: `ranks`, 1F1B's memory).
   std::vector<StageCosts> costs{StageCosts{}};
   int inFlightLimit = 0;
+  double weightPassMemory = 1.0; // see autoSchedule
 };
 
 // Names accepted by makeSchedule.
@@ -238,16 +239,20 @@ Schedule zeroBubbleH1Schedule(int ranks, int microBatches, CheckpointMode mode);
 Schedule zeroBubbleH2Schedule(int ranks, int microBatches, CheckpointMode mode);
 // The zero-bubble list scheduler with measured per-stage costs (forward,
 // backwardInput, backwardWeight, transfer) and a per-stage limit of
-// micro-batches in flight (forwarded, weight pass not yet done). Returns
-// ZB-H1 instead where that fits the limits and simulates faster, so it is
-// never worse than ZB-H1. Named "auto". The heuristic's steps are in
-// src/scheduler/generators.cpp (GreedyZeroBubble).
+// micro-batches in flight (forwarded, weight pass not yet done). A
+// micro-batch whose input pass is done counts `weightPassMemory` (what its
+// weight pass still keeps, as a fraction of what its forward stashed: the
+// Zero Bubble paper's M_W / M_B; 1 in tpipe's runtime, which keeps the
+// graph). Returns 1F1B, ZB-H1 or ZB-H2 instead where that fits the limits
+// and simulates faster, so it is never worse than them. Named "auto". The
+// heuristic's steps are in src/scheduler/generators.cpp (GreedyZeroBubble).
 Schedule autoSchedule(
     int ranks,
     int microBatches,
     CheckpointMode mode,
     const std::vector<StageCosts>& costs,
-    const std::vector<int>& limit);
+    const std::vector<int>& limit,
+    double weightPassMemory = 1.0);
 // torch.distributed.pipelining's compute-only action CSV: one row per rank,
 // actions like "0F1" (stage 0 forward of micro-batch 1), with "I" and "W"
 // for the split backward and "B" for the whole one. Transfers and recomputes

@@ -637,6 +637,14 @@ CLI::App* addSchedule(CLI::App& app, Arguments& a) {
       ->check(CLI::Range(1, 65536));
   schedule
       ->add_option(
+          "--weight-memory",
+          a.schedule.spec.weightPassMemory,
+          "auto: what a micro-batch keeps for its weight pass, as a fraction "
+          "of what its forward stashed (the Zero Bubble paper's M_W / M_B; "
+          "default 1: tpipe keeps the graph)")
+      ->check(CLI::Range(0.0, 1.0));
+  schedule
+      ->add_option(
           "--virtual", a.schedule.spec.virtualStages, "stages per device")
       ->check(CLI::Range(1, 64));
   schedule->add_option(

@@ -187,6 +187,11 @@ struct GreedyPolicy {
   // input pass instead, which is on the critical path (the paper's
   // "bubble allowed before a B").
   double backwardLookahead = 0.0;
+  // Wait so only for an input pass whose gradient the rank upstream would
+  // otherwise starve for: the upstream rank has no weight pass of its own
+  // to run meanwhile. The first stage's input pass feeds no one, so it is
+  // never waited for.
+  bool waitOnlyForStarvedUpstream = false;
 };
 
 // The zero-bubble list scheduler (the Zero Bubble paper's automatic
@@ -197,12 +202,17 @@ struct GreedyPolicy {
 //   1. an input pass (B) whose gradient has arrived, the latest stage first:
 //      it unblocks the stage before, so the bubble upstream shrinks;
 //   2. a forward (F) whose activation has arrived, the latest stage first,
-//      if the rank holds fewer than `limit[rank]` micro-batches of its
-//      stages (forwarded, weight pass not done) and the forward leaves one
-//      place for each later stage of the rank still to forward (so a V's
-//      first stage cannot take the places its second stage needs);
+//      if the rank holds less than `limit[rank]` micro-batches of its
+//      stages and the forward leaves one place for each later stage of the
+//      rank still to forward (so a V's first stage cannot take the places
+//      its second stage needs). A forwarded micro-batch counts 1 until its
+//      weight pass; once its B is done, `weightMemory` (what the W still
+//      needs, as a fraction of what the F stashed: the Zero Bubble paper's
+//      M_W / M_B);
 //   3. a weight pass (W) of a micro-batch whose B is done: W depends on no
-//      other rank, so it fills what would be idle time (policy.fillRatio);
+//      other rank, so it fills what would be idle time (policy.fillRatio),
+//      and it always runs when a forward has arrived but has no place (the
+//      paper's "W to recycle memory");
 // and otherwise waits for the next arrival. Remaining Ws drain at the end.
 class GreedyZeroBubble {
  public:
@@ -212,13 +222,15 @@ class GreedyZeroBubble {
       int m,
       std::vector<StageCosts> costs,
       std::vector<int> limit,
-      GreedyPolicy policy = {})
+      double weightMemory,
+      GreedyPolicy policy)
       : p_(ranks),
         stages_(static_cast<int>(placement.size())),
         m_(m),
         placement_(std::move(placement)),
         costs_(std::move(costs)),
         limit_(std::move(limit)),
+        weightMemory_(weightMemory),
         policy_(policy),
         free_(ranks, 0.0),
         f_(stages_, 0),
@@ -291,7 +303,7 @@ class GreedyZeroBubble {
   }
   double forwardReady(int s) const {
     const int r = placement_[s];
-    if (f_[s] >= m_ || held_[r] + 1 + reserved(s) > limit_[r])
+    if (f_[s] >= m_ || held_[r] + 1 + reserved(s) > limit_[r] + kEpsilon)
       return kNever;
     if (s == 0)
       return 0.0;
@@ -344,15 +356,18 @@ class GreedyZeroBubble {
       pass = Pass::kBackwardInput, mb = b_[s]++,
       duration = cost(s).backwardInput;
       backwardDone_[s][mb] = t + duration;
+      held_[r] -= 1 - weightMemory_;
     } else if (firstForward >= 0) {
       s = firstForward;
       pass = Pass::kForward, mb = f_[s]++, duration = cost(s).forward;
       forwardDone_[s][mb] = t + duration;
       ++held_[r];
-    } else if ((s = pendingWeight(r)) >= 0 && fillsGap(r, s, t)) {
+    } else if (
+        (s = pendingWeight(r)) >= 0 &&
+        (fillsGap(r, s, t) || forwardWithoutPlace(r, t))) {
       pass = Pass::kBackwardWeight, mb = w_[s]++,
       duration = cost(s).backwardWeight;
-      --held_[r], --weightsLeft_[r];
+      held_[r] -= weightMemory_, --weightsLeft_[r];
     } else {
       return false;
     }
@@ -366,7 +381,23 @@ class GreedyZeroBubble {
     const double horizon =
         t + policy_.backwardLookahead * cost(forwardStage).forward;
     for (int s : stagesOf_[r]) {
+      if (policy_.waitOnlyForStarvedUpstream &&
+          (s == 0 || pendingWeight(placement_[s - 1]) >= 0))
+        continue;
       if (backwardReady(s) <= horizon)
+        return true;
+    }
+    return false;
+  }
+  // A forward of rank r has its input by t but no place to go.
+  bool forwardWithoutPlace(int r, double t) const {
+    for (int s : stagesOf_[r]) {
+      if (f_[s] >= m_)
+        continue;
+      if (s == 0)
+        return true;
+      const double sent = forwardDone_[s - 1][f_[s]];
+      if (sent >= 0 && sent + cost(s - 1).transfer <= t + kEpsilon)
         return true;
     }
     return false;
@@ -402,14 +433,15 @@ class GreedyZeroBubble {
   std::vector<int> placement_;
   std::vector<StageCosts> costs_;
   std::vector<int> limit_; // per rank
+  double weightMemory_;
   GreedyPolicy policy_;
   std::vector<double> free_;
   std::vector<int> f_, b_, w_; // next micro-batch of each pass, per stage
   std::vector<std::vector<double>> forwardDone_, backwardDone_;
   ComputeOrder order_;
   std::vector<std::vector<int>> stagesOf_; // per rank, ascending
-  std::vector<int> held_;        // per rank: forwarded, weight pass not done
-  std::vector<int> weightsLeft_; // per rank
+  std::vector<double> held_;               // per rank, as counted for limit_
+  std::vector<int> weightsLeft_;           // per rank
 };
 
 // One stage per rank: stage s on rank s.
@@ -476,7 +508,8 @@ ComputeOrder bestGreedy(
     const std::vector<int>& placement,
     int microBatches,
     const std::vector<StageCosts>& costs,
-    const std::vector<int>& limit) {
+    const std::vector<int>& limit,
+    double weightMemory = 1.0) {
   ComputeOrder best;
   ScheduleScore bestScore;
   constexpr double kOnlyWhenNeeded = 1e200; // a W waits for the tail or
@@ -484,8 +517,11 @@ ComputeOrder bestGreedy(
   std::vector<GreedyPolicy> policies;
   for (double lookahead : {0.0, 0.5, 1.0}) {
     for (bool forwardFirst : {false, true}) {
-      for (double fillRatio : {0.0, 0.5, 1.0, kOnlyWhenNeeded})
-        policies.push_back({fillRatio, forwardFirst, lookahead});
+      for (double fillRatio : {0.0, 0.5, 1.0, kOnlyWhenNeeded}) {
+        policies.push_back({fillRatio, forwardFirst, lookahead, false});
+        if (lookahead > 0)
+          policies.push_back({fillRatio, forwardFirst, lookahead, true});
+      }
     }
   }
   for (const GreedyPolicy& policy : policies) {
@@ -493,7 +529,13 @@ ComputeOrder bestGreedy(
       ComputeOrder order;
       try {
         order = GreedyZeroBubble(
-                    ranks, placement, microBatches, costs, limit, policy)
+                    ranks,
+                    placement,
+                    microBatches,
+                    costs,
+                    limit,
+                    weightMemory,
+                    policy)
                     .run();
       } catch (const ScheduleError&) {
         continue;
@@ -511,16 +553,21 @@ ComputeOrder bestGreedy(
   return best;
 }
 
-// Peak micro-batches each rank holds (forwarded, weight pass not done).
-std::vector<int> peakHeld(const ComputeOrder& order) {
-  std::vector<int> peaks;
+// Peak micro-batches each rank holds, as GreedyZeroBubble counts them: a
+// forwarded one 1, one whose input pass is done `weightMemory`.
+std::vector<double> peakHeld(const ComputeOrder& order, double weightMemory) {
+  std::vector<double> peaks;
   for (const auto& steps : order) {
-    int held = 0, peak = 0;
+    double held = 0, peak = 0;
     for (const ComputeStep& step : steps) {
       if (step.pass == Pass::kForward)
         peak = std::max(peak, ++held);
-      else if (step.pass != Pass::kBackwardInput)
-        --held;
+      else if (step.pass == Pass::kBackwardInput)
+        held -= 1 - weightMemory;
+      else if (step.pass == Pass::kBackwardWeight)
+        held -= weightMemory;
+      else
+        held -= 1;
     }
     peaks.push_back(peak);
   }
@@ -537,7 +584,8 @@ void improveWeightPlacement(
     const std::vector<int>& placement,
     int microBatches,
     const std::vector<StageCosts>& costs,
-    const std::vector<int>& limit) {
+    const std::vector<int>& limit,
+    double weightMemory) {
   const int ranks = static_cast<int>(order.size());
   size_t steps = 0;
   for (const auto& list : order)
@@ -563,8 +611,8 @@ void improveWeightPlacement(
             continue; // a W stays after its own B
           std::swap(list[i], list[j]);
           --budget;
-          const std::vector<int> held = peakHeld({list});
-          const ScheduleScore score = held[0] <= limit[r]
+          const std::vector<double> held = peakHeld({list}, weightMemory);
+          const ScheduleScore score = held[0] <= limit[r] + 1e-9
               ? scoreOf(order, placement, microBatches, costs)
               : ScheduleScore{};
           if (score.betterThan(best)) {
@@ -767,7 +815,8 @@ Schedule autoSchedule(
     int microBatches,
     CheckpointMode mode,
     const std::vector<StageCosts>& costs,
-    const std::vector<int>& limit) {
+    const std::vector<int>& limit,
+    double weightPassMemory) {
   requireCounts(ranks, microBatches, 1);
   if (costs.size() != 1 && static_cast<int>(costs.size()) != ranks) {
     throw ScheduleError(
@@ -783,9 +832,17 @@ Schedule autoSchedule(
     if (cap < 1)
       throw ScheduleError("auto schedule: an in-flight limit must be >= 1");
   }
+  if (!(weightPassMemory >= 0.0 && weightPassMemory <= 1.0)) {
+    throw ScheduleError(
+        "auto schedule: the weight pass's memory must be a fraction of a "
+        "micro-batch's, from 0 to 1, got " +
+        std::to_string(weightPassMemory));
+  }
   const std::vector<int> placement = straightPlacement(ranks);
-  ComputeOrder order = bestGreedy(ranks, placement, microBatches, costs, limit);
-  improveWeightPlacement(order, placement, microBatches, costs, limit);
+  ComputeOrder order = bestGreedy(
+      ranks, placement, microBatches, costs, limit, weightPassMemory);
+  improveWeightPlacement(
+      order, placement, microBatches, costs, limit, weightPassMemory);
   Schedule best = lower("auto", ranks, 1, microBatches, mode, order);
   ScheduleScore bestScore = scoreOf(best, costs);
   // Never worse than a built-in schedule that fits the same limit.
@@ -1452,7 +1509,8 @@ Schedule makeSchedule(const ScheduleSpec& spec) {
           spec.costs,
           std::vector<int>(
               spec.ranks,
-              spec.inFlightLimit > 0 ? spec.inFlightLimit : spec.ranks));
+              spec.inFlightLimit > 0 ? spec.inFlightLimit : spec.ranks),
+          spec.weightPassMemory);
       break;
   }
   validate(schedule);
