@@ -550,13 +550,84 @@ TEST_F(DistributedTest, ResumedRunMatchesTheUninterruptedOne) {
   ASSERT_EQ(rest.status, 0) << rest.output;
   expectSameLosses(
       losses(path("whole.jsonl")), losses(path("parts.jsonl")), 0.0);
-  const Result wrongLayout =
-      shell(binary() + " train " + config_ + " --resume " + path("ckpt"));
-  EXPECT_EQ(wrongLayout.status, 2);
+  // One process reads every rank's files: the run goes on in one process.
+  const Result oneProcess = shell(
+      binary() + " train " + config_ + " --resume " + path("ckpt") +
+      " --set train.steps=14");
+  EXPECT_EQ(oneProcess.status, 0) << oneProcess.output;
   EXPECT_NE(
-      wrongLayout.output.find("resume it with `tpipe launch`"),
+      oneProcess.output.find(
+          "the checkpoint was written by 2 pipeline rank(s), this run has one "
+          "process"),
       std::string::npos)
-      << wrongLayout.output;
+      << oneProcess.output;
+}
+
+// pipeline.elastic with launch --min-nproc: a 3-rank job whose rank 1 dies
+// for good at step 25 (checkpoint_every 10) goes on with 2 ranks from step
+// 20, re-planned, its checkpoint re-sharded by layer name (Adam's state
+// with the weights). Its losses equal an uninterrupted 3-rank run's, and
+// exactly those of a run stopped at step 20 and resumed by hand on 2 ranks.
+// A world below min_ranks, or an elastic config that fixes the stage count,
+// is refused with exit 2.
+TEST_F(DistributedTest, ALostRankLeavesTheJobToTheRanksThatRemain) {
+  const std::string elastic = config_ +
+      " --set 'pipeline.devices=[\"cpu:0\",\"cpu:1\",\"cpu:2\"]'"
+      " --set pipeline.elastic.min_ranks=2 --set train.steps=40"
+      " --set train.checkpoint_every=10"
+      " --set 'train.optimizer={\"type\":\"adam\",\"lr\":0.01}'";
+  const Result restarted = shell(
+      "TPIPE_FAULT=1:25:exit:" + path("gone") + " " + faultyBinary() +
+      " launch --nproc 3 --max-restarts 2 --min-nproc 2 " + elastic +
+      " --save " + path("ck") + " --metrics " + path("shrunk.jsonl"));
+  ASSERT_EQ(restarted.status, 0) << restarted.output;
+  for (const char* said :
+       {"launch: rank 1 failed (exit status 17); restart 1 of 2: 2 ranks "
+        "(without rank 1's place), resuming from step 20 in",
+        "pipeline: 2 stages on cpu:0 cpu:1",
+        "the checkpoint was written by 3 pipeline rank(s), this run has 2 "
+        "pipeline rank(s)",
+        "launch: first step after the restart,"}) {
+    EXPECT_NE(restarted.output.find(said), std::string::npos)
+        << said << "\n"
+        << restarted.output;
+  }
+  const Result whole = shell(
+      binary() + " launch --nproc 3 " + elastic + " --metrics " +
+      path("whole.jsonl"));
+  ASSERT_EQ(whole.status, 0) << whole.output;
+  const Result first = shell(
+      binary() + " launch --nproc 3 " + elastic + " --save " + path("hand") +
+      " --stop-after 20 --metrics " + path("hand.jsonl"));
+  ASSERT_EQ(first.status, 0) << first.output;
+  const Result rest = shell(
+      binary() + " launch --nproc 2 " + elastic + " --resume " + path("hand") +
+      " --metrics " + path("hand.jsonl"));
+  ASSERT_EQ(rest.status, 0) << rest.output;
+  const std::vector<double> shrunk = losses(path("shrunk.jsonl"));
+  ASSERT_EQ(shrunk.size(), 40u);
+  expectSameLosses(shrunk, losses(path("hand.jsonl")), 0.0);
+  expectSameLosses(shrunk, losses(path("whole.jsonl")), 1e-6);
+
+  const Result tooFew = shell(
+      binary() + " launch --nproc 2 " + elastic +
+      " --set pipeline.elastic.min_ranks=3");
+  EXPECT_EQ(tooFew.status, 2) << tooFew.output;
+  EXPECT_NE(
+      tooFew.output.find(
+          "pipeline.elastic: a world of 2 process(es) with "
+          "pipeline.data_parallel 1 leaves 2 pipeline rank(s), below "
+          "min_ranks 3"),
+      std::string::npos)
+      << tooFew.output;
+  const Result fixed =
+      shell(binary() + " validate " + elastic + " --set pipeline.stages=3");
+  EXPECT_EQ(fixed.status, 2) << fixed.output;
+  EXPECT_NE(
+      fixed.output.find("pipeline.stages: fixes the stage count"),
+      std::string::npos)
+      << fixed.output;
+  expectNoOrphans();
 }
 
 // tpipe launch --max-restarts: a 3-rank job whose rank 1 dies at step 25

@@ -84,6 +84,10 @@ struct PipelineConfig {
   // "auto": `tpipe train` tunes first (tpipe/tune.h) and trains with the
   // choice; the devices are what it may use.
   bool autoTune = false;
+  // pipeline.elastic.min_ranks: across processes the pipeline has as many
+  // ranks as the world holds (WORLD_SIZE / data_parallel), on the first
+  // devices listed, and refuses fewer than this; 0: the devices fix it.
+  int elasticMinRanks = 0;
 };
 
 struct OptimizerConfig {

@@ -395,6 +395,7 @@ struct Arguments {
   std::string metricsIn, plotOut, plotTitle;
   int processes = 1;
   int maxRestarts = 0;
+  int minProcesses = 0; // launch --min-nproc; 0: restarts keep --nproc
   std::string profilePath, profileOut;
   int planStages = 0, profileSteps = 0;
   bool json = false, csv = false, csvComms = false;
@@ -485,6 +486,13 @@ CLI::App* addLaunch(CLI::App& app, Arguments& a) {
           "when a rank fails, end the others and start the job again, up to "
           "this many times, resuming from the last checkpoint (needs --save)")
       ->check(CLI::Range(0, 1000));
+  launch
+      ->add_option(
+          "--min-nproc",
+          a.minProcesses,
+          "with --max-restarts: restart without the failed rank while at "
+          "least this many remain (the config needs pipeline.elastic)")
+      ->check(CLI::Range(1, 1024));
   launch->prefix_command(); // CONFIG and the train options follow, passed on as
                             // they are
   launch->footer(
@@ -773,15 +781,28 @@ std::string flagValue(
 }
 
 // `tpipe launch --max-restarts K`: each failed attempt (not one the user
-// stopped) is followed by a new one with the same ranks, which resumes from
-// the --save directory's last checkpoint (--resume auto), until one
-// succeeds or K restarts are spent.
+// stopped) is followed by a new one, which resumes from the --save
+// directory's last checkpoint (--resume auto), until one succeeds or K
+// restarts are spent. The new attempt has the same ranks, or with
+// --min-nproc M one fewer while M remain: the failed rank's host or device
+// is taken as gone, and the job re-plans for the ranks that are left.
 int launchWithRestarts(
     int processes,
     int maxRestarts,
+    int minProcesses,
     std::vector<std::string> arguments) {
   const bool predicting = arguments.front() == "predict";
   const std::string saveDir = flagValue(arguments, "--save");
+  if (minProcesses > 0 && maxRestarts == 0) {
+    throw tpipe::ConfigError(
+        "launch: --min-nproc says how far restarts may shrink the job; give "
+        "--max-restarts too");
+  }
+  if (minProcesses > processes) {
+    throw tpipe::ConfigError(
+        "launch: --min-nproc " + std::to_string(minProcesses) +
+        " exceeds --nproc " + std::to_string(processes));
+  }
   if (maxRestarts > 0) {
     if (predicting)
       throw tpipe::ConfigError(
@@ -817,10 +838,17 @@ int launchWithRestarts(
       return outcome.status;
     }
     const std::optional<int64_t> step = tpipe::committedStep(saveDir);
+    const bool shrink = minProcesses > 0 && processes - 1 >= minProcesses;
+    if (shrink)
+      --processes;
     std::cout << "launch: rank " << outcome.failedRank
               << " failed (exit status " << outcome.status << "); restart "
               << restart + 1 << " of " << maxRestarts << ": " << processes
-              << " ranks, "
+              << " ranks"
+              << (shrink ? " (without rank " +
+                          std::to_string(outcome.failedRank) + "'s place)"
+                         : std::string())
+              << ", "
               << (step ? "resuming from step " + std::to_string(*step) +
                           " in " + saveDir
                        : "no checkpoint yet, starting over")
@@ -850,7 +878,8 @@ int dispatch(const Subcommands& c, Arguments& a) {
     const std::vector<std::string> arguments = c.launch->remaining();
     if (arguments.empty())
       throw tpipe::ConfigError("launch: give a CONFIG after --nproc N");
-    return launchWithRestarts(a.processes, a.maxRestarts, arguments);
+    return launchWithRestarts(
+        a.processes, a.maxRestarts, a.minProcesses, arguments);
   }
   if (*c.plot)
     return plotCommand(a);

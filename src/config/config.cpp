@@ -670,6 +670,26 @@ void parsePipeline(const Json& json, Config& config) {
   p.overlapGradSync = pipeline.boolean("overlap_grad_sync", true);
   p.nccl = pipeline.boolean("nccl", true);
   p.autoTune = pipeline.boolean("auto", false);
+  if (const Json* elastic = pipeline.find("elastic")) {
+    ObjectReader e(*elastic, "pipeline.elastic");
+    p.elasticMinRanks = static_cast<int>(
+        e.integer("min_ranks", 1, 1, "a positive integer", 4096));
+    e.finish();
+    if (p.elasticMinRanks > static_cast<int>(p.devices.size())) {
+      fail(
+          "pipeline.elastic.min_ranks",
+          std::to_string(p.elasticMinRanks) + " ranks need as many devices, " +
+              std::to_string(p.devices.size()) + " listed");
+    }
+    for (const char* fixed : {"stages", "balance"}) {
+      if (json.contains(fixed)) {
+        fail(
+            std::string("pipeline.") + fixed,
+            "fixes the stage count, which pipeline.elastic leaves to the "
+            "world's size; remove one of them");
+      }
+    }
+  }
   pipeline.finish();
   if (p.autoTune)
     checkAutoLeavesPlanOpen(json);
@@ -919,7 +939,8 @@ nlohmann::json describeConfig(const Config& config) {
         {"timeout_s", p.timeoutS},
         {"overlap_grad_sync", p.overlapGradSync},
         {"nccl", p.nccl},
-        {"auto", p.autoTune}}},
+        {"auto", p.autoTune},
+        {"elastic", {{"min_ranks", p.elasticMinRanks}}}}},
       {"train",
        {{"batch_size", t.batchSize},
         {"steps", t.steps},

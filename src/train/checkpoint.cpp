@@ -13,6 +13,7 @@
 #include <map>
 #include <set>
 #include <sstream>
+#include <type_traits>
 
 #include <nlohmann/json.hpp>
 #include <torch/serialize.h>
@@ -300,24 +301,17 @@ void saveCheckpoint(
 
 namespace {
 
-// checkpoint.json against this run: layout and optimizer.
+// checkpoint.json against this run: its optimizer, step and state.
 void checkPointer(
     const nlohmann::json& json,
     const fs::path& pointer,
-    const CheckpointIdentity& identity,
-    Communicator* communicator) {
-  if (communicator &&
-      json.value("pipeline_ranks", 0) != communicator->pipelineRanks()) {
+    const CheckpointIdentity& identity) {
+  if (json.contains("pipeline_ranks") &&
+      (!json["pipeline_ranks"].is_number_integer() ||
+       json["pipeline_ranks"].get<int>() < 1)) {
     throw ConfigError(
-        "--resume: the checkpoint was written by " +
-        std::to_string(json.value("pipeline_ranks", 1)) +
-        " pipeline rank(s) in one process each; resume with the same layout");
-  }
-  if (!communicator && json.contains("pipeline_ranks")) {
-    throw ConfigError(
-        "--resume: the checkpoint was written across " +
-        std::to_string(json.value("pipeline_ranks", 0)) +
-        " processes; resume it with `tpipe launch`");
+        "--resume: " + pointer.string() + " is damaged: pipeline_ranks is " +
+        json["pipeline_ranks"].dump());
   }
   const std::string savedOptimizer =
       json.value("optimizer", identity.optimizer);
@@ -459,18 +453,23 @@ void checkSameLayers(
   throw ConfigError(text);
 }
 
+c10::impl::GenericDict readWeights(const fs::path& file) {
+  const std::string bytes = readFile(file);
+  return torch::pickle_load(std::vector<char>(bytes.begin(), bytes.end()))
+      .toGenericDict();
+}
+
+// Copies the checkpoint's weights into this process's stages. `weights`
+// holds the stages of `written` (this process's own when the layout is
+// the one that wrote it; every stage otherwise).
 void restoreWeights(
-    const fs::path& file,
+    const c10::impl::GenericDict& weights,
+    const std::vector<std::pair<std::string, torch::Tensor>>& written,
     Pipeline& pipe,
     Communicator* communicator) {
-  const std::string bytes = readFile(file);
-  const auto weights =
-      torch::pickle_load(std::vector<char>(bytes.begin(), bytes.end()))
-          .toGenericDict();
-  const auto tensors = checkpointTensors(pipe, communicator);
-  checkSameLayers(weights, tensors, pipe);
+  checkSameLayers(weights, written, pipe);
   torch::NoGradGuard noGrad;
-  for (const auto& [name, target] : tensors) {
+  for (const auto& [name, target] : checkpointTensors(pipe, communicator)) {
     const torch::Tensor saved = weights.at(name).toTensor();
     if (saved.sizes() != target.sizes()) {
       throw ConfigError(
@@ -501,6 +500,49 @@ std::string restoreGenerators(const fs::path& file, Pipeline& pipe) {
       "are re-seeded, so dropout masks differ from an uninterrupted run";
 }
 
+// LibTorch keys an optimizer's state by its parameter's TensorImpl: 1.x
+// as the pointer's text, 2.x as the pointer itself.
+template <typename StateMap>
+typename StateMap::key_type stateKey(const torch::Tensor& parameter) {
+  using Key = typename StateMap::key_type;
+  if constexpr (std::is_same_v<Key, std::string>) {
+    std::ostringstream text;
+    text << parameter.unsafeGetTensorImpl();
+    return text.str();
+  } else {
+    return parameter.unsafeGetTensorImpl();
+  }
+}
+
+// Across processes each rank keeps (and later saves) the optimizer state of
+// its own stages only: state read for other stages' parameters would be
+// stale in this rank's next checkpoint, and could override the fresh state
+// of the rank that trains them when a later layout reads both files.
+void keepOnlyOwnOptimizerState(
+    torch::optim::Optimizer& optimizer,
+    const Pipeline& pipe,
+    Communicator* communicator) {
+  auto& state = optimizer.state();
+  using StateMap = std::decay_t<decltype(state)>;
+  std::set<typename StateMap::key_type> own;
+  const auto& boundaries = pipe.boundaries();
+  for (size_t s = 0; s + 1 < boundaries.size(); ++s) {
+    if (pipe.schedule().rankOfStage(static_cast<int>(s)) !=
+        communicator->stageRank())
+      continue;
+    for (int l = boundaries[s]; l < boundaries[s + 1]; ++l) {
+      for (const auto& parameter : pipe.layers()[l].module.ptr()->parameters())
+        own.insert(stateKey<StateMap>(parameter));
+    }
+  }
+  for (auto it = state.begin(); it != state.end();) {
+    if (own.count(it->first) == 0)
+      it = state.erase(it);
+    else
+      ++it;
+  }
+}
+
 } // namespace
 
 std::optional<int64_t> committedStep(const std::string& dir) {
@@ -523,31 +565,73 @@ Resumed loadCheckpoint(
     const CheckpointIdentity& identity,
     Communicator* communicator) {
   const fs::path pointer = fs::path(root) / "checkpoint.json";
-  const fs::path dir = communicator
-      ? fs::path(root) / ("rank-" + std::to_string(communicator->stageRank()))
-      : fs::path(root);
   if (!fs::exists(pointer))
     throw ConfigError("--resume: " + pointer.string() + " not found");
   const nlohmann::json json = readJson(pointer);
-  checkPointer(json, pointer, identity, communicator);
+  checkPointer(json, pointer, identity);
   const std::string changed = checkSameRun(json, identity);
-  const fs::path state = dir / json["state"].get<std::string>();
-  verify(
-      state,
-      communicator ? readJson(state / "checksums.json")
-                   : json.value("files", nlohmann::json()));
-  restoreWeights(state / "model.pt", pipe, communicator);
-  std::istringstream optimizerBytes(readFile(state / "optimizer.pt"));
-  try {
-    torch::load(optimizer, optimizerBytes);
-  } catch (const c10::Error& error) {
-    throw ConfigError(
-        "--resume: the optimizer state in " +
-        (state / "optimizer.pt").string() +
-        " does not fit this model's parameters (" +
-        error.what_without_backtrace() + ")");
+  const std::string stateName = json["state"].get<std::string>();
+  // 0: one process wrote it (DIR/state-N), else that many pipeline ranks
+  // (DIR/rank-r/state-N).
+  const int writtenBy = json.value("pipeline_ranks", 0);
+  const int ranksNow = communicator ? communicator->pipelineRanks() : 0;
+  std::vector<fs::path> states;
+  if (writtenBy == 0) {
+    states.push_back(fs::path(root) / stateName);
+    verify(states.back(), json.value("files", nlohmann::json()));
+  } else {
+    for (int rank = 0; rank < writtenBy; ++rank) {
+      if (writtenBy == ranksNow && rank != communicator->stageRank())
+        continue; // the same layout: this rank's own files suffice
+      states.push_back(
+          fs::path(root) / ("rank-" + std::to_string(rank)) / stateName);
+      verify(states.back(), readJson(states.back() / "checksums.json"));
+    }
   }
-  std::string note = restoreGenerators(state / "generators.pt", pipe);
+  const bool sameLayout = writtenBy == ranksNow;
+  // Weights go by layer name: from another layout, every stage's file is
+  // read and each process takes its own stages' tensors.
+  c10::impl::GenericDict weights = readWeights(states.front() / "model.pt");
+  for (size_t k = 1; k < states.size(); ++k) {
+    for (const auto& entry : readWeights(states[k] / "model.pt"))
+      weights.insert_or_assign(entry.key(), entry.value());
+  }
+  restoreWeights(
+      weights,
+      checkpointTensors(pipe, sameLayout ? communicator : nullptr),
+      pipe,
+      communicator);
+  // Optimizer state is stored by parameter position in the whole model,
+  // which every layout shares; each file holds its writer's parameters, so
+  // reading them in turn gathers every stage's.
+  for (const fs::path& state : states) {
+    std::istringstream optimizerBytes(readFile(state / "optimizer.pt"));
+    try {
+      torch::load(optimizer, optimizerBytes);
+    } catch (const c10::Error& error) {
+      throw ConfigError(
+          "--resume: the optimizer state in " +
+          (state / "optimizer.pt").string() +
+          " does not fit this model's parameters (" +
+          error.what_without_backtrace() + ")");
+    }
+  }
+  if (communicator)
+    keepOnlyOwnOptimizerState(optimizer, pipe, communicator);
+  std::string note;
+  if (sameLayout) {
+    note = restoreGenerators(states.front() / "generators.pt", pipe);
+  } else {
+    auto layout = [](int ranks) {
+      return ranks == 0 ? std::string("one process")
+                        : std::to_string(ranks) + " pipeline rank(s)";
+    };
+    note = "the checkpoint was written by " + layout(writtenBy) +
+        ", this run has " + layout(ranksNow) +
+        ": weights and optimizer state carry over by layer name; the stages' "
+        "random generators are re-seeded, so dropout masks differ from an "
+        "uninterrupted run";
+  }
   if (!changed.empty())
     note = note.empty() ? changed : changed + "; " + note;
   return {json["step"].get<int64_t>(), note};

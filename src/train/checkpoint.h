@@ -14,9 +14,11 @@
 // under DIR/rank-<r>/ (checksums in state-<step>/checksums.json), and rank
 // 0 commits checkpoint.json after a barrier.
 //
-// Weights are keyed by layer name (as nn.Sequential's state_dict), so a
-// single-process checkpoint resumes on another stage count; the stages'
-// random generators are then re-seeded, which the load reports.
+// Weights are keyed by layer name (as nn.Sequential's state_dict) and the
+// optimizer state by parameter position in the whole model, so a checkpoint
+// resumes on another stage count, in one process or across any number:
+// each process reads every writer's files and keeps its own stages'. The
+// stages' random generators are then re-seeded, which the load reports.
 #pragma once
 
 #include <cstdint>

@@ -49,6 +49,12 @@ class BatchSource {
 
 // ---- planning.cpp: the world and the plan --------------------------------
 
+// pipeline.elastic across processes: the config with as many pipeline ranks
+// as the world holds (WORLD_SIZE / data_parallel), on the first devices
+// listed; a world below min_ranks, or larger than the devices or the model
+// allow, is refused naming what would fit. Otherwise the config unchanged.
+Config fittedToWorld(const Config& config);
+
 // The communicator of a multi-process run (null for one process), after
 // rendezvous has compared every rank's config.
 std::shared_ptr<Communicator> joinWorld(const Config& config);

@@ -315,6 +315,52 @@ PlanRequest planRequest(const Config& config, const TrainingCosts& costs) {
   return request;
 }
 
+Config fittedToWorld(const Config& config) {
+  const auto& p = config.pipeline;
+  const WorldInfo world = worldFromEnvironment();
+  if (p.elasticMinRanks == 0 || world.worldSize == 1)
+    return config;
+  const std::string size = "a world of " + std::to_string(world.worldSize) +
+      " process(es) with pipeline.data_parallel " +
+      std::to_string(p.dataParallel);
+  if (world.worldSize % p.dataParallel != 0) {
+    throw ConfigError(
+        "pipeline.elastic: " + size +
+        " has no whole number of pipeline ranks per replica; start a "
+        "multiple of data_parallel processes");
+  }
+  const int ranks = world.worldSize / p.dataParallel;
+  if (ranks < p.elasticMinRanks) {
+    throw ConfigError(
+        "pipeline.elastic: " + size + " leaves " + std::to_string(ranks) +
+        " pipeline rank(s), below min_ranks " +
+        std::to_string(p.elasticMinRanks) + "; start at least " +
+        std::to_string(p.elasticMinRanks * p.dataParallel) + " processes");
+  }
+  const int devices = static_cast<int>(p.devices.size());
+  if (ranks > devices) {
+    throw ConfigError(
+        "pipeline.elastic: " + size + " needs " + std::to_string(ranks) +
+        " devices, " + std::to_string(devices) +
+        " listed in pipeline.devices; start at most " +
+        std::to_string(devices * p.dataParallel) + " processes");
+  }
+  Config fitted = config;
+  fitted.pipeline.devices.resize(ranks);
+  if (fitted.model.torchscript.empty()) {
+    const size_t layers = fitted.model.layers.size();
+    if (static_cast<size_t>(ranks * p.virtualStages) > layers) {
+      throw ConfigError(
+          "pipeline.elastic: " + std::to_string(ranks) + " pipeline ranks x " +
+          std::to_string(p.virtualStages) + " virtual stage(s) exceed the " +
+          std::to_string(layers) + " layers of the model; start at most " +
+          std::to_string(layers / p.virtualStages * p.dataParallel) +
+          " processes");
+    }
+  }
+  return fitted;
+}
+
 std::shared_ptr<Communicator> joinWorld(const Config& config) {
   const WorldInfo world = worldFromEnvironment();
   const int ranks = pipelineRanks(config.pipeline);
@@ -334,7 +380,8 @@ std::shared_ptr<Communicator> joinWorld(const Config& config) {
     throw ConfigError(
         "WORLD_SIZE " + std::to_string(world.worldSize) +
         " is not pipeline.data_parallel (" + std::to_string(replicas) +
-        ") x pipeline ranks (" + std::to_string(ranks) + ")");
+        ") x pipeline ranks (" + std::to_string(ranks) +
+        "); pipeline.elastic lets the stage count follow the world");
   }
   const auto timeout = std::chrono::milliseconds(
       static_cast<int64_t>(config.pipeline.timeoutS * 1000));

@@ -30,7 +30,8 @@ at::Tensor inputTensor(const std::string& path) {
 
 } // namespace
 
-PredictSummary predict(const Config& config, const PredictOptions& options) {
+PredictSummary predict(const Config& given, const PredictOptions& options) {
+  const Config config = fittedToWorld(given);
   if (options.resumeDir.empty())
     throw ConfigError(
         "predict: --resume DIR (a checkpoint of `train --save DIR`) is required");

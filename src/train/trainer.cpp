@@ -172,7 +172,7 @@ TrainOptions withAutoResume(TrainOptions options, std::string& note) {
 class TrainingRun {
  public:
   TrainingRun(const Config& config, const TrainOptions& options)
-      : config_(tunedIfAuto(config, options)),
+      : config_(fittedToWorld(tunedIfAuto(config, options))),
         options_(withAutoResume(options, autoResumeNote_)),
         world_(joinWorld(config_)) {
     if (world_) {
