@@ -116,5 +116,37 @@ refused=$?
 wait
 check "the store does not listen on other interfaces" $((refused == 0)) "connected to 127.0.0.1:29511"
 
+# 6. Restarted by an outside policy: each host reruns its command with
+# --resume auto (a shell loop here; SLURM's requeue or torchrun's restarts
+# alike). Host b's rank is killed mid-run; both ranks start again, resume
+# from the last checkpoint and finish with one metrics record per step and
+# the losses of an uninterrupted run.
+steps=3000
+"$tpipe" train "$config" --set train.steps=$steps --metrics "$work/long.jsonl" >/dev/null 2>&1
+policy() {  # policy NS RANK LOG [args...]: rerun until it succeeds, 3 tries
+  local ns=$1 r=$2 log=$3
+  shift 3
+  ip netns exec "$ns" env -u GLOO_SOCKET_IFNAME -u TPIPE_GLOO_INTERFACE MASTER_ADDR="$host_a" MASTER_PORT=29514 \
+    WORLD_SIZE=2 RANK="$r" TPIPE_JOB_TOKEN=multihost-$id bash -c \
+    'for try in 1 2 3; do "$@" && exit 0; echo "policy: attempt $try failed"; done; exit 1' \
+    policy "$tpipe" train "$config" --set train.steps=$steps --set train.checkpoint_every=100 \
+    --set pipeline.timeout_s=10 --save "$work/ck" --resume auto "$@" >"$log" 2>&1 &
+}
+policy "$a" 0 "$work/p0.log" --metrics "$work/policy.jsonl"
+policy "$b" 1 "$work/p1.log"
+for _ in $(seq 600); do  # until step 500 is recorded (bounded: 60 s)
+  [[ -f $work/policy.jsonl && $(wc -l <"$work/policy.jsonl") -ge 500 ]] && break
+  sleep 0.1
+done
+ip netns pids "$b" | while read -r pid; do
+  [[ $(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null) == "$tpipe train "* ]] && kill -9 "$pid"
+done
+wait
+resumed=1
+[[ $(grep -c "resuming from" "$work/p0.log") -ge 1 && $(grep -c '"samples_per_s"' "$work/policy.jsonl") -eq $steps &&
+  "$(losses "$work/long.jsonl")" == "$(losses "$work/policy.jsonl")" ]] && resumed=0
+check "a rank killed on one host: both hosts rerun with --resume auto and the job finishes as if uninterrupted" $resumed \
+  "$(cat "$work/p0.log" "$work/p1.log" | grep -v "^step" | head -40)"
+
 echo "$passed passed, $failures failed"
 exit $((failures > 0))

@@ -2,6 +2,7 @@
 // rendezvous through the store, clock offsets, the collectives of the step
 // (sums, broadcasts, gradient averaging). Built without Gloo's headers
 // (TPIPE_NO_C10D) it and the c10d transport are stubs: one process only.
+#include <exception>
 #include "runtime/c10d_transport.h"
 
 #include <condition_variable>
@@ -207,6 +208,13 @@ std::string rankList(const std::vector<int>& ranks) {
   return text;
 }
 
+// Set in a job's store by its first rank to fail: a rank that a restart
+// policy starts again while the old job's rank 0 still winds down (its
+// store still answering) must wait for the new job, not join the old one.
+const char* const kEndedKey = "tpipe/ended";
+
+struct EndedJob {}; // the store reached belongs to a job that has failed
+
 std::string claimKey(int rank) {
   return "tpipe/claims/" + std::to_string(rank);
 }
@@ -256,9 +264,29 @@ std::vector<nlohmann::json> gatherRanks(
 
 // Two processes started with one RANK: the second to claim it is told so,
 // instead of meeting a Gloo connection problem later.
-void claimRank(c10d::Store& store, const WorldInfo& world) {
+void claimRank(
+    c10d::Store& store,
+    const WorldInfo& world,
+    std::chrono::milliseconds timeout) {
+  if (store.check({kEndedKey}))
+    throw EndedJob{};
   const int64_t claims = store.add(claimKey(world.rank), 1);
   if (claims > 1) {
+    // The first claim may be this rank's previous process, in a job whose
+    // failure its other ranks are about to mark.
+    const auto deadline = std::chrono::steady_clock::now() +
+        std::min(timeout, std::chrono::milliseconds(3000));
+    while (std::chrono::steady_clock::now() < deadline) {
+      bool ended = false;
+      try {
+        ended = store.check({kEndedKey});
+      } catch (const std::exception&) {
+        ended = true; // the store's host is gone with its job
+      }
+      if (ended)
+        throw EndedJob{};
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
     throw UserError(
         "RANK " + std::to_string(world.rank) +
         " is taken: another process of this job joined with it first (each "
@@ -287,7 +315,7 @@ std::vector<nlohmann::json> agreeOnRun(
     TORCH_INTERNAL_ASSERT(false, "the run description is not JSON");
   }
   const std::string text = mine.dump();
-  claimRank(store, world);
+  claimRank(store, world, timeout);
   store.set(
       "tpipe/rank/" + std::to_string(world.rank),
       std::vector<uint8_t>(text.begin(), text.end()));
@@ -440,10 +468,33 @@ Communicator::Communicator(
   std::cout << "rank " << world.rank << ": interface "
             << local.interface << ", address " << local.address << " ("
             << local.why << ")" << std::endl;
-  impl_->store = joinStore(world, timeout, impl_->storeServer);
-  const auto explain = explainGloo(
-      agreeOnRun(*impl_->store, world, local, runDescription, timeout),
-      timeout);
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  std::vector<nlohmann::json> ranks;
+  for (bool said = false;;) {
+    impl_->store = joinStore(world, timeout, impl_->storeServer);
+    try {
+      ranks = agreeOnRun(*impl_->store, world, local, runDescription, timeout);
+      break;
+    } catch (const EndedJob&) {
+      impl_->store.reset();
+      if (std::chrono::steady_clock::now() > deadline) {
+        throw UserError(
+            "rank " + std::to_string(world.rank) + ": the job at " +
+            world.masterAddr + ":" + std::to_string(world.masterPort) +
+            " has failed, and no new one started there within " +
+            std::to_string(timeout.count() / 1000) + " s");
+      }
+      if (!said) {
+        std::cout << "rank " << world.rank << ": the job at "
+                  << world.masterAddr << ":" << world.masterPort
+                  << " is ending after a failure; waiting for its restart"
+                  << std::endl;
+        said = true;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    }
+  }
+  const auto explain = explainGloo(ranks, timeout);
   auto options = c10d::ProcessGroupGloo::Options::create(timeout);
   options->devices.push_back(
       c10d::ProcessGroupGloo::createDeviceForHostname(local.address));
@@ -466,7 +517,15 @@ Communicator::Communicator(
   }
 }
 
-Communicator::~Communicator() = default;
+Communicator::~Communicator() {
+  // Leaving through an error: tell a restarted rank that this job is over.
+  if (std::uncaught_exceptions() > 0 && impl_ && impl_->store) {
+    try {
+      impl_->store->set(kEndedKey, std::vector<uint8_t>{1});
+    } catch (const std::exception&) {
+    }
+  }
+}
 
 int Communicator::rank() const {
   return impl_->world.rank;
@@ -560,6 +619,7 @@ std::vector<std::string> Communicator::reportFailure(
   auto key = [](int r) { return "tpipe/failure/" + std::to_string(r); };
   try {
     auto& store = *impl_->store;
+    store.set(kEndedKey, std::vector<uint8_t>{1});
     store.set(key(rank()), std::vector<uint8_t>(line.begin(), line.end()));
     const auto deadline = std::chrono::steady_clock::now() + grace;
     for (;;) {
