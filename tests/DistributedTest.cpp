@@ -587,7 +587,8 @@ TEST_F(DistributedTest, ALostRankLeavesTheJobToTheRanksThatRemain) {
         "pipeline: 2 stages on cpu:0 cpu:1",
         "the checkpoint was written by 3 pipeline rank(s), this run has 2 "
         "pipeline rank(s)",
-        "launch: first step after the restart,"}) {
+        "launch: first step after the restart,",
+        "5 step(s) redone after the last failure"}) {
     EXPECT_NE(restarted.output.find(said), std::string::npos)
         << said << "\n"
         << restarted.output;

@@ -126,6 +126,9 @@ struct TrainSummary {
   int64_t startStep = 0;    // 0 unless resumed
   int64_t steps = 0;        // optimizer steps taken in total
   int64_t skippedSteps = 0; // non-finite, skipped (train.on_nonfinite)
+  // Resumed with --metrics: steps the file recorded beyond the checkpoint,
+  // which this run did again (work lost to the failure).
+  int64_t redoneSteps = 0;
   double seconds = 0.0;
   double samplesPerSecond = 0.0;
   double finalLoss = 0.0;

@@ -310,6 +310,7 @@ class TrainingRun {
           record["step"].is_number_integer() &&
           record["step"].get<int64_t>() > step) {
         ++dropped;
+        summary_.redoneSteps += record.contains("samples_per_s") ? 1 : 0;
         continue;
       }
       kept += line + "\n";
@@ -740,6 +741,9 @@ class TrainingRun {
       log << ", eval accuracy " << summary_.evalAccuracy;
     if (summary_.skippedSteps > 0)
       log << ", " << summary_.skippedSteps << " non-finite step(s) skipped";
+    if (summary_.redoneSteps > 0)
+      log << ", " << summary_.redoneSteps
+          << " step(s) redone after the last failure";
     log << std::defaultfloat << std::endl;
   }
 
