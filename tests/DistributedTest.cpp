@@ -568,7 +568,8 @@ TEST_F(DistributedTest, ResumedRunMatchesTheUninterruptedOne) {
 // 20, re-planned, its checkpoint re-sharded by layer name (Adam's state
 // with the weights). Its losses equal an uninterrupted 3-rank run's, and
 // exactly those of a run stopped at step 20 and resumed by hand on 2 ranks.
-// A world below min_ranks, or an elastic config that fixes the stage count,
+// A rank that hangs (SIGSTOP) is left out the same way. A world below
+// min_ranks, or an elastic config that fixes the stage count,
 // is refused with exit 2.
 TEST_F(DistributedTest, ALostRankLeavesTheJobToTheRanksThatRemain) {
   const std::string elastic = config_ +
@@ -609,6 +610,20 @@ TEST_F(DistributedTest, ALostRankLeavesTheJobToTheRanksThatRemain) {
   ASSERT_EQ(shrunk.size(), 40u);
   expectSameLosses(shrunk, losses(path("hand.jsonl")), 0.0);
   expectSameLosses(shrunk, losses(path("whole.jsonl")), 1e-6);
+
+  // A rank that hangs is named by the rank that lost it, and left out.
+  const Result hung = shell(
+      "TPIPE_FAULT=1:15:stop:" + path("hung") + " " + faultyBinary() +
+      " launch --nproc 3 --max-restarts 1 --min-nproc 2 " + elastic +
+      " --set pipeline.timeout_s=5 --set train.steps=30 --save " +
+      path("ck-hung") + " --metrics " + path("hung.jsonl"));
+  ASSERT_EQ(hung.status, 0) << hung.output;
+  EXPECT_NE(
+      hung.output.find("having lost rank 1; restart 1 of 1: 2 ranks (without "
+                       "rank 1's place), resuming from step 10"),
+      std::string::npos)
+      << hung.output;
+  EXPECT_EQ(losses(path("hung.jsonl")).size(), 30u);
 
   const Result tooFew = shell(
       binary() + " launch --nproc 2 " + elastic +

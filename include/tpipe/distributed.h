@@ -145,6 +145,7 @@ int launchLocal(
 struct LaunchOutcome {
   int status = 0;       // 0, or the first failure's exit status
   int failedRank = -1;  // the first rank that failed; -1: none
+  int lostRank = -1;    // the peer that rank's error named as lost (hung)
   bool stopped = false; // ended by a forwarded SIGINT / SIGTERM
   std::chrono::steady_clock::time_point failedAt;
 };

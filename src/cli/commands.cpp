@@ -841,12 +841,19 @@ int launchWithRestarts(
     const bool shrink = minProcesses > 0 && processes - 1 >= minProcesses;
     if (shrink)
       --processes;
+    // A rank that failed because a peer stopped answering names that peer:
+    // the peer is the one to leave out.
+    const int culprit =
+        outcome.lostRank >= 0 ? outcome.lostRank : outcome.failedRank;
     std::cout << "launch: rank " << outcome.failedRank
-              << " failed (exit status " << outcome.status << "); restart "
-              << restart + 1 << " of " << maxRestarts << ": " << processes
-              << " ranks"
-              << (shrink ? " (without rank " +
-                          std::to_string(outcome.failedRank) + "'s place)"
+              << " failed (exit status " << outcome.status << ")"
+              << (culprit != outcome.failedRank
+                      ? ", having lost rank " + std::to_string(culprit)
+                      : std::string())
+              << "; restart " << restart + 1 << " of " << maxRestarts << ": "
+              << processes << " ranks"
+              << (shrink ? " (without rank " + std::to_string(culprit) +
+                          "'s place)"
                          : std::string())
               << ", "
               << (step ? "resuming from step " + std::to_string(*step) +

@@ -13,6 +13,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <cctype>
 #include <cstdlib>
 #include <cstring>
 #include <random>
@@ -56,6 +57,9 @@ struct Child {
   bool running = true;
   bool sawStep = false; // has logged a "step k/N" progress line
   int status = 0;
+  // The first rank its error named as lost ("lost rank K"): a peer that
+  // hung, which the launcher ends only after this rank failed.
+  int named = -1;
 };
 
 void emit(int rank, const std::string& line) {
@@ -78,6 +82,12 @@ void drain(Child& child, int rank, bool all) {
     if (newline > 0) {
       child.sawStep =
           child.sawStep || child.pending.compare(0, 5, "step ") == 0;
+      const size_t lost = child.pending.find("lost rank ");
+      if (child.named < 0 && lost < newline) {
+        const char* digits = child.pending.c_str() + lost + 10;
+        if (std::isdigit(static_cast<unsigned char>(*digits)))
+          child.named = std::atoi(digits);
+      }
       emit(rank, child.pending.substr(0, newline));
     }
     child.pending.erase(0, newline + 1);
@@ -138,6 +148,7 @@ class Launcher {
     LaunchOutcome outcome;
     outcome.status = result_;
     outcome.failedRank = failedRank_;
+    outcome.lostRank = lostRank_;
     outcome.stopped = stopped_;
     outcome.failedAt = failedAt_;
     return outcome;
@@ -208,8 +219,10 @@ class Launcher {
         WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
     if (code == 0 || result_ != 0)
       return;
+    drain(child, rank, true);
     result_ = code;
     failedRank_ = rank;
+    lostRank_ = child.named;
     failedAt_ = std::chrono::steady_clock::now();
     emit(
         rank,
@@ -289,7 +302,7 @@ class Launcher {
   std::vector<Child> children_;
   std::chrono::steady_clock::time_point sinceFailure_, failedAt_;
   bool firstStepSeen_ = false, stopped_ = false;
-  int failedRank_ = -1;
+  int failedRank_ = -1, lostRank_ = -1;
   std::string masterAddr_, masterPort_, token_;
   const pid_t launcher_ = ::getpid();
   int result_ = 0;
