@@ -68,6 +68,14 @@ struct BubbleReport {
 BubbleReport bubbleReport(const Trace& trace);
 void printBubbleReport(std::ostream& out, const BubbleReport& report);
 nlohmann::json bubbleReportToJson(const BubbleReport& report);
+// The per-stage costs of a report's "stage_costs" (as bubbleReportToJson
+// writes them, or a file of that shape), for `stages` stages; `what` names
+// the source in errors (ConfigError). A fused backward given alone is split
+// in halves, as the simulator assumes elsewhere.
+std::vector<StageCosts> stageCostsFromJson(
+    const nlohmann::json& report,
+    int stages,
+    const std::string& what);
 
 // Chrome trace event format (Perfetto, chrome://tracing): one track per
 // device, complete events named F3 / B3 / R3 / "send act 3 -> stage 2",

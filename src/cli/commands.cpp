@@ -256,50 +256,12 @@ int profileCommand(
 }
 
 // Per-stage costs from a recorded run's report (`tpipe train --report`,
-// `tpipe profile --steps N --report`: "stage_costs") or a file of the same
-// shape ({"stage_costs": [{"forward_ms", "backward_input_ms",
-// "backward_weight_ms", "transfer_ms"}, ...]}). A fused backward measured
-// alone is split in halves, as the simulator assumes elsewhere.
+// `tpipe profile --steps N --report`) or a file of the same shape.
 std::vector<tpipe::StageCosts> readStageCosts(
     const std::string& path,
     int stages) {
-  const nlohmann::json json = tpipe::readJsonFile(path, "--costs " + path);
-  if (!json.is_object() || !json.contains("stage_costs") ||
-      !json["stage_costs"].is_array()) {
-    throw tpipe::ConfigError(
-        "--costs " + path +
-        ": expected {\"stage_costs\": [...]} (a report from --report)");
-  }
-  const auto& items = json["stage_costs"];
-  if (static_cast<int>(items.size()) != stages) {
-    throw tpipe::ConfigError(
-        "--costs " + path + ": " + std::to_string(items.size()) +
-        " stages of costs for " + std::to_string(stages) + " stages");
-  }
-  std::vector<tpipe::StageCosts> costs;
-  for (size_t k = 0; k < items.size(); ++k) {
-    auto number = [&](const char* key) {
-      const auto& value = items[k].value(key, nlohmann::json(0.0));
-      if (!value.is_number() || value.get<double>() < 0) {
-        throw tpipe::ConfigError(
-            "--costs " + path + ": stage_costs[" + std::to_string(k) + "]." +
-            key + ": expected a non-negative number");
-      }
-      return value.get<double>();
-    };
-    tpipe::StageCosts c;
-    c.forward = number("forward_ms");
-    c.backwardInput = number("backward_input_ms");
-    c.backwardWeight = number("backward_weight_ms");
-    const double fused = number("backward_ms");
-    if (c.backwardInput + c.backwardWeight == 0.0)
-      c.backwardInput = c.backwardWeight = fused / 2;
-    c.backward = fused > 0 ? fused : c.backwardInput + c.backwardWeight;
-    c.recompute = c.forward;
-    c.transfer = number("transfer_ms");
-    costs.push_back(c);
-  }
-  return costs;
+  return tpipe::stageCostsFromJson(
+      tpipe::readJsonFile(path, "--costs " + path), stages, "--costs " + path);
 }
 
 struct ScheduleRequest {

@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "overloaded.h"
+#include "tpipe/errors.h"
 
 namespace tpipe {
 namespace {
@@ -173,6 +174,47 @@ nlohmann::json bubbleReportToJson(const BubbleReport& report) {
          "the same, from the schedule simulated with the measured mean times"},
         {"theoretical_bubble", "(p - 1) / (m + p - 1)"}}},
       {"stage_costs", costs}};
+}
+
+std::vector<StageCosts> stageCostsFromJson(
+    const nlohmann::json& json,
+    int stages,
+    const std::string& what) {
+  if (!json.is_object() || !json.contains("stage_costs") ||
+      !json["stage_costs"].is_array()) {
+    throw ConfigError(
+        what + ": expected {\"stage_costs\": [...]} (a report from --report)");
+  }
+  const auto& items = json["stage_costs"];
+  if (static_cast<int>(items.size()) != stages) {
+    throw ConfigError(
+        what + ": " + std::to_string(items.size()) + " stages of costs for " +
+        std::to_string(stages) + " stages");
+  }
+  std::vector<StageCosts> costs;
+  for (size_t k = 0; k < items.size(); ++k) {
+    auto number = [&](const char* key) {
+      const auto& value = items[k].value(key, nlohmann::json(0.0));
+      if (!value.is_number() || value.get<double>() < 0) {
+        throw ConfigError(
+            what + ": stage_costs[" + std::to_string(k) + "]." + key +
+            ": expected a non-negative number");
+      }
+      return value.get<double>();
+    };
+    StageCosts c;
+    c.forward = number("forward_ms");
+    c.backwardInput = number("backward_input_ms");
+    c.backwardWeight = number("backward_weight_ms");
+    const double fused = number("backward_ms");
+    if (c.backwardInput + c.backwardWeight == 0.0)
+      c.backwardInput = c.backwardWeight = fused / 2;
+    c.backward = fused > 0 ? fused : c.backwardInput + c.backwardWeight;
+    c.recompute = c.forward;
+    c.transfer = number("transfer_ms");
+    costs.push_back(c);
+  }
+  return costs;
 }
 
 nlohmann::json chromeTrace(const Trace& trace) {
