@@ -497,6 +497,26 @@ else
 fi
 kill -CONT "$children" 2>/dev/null; kill -9 "$children" 2>/dev/null
 
+# ---- 23b: the launcher killed (SIGKILL) leaves no rank behind ----------------
+"$tpipe" launch --nproc 2 --max-restarts 1 "$config" "${long[@]}" --save "$work/orphans" --metrics "$work/orphans.jsonl" >"$work/orphans.log" 2>&1 &
+launcher=$!
+wait_lines 3 "$work/orphans.jsonl"
+ranks=$(pgrep -P $launcher | tr '\n' ' ')
+kill -9 $launcher
+wait $launcher 2>/dev/null
+left=$ranks
+for _ in $(seq 100); do # each rank dies with its parent; bounded: 10 s
+  left=$(for pid in $ranks; do kill -0 "$pid" 2>/dev/null && echo "$pid"; done | tr '\n' ' ')
+  [[ -z ${left// /} ]] && break
+  sleep 0.1
+done
+if [[ -n ${ranks// /} && -z ${left// /} ]]; then
+  ok "launch killed with SIGKILL: its ranks ($ranks) are gone too"
+else
+  bad "launch SIGKILL left ranks '$left' of '$ranks'" "$(tail -5 "$work/orphans.log")"
+  for pid in $left; do kill -9 "$pid" 2>/dev/null; done
+fi
+
 # ---- 24: small ones --------------------------------------------------------
 p=$(port)
 env=(MASTER_ADDR=127.0.0.1 MASTER_PORT=$p WORLD_SIZE=2 TPIPE_JOB_TOKEN=dup)
