@@ -37,6 +37,17 @@ struct SizeCurve {
   static SizeCurve proportional(double size, double ms);
 };
 
+// `cost` at micro-batch size n: its times from the curves (never negative),
+// its activation and stash bytes from their bytes per sample. The one rule
+// by which the tuner's cost model and the profiler's profile scale a layer.
+LayerCost layerCostAt(
+    LayerCost cost,
+    const SizeCurve& forward,
+    const SizeCurve& backward,
+    double activationBytesPerSample,
+    double stashBytesPerSample,
+    double n);
+
 struct DeviceSpec {
   std::string name;
   double speed = 1.0;          // relative: a stage's time is divided by it

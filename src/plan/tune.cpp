@@ -45,6 +45,21 @@ SizeCurve SizeCurve::proportional(double size, double ms) {
   return curve;
 }
 
+LayerCost layerCostAt(
+    LayerCost cost,
+    const SizeCurve& forward,
+    const SizeCurve& backward,
+    double activationBytesPerSample,
+    double stashBytesPerSample,
+    double n) {
+  cost.forwardMs = std::max(0.0, forward.at(n));
+  cost.backwardMs = std::max(0.0, backward.at(n));
+  cost.activationBytes =
+      static_cast<int64_t>(std::llround(activationBytesPerSample * n));
+  cost.stashBytes = static_cast<int64_t>(std::llround(stashBytesPerSample * n));
+  return cost;
+}
+
 std::vector<LayerCost> CostModel::costsAt(double size, int threadCount) const {
   const auto found = std::find(threads.begin(), threads.end(), threadCount);
   if (found == threads.end()) {
@@ -53,19 +68,18 @@ std::vector<LayerCost> CostModel::costsAt(double size, int threadCount) const {
         " threads");
   }
   const size_t t = static_cast<size_t>(found - threads.begin());
-  const double n = size;
   std::vector<LayerCost> costs;
   for (const auto& layer : layers) {
     LayerCost cost;
     cost.name = layer.name;
-    cost.forwardMs = layer.forward[t].at(n);
-    cost.backwardMs = layer.backward[t].at(n);
     cost.paramBytes = layer.paramBytes;
-    cost.activationBytes =
-        static_cast<int64_t>(std::llround(layer.activationBytesPerSample * n));
-    cost.stashBytes =
-        static_cast<int64_t>(std::llround(layer.stashBytesPerSample * n));
-    costs.push_back(cost);
+    costs.push_back(layerCostAt(
+        cost,
+        layer.forward[t],
+        layer.backward[t],
+        layer.activationBytesPerSample,
+        layer.stashBytesPerSample,
+        size));
   }
   return costs;
 }

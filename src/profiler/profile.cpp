@@ -226,18 +226,15 @@ SizeCurve fitSizeCurve(
 
 std::vector<LayerCost> Profile::costsAt(int64_t size) const {
   std::vector<LayerCost> costs;
-  const double scale =
-      static_cast<double>(size) / static_cast<double>(microBatchSize);
+  const double profiled = static_cast<double>(microBatchSize);
   for (const auto& layer : layers) {
-    LayerCost cost = layer.cost;
-    cost.forwardMs = std::max(0.0, layer.forward.at(static_cast<double>(size)));
-    cost.backwardMs =
-        std::max(0.0, layer.backward.at(static_cast<double>(size)));
-    cost.activationBytes =
-        static_cast<int64_t>(std::llround(cost.activationBytes * scale));
-    cost.stashBytes =
-        static_cast<int64_t>(std::llround(cost.stashBytes * scale));
-    costs.push_back(cost);
+    costs.push_back(layerCostAt(
+        layer.cost,
+        layer.forward,
+        layer.backward,
+        static_cast<double>(layer.cost.activationBytes) / profiled,
+        static_cast<double>(layer.cost.stashBytes) / profiled,
+        static_cast<double>(size)));
   }
   return costs;
 }
