@@ -192,6 +192,8 @@ class StepMeter {
   }
 
  private:
+  // A candidate runs as training would run it: the options trainer.cpp
+  // gives a config with this plan, at the candidate's boundaries.
   PipelineOptions optionsFor(const BuiltModel& model, const TuneCandidate& c) {
     PlanRequest request;
     request.layers = parameterCosts(model.layers);
@@ -204,16 +206,8 @@ class StepMeter {
     request.microBatches = c.microBatches;
     request.virtualStages = c.virtualStages;
     request.checkpoint = c.checkpoint;
-    PipelineOptions options;
-    options.devices.clear();
-    for (const auto& device : request.devices)
-      options.devices.push_back(device.name);
-    options.plan = std::make_shared<const Plan>(resolvePlan(request));
-    options.threadsPerDevice = c.threadsPerStage;
-    options.seed = config_.train.seed;
-    options.layerOutputShapes.assign(
-        model.shapes.begin() + 1, model.shapes.end());
-    return options;
+    return pipelineOptions(
+        configWithPlan(config_, c), model, resolvePlan(request), nullptr);
   }
 
   const Config& config_;
