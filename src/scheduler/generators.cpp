@@ -297,14 +297,20 @@ class GreedyZeroBubble {
     const double sent = backwardDone_[s + 1][b_[s]];
     return sent < 0 ? kNever : sent + cost(s + 1).transfer;
   }
-  double forwardReady(int s) const {
-    const int r = placement_[s];
-    if (f_[s] >= m_ || held_[r] + 1 + reserved(s) > limit_[r] + kEpsilon)
+  // When stage s's next forward has its input, place or not.
+  double forwardArrival(int s) const {
+    if (f_[s] >= m_)
       return kNever;
     if (s == 0)
       return 0.0;
     const double sent = forwardDone_[s - 1][f_[s]];
     return sent < 0 ? kNever : sent + cost(s - 1).transfer;
+  }
+  double forwardReady(int s) const {
+    const int r = placement_[s];
+    if (held_[r] + 1 + reserved(s) > limit_[r] + kEpsilon)
+      return kNever;
+    return forwardArrival(s);
   }
   // The latest stage of rank r whose next pass is ready by t, or -1.
   int latestReady(int r, double t, bool backward) const {
@@ -388,12 +394,7 @@ class GreedyZeroBubble {
   // A forward of rank r has its input by t but no place to go.
   bool forwardWithoutPlace(int r, double t) const {
     for (int s : stagesOf_[r]) {
-      if (f_[s] >= m_)
-        continue;
-      if (s == 0)
-        return true;
-      const double sent = forwardDone_[s - 1][f_[s]];
-      if (sent >= 0 && sent + cost(s - 1).transfer <= t + kEpsilon)
+      if (forwardArrival(s) <= t + kEpsilon)
         return true;
     }
     return false;

@@ -479,6 +479,12 @@ void restoreWeights(
   }
 }
 
+// What a resume onto another layout says of what carries over.
+const char* const kCarriedOver =
+    ": weights and optimizer state carry over by layer name; the stages' "
+    "random generators are re-seeded, so dropout masks differ from an "
+    "uninterrupted run";
+
 // The stages' generator states; on another stage count they stay freshly
 // seeded, and the returned note says so.
 std::string restoreGenerators(const fs::path& file, Pipeline& pipe) {
@@ -495,9 +501,7 @@ std::string restoreGenerators(const fs::path& file, Pipeline& pipe) {
     return "";
   }
   return "the checkpoint has " + std::to_string(generators.size()) +
-      " stage(s), this pipeline " + std::to_string(stages) +
-      ": weights and optimizer state carry over by layer name; the stages' random generators "
-      "are re-seeded, so dropout masks differ from an uninterrupted run";
+      " stage(s), this pipeline " + std::to_string(stages) + kCarriedOver;
 }
 
 // LibTorch keys an optimizer's state by its parameter's TensorImpl: 1.x
@@ -525,16 +529,8 @@ void keepOnlyOwnOptimizerState(
   auto& state = optimizer.state();
   using StateMap = std::decay_t<decltype(state)>;
   std::set<typename StateMap::key_type> own;
-  const auto& boundaries = pipe.boundaries();
-  for (size_t s = 0; s + 1 < boundaries.size(); ++s) {
-    if (pipe.schedule().rankOfStage(static_cast<int>(s)) !=
-        communicator->stageRank())
-      continue;
-    for (int l = boundaries[s]; l < boundaries[s + 1]; ++l) {
-      for (const auto& parameter : pipe.layers()[l].module.ptr()->parameters())
-        own.insert(stateKey<StateMap>(parameter));
-    }
-  }
+  for (const auto& item : checkpointTensors(pipe, communicator))
+    own.insert(stateKey<StateMap>(item.second)); // buffers have no state
   for (auto it = state.begin(); it != state.end();) {
     if (own.count(it->first) == 0)
       it = state.erase(it);
@@ -627,10 +623,7 @@ Resumed loadCheckpoint(
                         : std::to_string(ranks) + " pipeline rank(s)";
     };
     note = "the checkpoint was written by " + layout(writtenBy) +
-        ", this run has " + layout(ranksNow) +
-        ": weights and optimizer state carry over by layer name; the stages' "
-        "random generators are re-seeded, so dropout masks differ from an "
-        "uninterrupted run";
+        ", this run has " + layout(ranksNow) + kCarriedOver;
   }
   if (!changed.empty())
     note = note.empty() ? changed : changed + "; " + note;
