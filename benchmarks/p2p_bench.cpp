@@ -1,5 +1,6 @@
-// Point-to-point latency and bandwidth between two local processes over the
-// c10d transport tpipe uses across processes (Gloo, loopback). Ping-pong:
+// Point-to-point latency and bandwidth between two local processes: c10d's
+// Gloo over loopback against the Unix-socket channels tpipe uses between
+// ranks of one host (runtime/socket_channels.h). Ping-pong:
 // rank 0 sends an activation, rank 1 answers with a gradient of the same
 // size; one-way time = round trip / 2. Writes JSON to argv[1].
 #include <sys/wait.h>
@@ -8,6 +9,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 
 #include <ATen/ATen.h>
@@ -66,17 +68,24 @@ int runRank(int rank, int port, const std::string& out) {
   world.worldSize = 2;
   world.masterPort = port;
   tpipe::Communicator communicator(world, 2, std::chrono::seconds(60));
-  auto transport = tpipe::runtime::makeProcessGroupTransport(
+  // Both ranks build the Gloo transport first, then the socket one.
+  ::setenv("TPIPE_P2P", "gloo", 1);
+  auto gloo = tpipe::runtime::makeProcessGroupTransport(
+      {}, communicator, 2, 1, 1, c10::Device(c10::kCPU));
+  ::unsetenv("TPIPE_P2P");
+  auto sockets = tpipe::runtime::makeProcessGroupTransport(
       {}, communicator, 2, 1, 1, c10::Device(c10::kCPU));
   nlohmann::json rows = nlohmann::json::array();
   if (rank == 0) {
     std::printf(
-        "%12s %18s %18s %12s %12s\n",
+        "%12s %14s %14s %12s %10s %12s %12s\n",
         "bytes",
-        "header+data us",
-        "one message us",
-        "GB/s before",
-        "GB/s after");
+        "gloo hdr+data",
+        "gloo 1 msg us",
+        "socket us",
+        "speed-up",
+        "gloo GB/s",
+        "socket GB/s");
   }
   for (int64_t bytes :
        {int64_t{4},
@@ -86,41 +95,53 @@ int runRank(int rank, int port, const std::string& out) {
         int64_t{16} << 20,
         int64_t{64} << 20}) {
     const int rounds = bytes >= (16 << 20) ? 10 : 200;
-    // Side by side, alternating: the old protocol, then the new, twice.
-    std::vector<double> before, after;
+    // Side by side, alternating: Gloo's two protocols, then the sockets.
+    std::vector<double> header, known, socket;
     for (int turn = 0; turn < 2; ++turn) {
-      before.push_back(pingPong(*transport, rank, bytes, rounds, false));
-      after.push_back(pingPong(*transport, rank, bytes, rounds, true));
+      header.push_back(pingPong(*gloo, rank, bytes, rounds, false));
+      known.push_back(pingPong(*gloo, rank, bytes, rounds, true));
+      socket.push_back(pingPong(*sockets, rank, bytes, rounds, true));
     }
-    const double old = *std::min_element(before.begin(), before.end());
-    const double now = *std::min_element(after.begin(), after.end());
+    auto best = [](const std::vector<double>& times) {
+      return *std::min_element(times.begin(), times.end());
+    };
+    const double withHeader = best(header), oneMessage = best(known),
+                 bySocket = best(socket);
     auto gbs = [&](double us) {
       return static_cast<double>(bytes) / (us * 1e-6) / 1e9;
     };
     if (rank == 0) {
       std::printf(
-          "%12lld %18.1f %18.1f %12.3f %12.3f\n",
+          "%12lld %14.1f %14.1f %12.1f %10.2f %12.3f %12.3f\n",
           static_cast<long long>(bytes),
-          old,
-          now,
-          gbs(old),
-          gbs(now));
+          withHeader,
+          oneMessage,
+          bySocket,
+          oneMessage / bySocket,
+          gbs(oneMessage),
+          gbs(bySocket));
       rows.push_back(
           {{"bytes", bytes},
-           {"header_and_data_one_way_us", old},
-           {"one_message_one_way_us", now},
-           {"gb_per_s_before", gbs(old)},
-           {"gb_per_s_after", gbs(now)}});
+           {"gloo_header_and_data_one_way_us", withHeader},
+           {"gloo_one_message_one_way_us", oneMessage},
+           {"socket_one_way_us", bySocket},
+           {"gloo_gb_per_s", gbs(oneMessage)},
+           {"socket_gb_per_s", gbs(bySocket)}});
     }
   }
   if (rank == 0) {
-    std::ofstream(out)
-        << nlohmann::
-               json{{"transport", "c10d Gloo over loopback, two processes"}, {"rows", rows}}
-                   .dump(1)
-        << '\n';
+    std::ofstream(out) << nlohmann::json{
+        {"transport",
+         "two processes on one host: c10d Gloo over loopback TCP against "
+         "tpipe's Unix-socket channels"},
+        {"rows", rows}}
+                              .dump(1)
+                       << '\n';
     std::printf(
-        "(median of ping-pongs, the better of two alternating turns; header+data: a 112-byte header, then the tensor; one message: shapes known ahead, receive posted first)\nwrote %s\n",
+        "(one-way time: median of ping-pongs / 2, the better of two "
+        "alternating turns; gloo hdr+data: a 112-byte header, then the "
+        "tensor; gloo 1 msg: shapes known ahead, receive posted first; "
+        "socket: the same-host channel tpipe launch uses)\nwrote %s\n",
         out.c_str());
   }
   return 0;

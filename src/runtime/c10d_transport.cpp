@@ -18,6 +18,7 @@
 #include <c10/util/Exception.h>
 
 #include "runtime/c10d_world.h"
+#include "runtime/socket_channels.h"
 #include "tpipe/errors.h"
 
 namespace tpipe {
@@ -151,10 +152,19 @@ class ProcessGroupTransport final : public Transport {
         }) {
     if (!dataDevice_.is_cpu())
       joinDeviceGroups();
+    else if (socketChannelsWanted())
+      sockets_ = impl_.sockets.get();
   }
 
   void begin(int boundaries) override {
     local_.begin(boundaries);
+    if (sockets_) {
+      try {
+        sockets_->begin();
+      } catch (const std::runtime_error& error) {
+        TORCH_CHECK(false, error.what());
+      }
+    }
     sends_.discard();
     abortPosted(); // what a failed step left
     shapes_.reset();
@@ -170,7 +180,8 @@ class ProcessGroupTransport final : public Transport {
     toPost_.clear();
     nextPost_ = 0;
     for (const auto& r : shapes.receives) {
-      if (peerOf(r.direction, r.boundary, false) != communicator_.rank())
+      const int peer = peerOf(r.direction, r.boundary, false);
+      if (peer != communicator_.rank() && !bySocket(peer))
         toPost_.push_back(r);
     }
     fillPostWindow();
@@ -181,6 +192,15 @@ class ProcessGroupTransport final : public Transport {
     const int peer = peerOf(direction, boundary, true);
     if (peer == communicator_.rank())
       return local_.send(direction, boundary, microBatch, std::move(payload));
+    if (bySocket(peer)) {
+      try {
+        return sockets_->send(
+            peer, key(direction, boundary, microBatch), payload.tensors);
+      } catch (const std::exception& error) {
+        blame(peer, "sending the " + describe(direction, boundary, microBatch),
+              error);
+      }
+    }
     // On the CPU for Gloo; on this process's GPU for NCCL, which starts
     // once the current stream reaches it: first, the sender's copies.
     const auto& tensors = payload.tensors;
@@ -243,6 +263,20 @@ class ProcessGroupTransport final : public Transport {
     const int peer = peerOf(direction, boundary, false);
     if (peer == communicator_.rank())
       return local_.receive(direction, boundary, microBatch);
+    if (bySocket(peer)) {
+      try {
+        return {
+            sockets_->receive(peer, key(direction, boundary, microBatch)),
+            nullptr};
+      } catch (const StepAborted&) {
+        throw;
+      } catch (const std::exception& error) {
+        blame(
+            peer,
+            "receiving the " + describe(direction, boundary, microBatch),
+            error);
+      }
+    }
     if (postThrough(key(direction, boundary, microBatch)))
       return takePosted(direction, boundary, microBatch, peer);
     Payload payload;
@@ -256,6 +290,8 @@ class ProcessGroupTransport final : public Transport {
 
   void abort() override {
     local_.abort();
+    if (sockets_)
+      sockets_->abort();
     std::lock_guard<std::mutex> lock(receiving_);
     if (current_)
       abandon(current_);
@@ -264,6 +300,14 @@ class ProcessGroupTransport final : public Transport {
 
   void end() override {
     sends_.drain();
+    if (sockets_) {
+      int peer = -1;
+      try {
+        sockets_->drain(&peer);
+      } catch (const std::exception& error) {
+        blame(peer, "sending to it", error);
+      }
+    }
   }
 
  private:
@@ -590,6 +634,22 @@ class ProcessGroupTransport final : public Transport {
 #endif
   }
 
+  bool bySocket(int peer) const {
+    return sockets_ && sockets_->reaches(peer);
+  }
+
+  // A failure on a socket, worded as Gloo's are: "lost rank K ... while".
+  [[noreturn]] void blame(
+      int peer,
+      const std::string& what,
+      const std::exception& error) {
+    const std::string reason = error.what();
+    impl_.withPeer(peer, what, [&]() -> int {
+      throw std::runtime_error(reason);
+    });
+    TORCH_INTERNAL_ASSERT(false, "unreachable");
+  }
+
   int processOf(int stage) const {
     const int rank = placement_.empty() ? stage % communicator_.pipelineRanks()
                                         : placement_[stage];
@@ -633,6 +693,8 @@ class ProcessGroupTransport final : public Transport {
   std::map<int, c10::intrusive_ptr<c10d::ProcessGroupNCCL>> deviceGroups_;
 #endif
   LocalTransport local_;
+  // The communicator's channels to this host's ranks, for CPU transfers.
+  SocketChannels* sockets_ = nullptr;
   std::mutex receiving_;
   c10::intrusive_ptr<c10d::Work> current_;
   c10::optional<StepShapes> shapes_;

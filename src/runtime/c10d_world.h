@@ -21,6 +21,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
+#include "runtime/socket_channels.h"
 #include "runtime/store.h"
 #include "tpipe/distributed.h"
 
@@ -33,6 +34,14 @@ struct Communicator::Impl {
   std::shared_ptr<runtime::StoreServer> storeServer; // rank 0
   c10::intrusive_ptr<c10d::Store> store;
   int storeCalls = 0; // numbers the keys of store collectives
+  // Unix-socket channels to the ranks on this host: transfers, and the
+  // per-step sums when the whole world is on it.
+  std::unique_ptr<runtime::SocketChannels> sockets;
+  int64_t socketSums = 0; // numbers the sums' keys
+  // The world's sum of `mine` (every rank on this host): the others send
+  // theirs to rank 0, which adds them in rank order and sends the total
+  // back. Two socket hops instead of Gloo's ring through its threads.
+  at::Tensor sumOverSockets(const at::Tensor& mine);
   c10::intrusive_ptr<c10d::ProcessGroupGloo> worldGroup;
   c10::intrusive_ptr<c10d::ProcessGroupGloo> replicaGroup; // D > 1 only
   // Gradient buckets posted by startAveraging, in posting order.
