@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
 # Step throughput of the example configs: threads in one process against one
-# process per pipeline rank (tpipe launch), side by side in one run; then the
-# data-parallel gradient sync overlapped with the backward against after it.
-# Usage: benchmarks/multiprocess.sh [OUT.json]
+# process per pipeline rank (tpipe launch) over Unix sockets and over Gloo,
+# side by side in one run, alternating; the dispatch cost per instruction of
+# each; then the data-parallel gradient sync overlapped with the backward
+# against after it.
+# Usage: benchmarks/multiprocess.sh [OUT.json [CONFIG...]] (CONFIG: mlp_synthetic,
+# mid_mlp, char_transformer, fashion_mnist_cnn, dispatch; default all, then the
+# data-parallel table)
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 tpipe="${TPIPE_BUILD_DIR:-$root/build}/tpipe"
@@ -36,25 +40,99 @@ if [[ ${TPIPE_DP_LINK:-} == limited ]]; then
   fi
   exit 0
 fi
-printf '%-20s %6s %14s %14s %8s\n' config ranks "threads s/s" "processes s/s" ratio
+scratch=$(mktemp -d)
+trap 'rm -rf "$scratch"' EXIT
+# A 2-rank job of 2-10 ms steps that no other benchmark uses.
+cat > "$scratch/mid_mlp.json" <<'JSON'
+{"model": {"input_shape": [256], "layers": [
+   {"type": "linear", "out_features": 512}, {"type": "gelu"},
+   {"type": "linear", "out_features": 512}, {"type": "gelu"},
+   {"type": "linear", "out_features": 512}, {"type": "gelu"},
+   {"type": "linear", "out_features": 10}]},
+ "data": {"dataset": "synthetic", "samples": 4096},
+ "pipeline": {"devices": ["cpu:0", "cpu:1"], "micro_batches": 4, "schedule": "1f1b", "checkpoint": "never"},
+ "train": {"batch_size": 128, "steps": 200, "loss": "cross_entropy", "seed": 0,
+           "optimizer": {"type": "sgd", "lr": 0.05}}}
+JSON
+# Dispatch alone: two 1x1 layers, 32 micro-batches of one sample; each rank
+# runs 4 instructions per micro-batch (forward, backward, a send, a receive).
+cat > "$scratch/dispatch.json" <<'JSON'
+{"model": {"input_shape": [1], "layers": [
+   {"type": "linear", "out_features": 1}, {"type": "linear", "out_features": 1}]},
+ "data": {"dataset": "synthetic", "samples": 1024},
+ "pipeline": {"devices": ["cpu:0", "cpu:1"], "micro_batches": 32, "schedule": "1f1b", "checkpoint": "never"},
+ "train": {"batch_size": 32, "steps": 300, "loss": "mse", "seed": 0,
+           "optimizer": {"type": "sgd", "lr": 0.01}}}
+JSON
+median() { sort -n | awk '{ v[NR] = $1 } END { print v[int((NR + 1) / 2)] }'; }
+rounds=3
+printf 'processes on one host talk over Unix sockets; TPIPE_P2P=gloo is the Gloo path (loopback TCP).\n'
+printf 'medians of %d rounds, contenders alternating; %s cores; 4 ranks on 2 cores are oversubscribed 2x\n' \
+  "$rounds" "$(nproc)"
+printf '%-20s %6s %12s %12s %12s %9s %9s\n' config ranks "threads s/s" "sockets s/s" "gloo s/s" sockets gloo
 echo '[' > "$out"
 first=1
-for spec in "mlp_synthetic 2 300" "char_transformer 4 40" "fashion_mnist_cnn 4 120"; do
+only=("${@:2}")
+for spec in "mlp_synthetic 2 300" "mid_mlp 2 200" "char_transformer 4 40" "fashion_mnist_cnn 4 120" "dispatch 2 300"; do
   set -- $spec
+  [[ ${#only[@]} -eq 0 || " ${only[*]} " == *" $1 "* ]] || continue
   config="$root/configs/$1.json"
+  [[ -f $config ]] || config="$scratch/$1.json"
   common=(--set "train.steps=$3" --set train.eval_every=0 --set data.eval_samples=256)
   # The default job tunes itself; across processes it runs the hand-set plan it had.
   [[ $1 == fashion_mnist_cnn ]] && common+=(--set pipeline.auto=false --set pipeline.micro_batches=8 --set pipeline.partition=uniform)
-  threads=$("$tpipe" train "$config" "${common[@]}" | rate)
-  processes=$("$tpipe" launch --nproc "$2" "$config" "${common[@]}" | rate)
-  ratio=$(awk -v a="$processes" -v b="$threads" 'BEGIN { printf "%.2f", a / b }')
-  printf '%-20s %6s %14s %14s %8s\n' "$1" "$2" "$threads" "$processes" "$ratio"
+  threads=() sockets=() gloo=()
+  for ((round = 0; round < rounds; round++)); do
+    report() { [[ $1 == dispatch ]] && echo --report "$scratch/$2-$round.json"; true; }
+    threads+=("$("$tpipe" train "$config" "${common[@]}" $(report "$1" threads) | rate)")
+    sockets+=("$("$tpipe" launch --nproc "$2" "$config" "${common[@]}" $(report "$1" sockets) | rate)")
+    gloo+=("$(TPIPE_P2P=gloo "$tpipe" launch --nproc "$2" "$config" "${common[@]}" $(report "$1" gloo) | rate)")
+  done
+  t=$(printf '%s\n' "${threads[@]}" | median)
+  s=$(printf '%s\n' "${sockets[@]}" | median)
+  g=$(printf '%s\n' "${gloo[@]}" | median)
+  ratio_s=$(awk -v a="$s" -v b="$t" 'BEGIN { printf "%.2f", a / b }')
+  ratio_g=$(awk -v a="$g" -v b="$t" 'BEGIN { printf "%.2f", a / b }')
+  printf '%-20s %6s %12s %12s %12s %9s %9s\n' "$1" "$2" "$t" "$s" "$g" "$ratio_s" "$ratio_g"
   ((first)) || echo ',' >> "$out"
   first=0
-  printf '{"config": "%s", "ranks": %s, "threads_samples_per_s": %s, "processes_samples_per_s": %s, "ratio": %s}' \
-    "$1" "$2" "$threads" "$processes" "$ratio" >> "$out"
+  printf '{"config": "%s", "ranks": %s, "rounds": %s, "threads_samples_per_s": %s, "sockets_samples_per_s": %s, "gloo_samples_per_s": %s, "sockets_vs_threads": %s, "gloo_vs_threads": %s}' \
+    "$1" "$2" "$rounds" "$t" "$s" "$g" "$ratio_s" "$ratio_g" >> "$out"
+  if [[ $1 == dispatch ]]; then
+    # From each run's bubble report (its recorded steps): the mean time of a
+    # send or receive instruction (4 bytes: nothing but dispatch and the
+    # transfer's own cost), of a forward or backward of a 1x1 layer, and the
+    # step's wall time over the instructions of a rank; medians of the rounds.
+    per() { # CONTENDER FIELD
+      for ((round = 0; round < rounds; round++)); do
+        /usr/bin/python3 -c '
+import json, sys
+r = json.load(open(sys.argv[1]))
+m, instructions = 32, 128  # per rank: m forwards, m backwards, 2m transfers
+ranks = r["ranks"]
+comm = sum(k["communication_ms"] for k in ranks) / len(ranks)
+compute = sum(k["compute_ms"] for k in ranks) / len(ranks)
+ms = {"transfer": comm / (2 * m), "compute": compute / (2 * m),
+      "wall": r["step_ms"] / instructions}[sys.argv[2]]
+print("%.1f" % (ms * 1000))
+' "$scratch/$1-$round.json" "$2"
+      done | median
+    }
+    printf '%-20s %6s %12s %12s %12s\n' "  us per transfer" "" "$(per threads transfer)" "$(per sockets transfer)" "$(per gloo transfer)"
+    printf '%-20s %6s %12s %12s %12s\n' "  us per fwd/bwd" "" "$(per threads compute)" "$(per sockets compute)" "$(per gloo compute)"
+    printf '%-20s %6s %12s %12s %12s\n' "  step / instruction" "" "$(per threads wall)" "$(per sockets wall)" "$(per gloo wall)"
+    echo "  (goal per transfer instruction: < 20 us threaded, < 60 us across processes)"
+    printf ',\n{"config": "dispatch_us", "transfer": {"threads": %s, "sockets": %s, "gloo": %s}, "forward_or_backward": {"threads": %s, "sockets": %s, "gloo": %s}, "step_per_instruction": {"threads": %s, "sockets": %s, "gloo": %s}}' \
+      "$(per threads transfer)" "$(per sockets transfer)" "$(per gloo transfer)" \
+      "$(per threads compute)" "$(per sockets compute)" "$(per gloo compute)" \
+      "$(per threads wall)" "$(per sockets wall)" "$(per gloo wall)" >> "$out"
+  fi
 done
 
+if [[ ${#only[@]} -gt 0 ]]; then
+  echo ']' >> "$out"
+  exit 0
+fi
 printf '\n%-20s %14s %14s %8s\n' "" "after s/s" "overlapped s/s" gain
 dp_table loopback
 if [[ $(id -u) == 0 ]] && command -v tc >/dev/null && unshare -n true 2>/dev/null; then

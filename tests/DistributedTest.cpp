@@ -163,6 +163,44 @@ TEST_F(DistributedTest, TwoAndFourProcessesMatchTheThreadedRun) {
   expectNoOrphans();
 }
 
+// Ranks of one host talk over Unix sockets (transfers and the per-step
+// sums), others over Gloo: TPIPE_P2P=gloo forces Gloo, and both give the
+// threaded run's losses, with replicas (whose sums add four ranks) too.
+TEST_F(DistributedTest, SocketsAndGlooCarryTheSameRun) {
+  const std::string replicas = " --set pipeline.data_parallel=2";
+  for (const std::string settings : {std::string(), replicas}) {
+    const std::string nproc = settings.empty() ? "2" : "4";
+    ASSERT_EQ(trainThreaded("", "threaded.jsonl"), 0); // replicas need processes
+    const Result sockets = shell(
+        binary() + " launch --nproc " + nproc + " " + config_ + settings +
+        " --metrics " + path("sockets.jsonl"));
+    ASSERT_EQ(sockets.status, 0) << sockets.output;
+    EXPECT_NE(
+        sockets.output.find(
+            "[rank 0] processes: " + nproc +
+            " (" + (settings.empty() ? "1" : "2") +
+            " replica(s) x 2 pipeline ranks), rendezvous over tpipe's store + "
+            "Gloo, transfers over Unix sockets to rank(s) 1 (this host)"),
+        std::string::npos)
+        << sockets.output;
+    const Result gloo = shell(
+        "TPIPE_P2P=gloo " + binary() + " launch --nproc " + nproc + " " +
+        config_ + settings + " --metrics " + path("gloo.jsonl"));
+    ASSERT_EQ(gloo.status, 0) << gloo.output;
+    EXPECT_NE(
+        gloo.output.find(
+            "transfers over Gloo through host memory to rank(s) 1\n"),
+        std::string::npos)
+        << gloo.output;
+    // Replicas add their losses in another order than one process does.
+    const double tolerance = settings.empty() ? 1e-7 : 1e-5;
+    const auto bySockets = losses(path("sockets.jsonl"));
+    expectSameLosses(losses(path("threaded.jsonl")), bySockets, tolerance);
+    expectSameLosses(bySockets, losses(path("gloo.jsonl")), 1e-12);
+  }
+  expectNoOrphans();
+}
+
 // ZB-V and DualPipeV place two stages on each rank in a V: the transport
 // follows the placement (and DualPipeV's overlapped pairs), and the losses
 // equal the threaded run's.

@@ -64,6 +64,9 @@ same=1
 check "2 ranks on 2 hosts match the threaded losses" $same "$(tail -n 3 "$work/r0.log" "$work/r1.log")"
 grep -q "address $host_b (routes to MASTER_ADDR $host_a)" "$work/r1.log"
 check "rank 1 advertises its veth address" $? "$(head -3 "$work/r1.log")"
+# Another network namespace is another host: no Unix socket reaches it.
+grep -q "transfers over Gloo through host memory to rank(s) 1" "$work/r0.log"
+check "ranks on two hosts transfer over Gloo" $? "$(head -3 "$work/r0.log")"
 
 # 2. 2 stages x 2 replicas, each pipeline spanning both hosts.
 "$tpipe" train "$config" --metrics "$work/threaded-dp.jsonl" >/dev/null 2>&1

@@ -220,7 +220,8 @@ class Pipeline {
   // The device each stage runs on, as named in the options.
   std::vector<std::string> stageDevices() const;
   // How pipeline rank `stageRank`'s stages reach other processes: "over
-  // Gloo through host memory" or "over NCCL from cuda:K".
+  // Unix sockets to rank(s) 1 (this host)", "over Gloo through host
+  // memory to rank(s) 2" (another host), or "over NCCL from cuda:K".
   std::string crossProcessTransfers(int stageRank) const;
 
   // The recorded training steps (PipelineOptions::record); inference steps

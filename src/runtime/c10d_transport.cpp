@@ -7,6 +7,7 @@
 #include <condition_variable>
 #include <deque>
 #include <functional>
+#include <set>
 #include <future>
 #include <sstream>
 #include <thread>
@@ -296,6 +297,24 @@ class ProcessGroupTransport final : public Transport {
     if (current_)
       abandon(current_);
     abortAllPosted();
+  }
+
+  std::string describe() const override {
+    if (!dataDevice_.is_cpu())
+      return "over NCCL from " + dataDevice_.str();
+    std::string bySockets, byGloo;
+    for (int peer : neighbours()) {
+      std::string& list = bySocket(peer) ? bySockets : byGloo;
+      list += (list.empty() ? "" : ", ") + std::to_string(peer);
+    }
+    std::string text;
+    if (!bySockets.empty())
+      text = "over Unix sockets to rank(s) " + bySockets + " (this host)";
+    if (!byGloo.empty()) {
+      text += (text.empty() ? "" : "; ") +
+          std::string("over Gloo through host memory to rank(s) ") + byGloo;
+    }
+    return text.empty() ? "none (one rank)" : text;
   }
 
   void end() override {
@@ -632,6 +651,18 @@ class ProcessGroupTransport final : public Transport {
         dataDevice_,
         " need the NCCL transport, which this tpipe was built without");
 #endif
+  }
+
+  // The processes this one exchanges transfers with, ascending.
+  std::vector<int> neighbours() const {
+    const int me = communicator_.rank();
+    std::set<int> peers;
+    for (int b = 0; b + 1 < stages_; ++b) {
+      const int earlier = processOf(b), later = processOf(b + 1);
+      if (earlier != later && (me == earlier || me == later))
+        peers.insert(me == earlier ? later : earlier);
+    }
+    return {peers.begin(), peers.end()};
   }
 
   bool bySocket(int peer) const {

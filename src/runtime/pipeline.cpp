@@ -1084,6 +1084,8 @@ std::string Pipeline::crossProcessTransfers(int stageRank) const {
     if (name.rfind("cuda", 0) == 0)
       ranks[schedule.rankOfStage(s)] = c10::Device(name);
   }
+  if (impl_->remoteTransport)
+    return impl_->remoteTransport->describe();
   const c10::Device device =
       runtime::transferDevice(ranks, stageRank, impl_->options.nccl);
   return device.is_cpu() ? std::string("over Gloo through host memory")

@@ -92,6 +92,10 @@ class Transport {
   // data without a header and post this process's receives at once, so
   // they land while the workers compute.
   virtual void expect(const StepShapes& shapes) {}
+  // How transfers leave this process, for the log ("over Gloo ...").
+  virtual std::string describe() const {
+    return "within this process";
+  }
 };
 
 // Tagged mailboxes, one per boundary and direction, each holding at most one
