@@ -1,12 +1,16 @@
 // Datasets named in configs: Fashion-MNIST (IDX .gz files), character-level
 // text, token files, the user's own tensors (torch.save files), and
 // synthetic data from a seeded random teacher.
+#include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
+#include <unistd.h>
 #ifndef TPIPE_NO_ZLIB
 #include <zlib.h>
 #endif
 
 #include <array>
+#include <cstring>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -15,7 +19,7 @@
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <caffe2/serialize/inline_container.h>
-#include <torch/csrc/jit/serialization/import_read.h>
+#include <torch/csrc/jit/serialization/unpickler.h>
 #include <torch/nn/functional/activation.h>
 
 #include "data/tensor_files.h"
@@ -356,11 +360,18 @@ struct TensorPair {
   at::Tensor inputs, targets;
 };
 
+// A tensor of `like`'s shape that costs no memory and reads nothing: what a
+// rank holds in place of data its stages never use.
+at::Tensor standIn(const at::Tensor& like, at::ScalarType dtype) {
+  return at::zeros({1}, at::TensorOptions().dtype(dtype)).expand(like.sizes());
+}
+
 TensorPair readTensorFile(
     const std::string& key,
     const std::string& path,
     const Config& config,
-    const BuiltModel& model) {
+    const BuiltModel& model,
+    DataNeeds needs) {
   const std::string where = key + ": " + path;
   const c10::IValue value = readTorchSave(key, path);
   if (!value.isGenericDict()) {
@@ -379,7 +390,7 @@ TensorPair readTensorFile(
         where + ": \"inputs\" " + shapeText(x.sizes()) + " and \"targets\" " +
         shapeText(y.sizes()) + " do not hold the same number of samples");
   }
-  x = modelInputs(x, where + ": \"inputs\"", model);
+  x = modelInputs(x, where + ": \"inputs\"", model, needs.inputs);
   const std::vector<int64_t>& out = model.shapes.back();
   if (config.train.loss == "cross_entropy") {
     const std::vector<int64_t> want(out.begin(), out.end() - 1);
@@ -395,6 +406,8 @@ TensorPair readTensorFile(
           " but cross_entropy over the model's output " + shapeText(out) +
           " needs " + shapeText(want));
     }
+    if (!needs.targets)
+      return {x, standIn(y, at::kLong)};
     y = y.to(at::kLong).contiguous();
     const int64_t low = y.min().item<int64_t>(), high = y.max().item<int64_t>();
     if (low < 0 || high >= out.back()) {
@@ -415,19 +428,20 @@ TensorPair readTensorFile(
           where + ": \"targets\" samples are " + shapeText(y.sizes().slice(1)) +
           " but the model outputs " + shapeText(out));
     }
-    y = y.to(at::kFloat).contiguous();
+    y = needs.targets ? y.to(at::kFloat).contiguous() : standIn(y, at::kFloat);
   }
   return pair;
 }
 
-Dataset tensors(const Config& config, const BuiltModel& model) {
+Dataset tensors(const Config& config, const BuiltModel& model, DataNeeds needs) {
   TensorPair train =
-      readTensorFile("data.path", config.data.path, config, model);
+      readTensorFile("data.path", config.data.path, config, model, needs);
   Dataset data;
   const int64_t n = train.inputs.size(0);
   if (!config.data.evalPath.empty()) {
     TensorPair eval =
-        readTensorFile("data.eval_path", config.data.evalPath, config, model);
+        readTensorFile(
+            "data.eval_path", config.data.evalPath, config, model, needs);
     data.trainInputs = train.inputs, data.trainTargets = train.targets;
     data.evalInputs = eval.inputs, data.evalTargets = eval.targets;
   } else {
@@ -568,6 +582,101 @@ at::Tensor tensorOfDict(
       "\" (expected a dict such as {\"inputs\": tensor, \"targets\": tensor})");
 }
 
+namespace {
+
+// A file mapped copy-on-write: tensors point into it, and their pages are
+// read from disk when first touched, so a tensor nobody touches is never
+// read, and none is copied. It lives as long as a tensor points into it.
+class MappedFile {
+ public:
+  explicit MappedFile(const std::string& path) {
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    struct stat info {};
+    TORCH_CHECK(fd >= 0 && ::fstat(fd, &info) == 0, "cannot open ", path);
+    length_ = static_cast<size_t>(info.st_size);
+    void* base =
+        ::mmap(nullptr, length_, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd, 0);
+    ::close(fd);
+    TORCH_CHECK(base != MAP_FAILED, "cannot map ", path);
+    base_ = static_cast<char*>(base);
+  }
+  ~MappedFile() {
+    ::munmap(base_, length_);
+  }
+  MappedFile(const MappedFile&) = delete;
+  MappedFile& operator=(const MappedFile&) = delete;
+
+  char* at(size_t offset) const {
+    return base_ + offset;
+  }
+  // Whether [data, data + bytes) lies inside the file.
+  bool holds(const void* data, size_t bytes) const {
+    const char* begin = static_cast<const char*>(data);
+    return begin >= base_ && begin + bytes <= base_ + length_;
+  }
+
+ private:
+  char* base_ = nullptr;
+  size_t length_ = 0;
+};
+
+void releaseMapping(void* context) {
+  delete static_cast<std::shared_ptr<MappedFile>*>(context);
+}
+
+// torch.save's zip stores each storage uncompressed and 64-byte aligned
+// (data/<key>); the unpickler asks for each by key, and gets a pointer into
+// the mapping instead of a copy.
+c10::IValue unpickleMapped(const std::string& path) {
+  caffe2::serialize::PyTorchStreamReader reader(path);
+  auto mapping = std::make_shared<MappedFile>(path);
+  const auto [pickle, pickleBytes] = reader.getRecord("data.pkl");
+  size_t consumed = 0;
+  auto readPickle = [&, &pickle = pickle, &pickleBytes = pickleBytes](
+                        char* buffer, size_t wanted) -> size_t {
+    const size_t n = std::min(wanted, pickleBytes - consumed);
+    std::memcpy(buffer, static_cast<const char*>(pickle.get()) + consumed, n);
+    consumed += n;
+    return n;
+  };
+  auto readRecord = [&](const std::string& key) {
+    char* data = mapping->at(reader.getRecordOffset("data/" + key));
+    return at::DataPtr(
+        data,
+        new std::shared_ptr<MappedFile>(mapping),
+        releaseMapping,
+        at::Device(at::kCPU));
+  };
+  torch::jit::Unpickler unpickler(
+      readPickle, nullptr, nullptr, readRecord, c10::nullopt);
+  unpickler.set_version(reader.version());
+  c10::IValue value = unpickler.parse_ivalue();
+  // A storage the pickle says is larger than the file: refused before any
+  // page past the end is touched.
+  auto check = [&](const at::Tensor& tensor) {
+    TORCH_CHECK(
+        mapping->holds(tensor.storage().data(), tensor.storage().nbytes()),
+        "a tensor's data runs past the end of the file (truncated?)");
+  };
+  if (value.isTensor())
+    check(value.toTensor());
+  if (value.isGenericDict()) {
+    for (const auto& entry : value.toGenericDict()) {
+      if (entry.value().isTensor())
+        check(entry.value().toTensor());
+    }
+  }
+  if (value.isList()) {
+    for (const c10::IValue& item : value.toListRef()) {
+      if (item.isTensor())
+        check(item.toTensor());
+    }
+  }
+  return value;
+}
+
+} // namespace
+
 c10::IValue readTorchSave(const std::string& flag, const std::string& path) {
   const std::string where = flag + ": " + path;
   requireRegularFile(path, "", flag);
@@ -575,17 +684,7 @@ c10::IValue readTorchSave(const std::string& flag, const std::string& path) {
   if (std::filesystem::file_size(path, sizeError) == 0 && !sizeError)
     throw ConfigError(where + " is empty (expected a torch.save file)");
   try {
-    // Read record by record from the file (what torch::pickle_load does
-    // over a buffer), so a large file is not held twice while it loads.
-    caffe2::serialize::PyTorchStreamReader reader(path);
-    return torch::jit::readArchiveAndTensors(
-        "data",
-        /*pickle_prefix=*/"",
-        /*tensor_prefix=*/"",
-        /*type_resolver=*/c10::nullopt,
-        /*obj_loader=*/c10::nullopt,
-        /*device=*/c10::nullopt,
-        reader);
+    return unpickleMapped(path);
   } catch (const c10::Error& error) {
     throw ConfigError(
         where +
@@ -603,7 +702,8 @@ c10::IValue readTorchSave(const std::string& flag, const std::string& path) {
 at::Tensor modelInputs(
     at::Tensor x,
     const std::string& where,
-    const BuiltModel& model) {
+    const BuiltModel& model,
+    bool needed) {
   if (x.dim() == 0 || x.size(0) == 0)
     throw ConfigError(where + " holds no samples");
   const std::vector<int64_t>& in = model.shapes.front();
@@ -620,6 +720,8 @@ at::Tensor modelInputs(
           " but the model starts with an embedding, which takes integer token "
           "ids");
     }
+    if (!needed)
+      return standIn(x, at::kLong);
     x = x.to(at::kLong).contiguous();
     const int64_t low = x.min().item<int64_t>(), high = x.max().item<int64_t>();
     if (low < 0 || high >= model.inputVocabulary) {
@@ -635,10 +737,17 @@ at::Tensor modelInputs(
         where + " are " + dtype +
         "; a model without an embedding first takes floating-point inputs");
   }
-  return x.to(at::kFloat).contiguous();
+  return needed ? x.to(at::kFloat).contiguous() : standIn(x, at::kFloat);
 }
 
 Dataset loadDataset(const Config& config, const BuiltModel& model) {
+  return loadDataset(config, model, DataNeeds{});
+}
+
+Dataset loadDataset(
+    const Config& config,
+    const BuiltModel& model,
+    DataNeeds needs) {
   checkLossFits(config, model);
   if (config.data.dataset == "fashion-mnist") {
     Dataset data = fashionMnist(config, model);
@@ -654,7 +763,7 @@ Dataset loadDataset(const Config& config, const BuiltModel& model) {
   if (config.data.dataset == "tokens")
     return tokens(config, model);
   if (config.data.dataset == "tensors")
-    return tensors(config, model);
+    return tensors(config, model, needs);
   return synthetic(config, model);
 }
 

@@ -24,12 +24,27 @@ at::Tensor tensorOfDict(
     const char* name,
     const std::string& where);
 
+// What a rank reads of a dataset: its first stage's inputs, its last
+// stage's targets. What it does not need is checked for shape and dtype
+// only (never read from disk) and held as a zero-sized stand-in of that
+// shape. Only the tensors dataset, whose files are mapped, honours it.
+struct DataNeeds {
+  bool inputs = true, targets = true;
+};
+
+Dataset loadDataset(
+    const Config& config,
+    const BuiltModel& model,
+    DataNeeds needs);
+
 // `x` as the model takes it: samples shaped like model.input_shape, float32
 // (any floating dtype converted), or int64 token ids in the embedding's
-// range when the model starts with one. Errors name `where`.
+// range when the model starts with one. Errors name `where`. Not
+// `needed`: checked for shape and dtype only, and a stand-in returned.
 at::Tensor modelInputs(
     at::Tensor x,
     const std::string& where,
-    const BuiltModel& model);
+    const BuiltModel& model,
+    bool needed = true);
 
 } // namespace tpipe

@@ -20,6 +20,7 @@
 #include "tpipe/schedule.h"
 #include "train/checkpoint.h"
 #include "train/files.h"
+#include "data/tensor_files.h"
 #include "train/parts.h"
 
 namespace tpipe {
@@ -223,7 +224,11 @@ class TrainingRun {
     }
     model_ = buildModel(config_);
     setBatchNormMicroBatches(model_, config_.pipeline.microBatches);
-    data_ = loadDataset(config_, model_);
+    // One process: the data first, so a bad file is named before any
+    // profiling. Across processes: the plan first, so each rank reads only
+    // what its stages use.
+    if (!world())
+      data_ = loadDataset(config_, model_);
     bool capped = false;
     for (const auto& device : config_.pipeline.devices)
       capped = capped || device.memoryBytes > 0;
@@ -234,6 +239,14 @@ class TrainingRun {
         options_.profilePath,
         needsMeasuredCosts(config_) || measureMemory_,
         world());
+    if (world()) {
+      const Schedule& schedule = plan_.schedule;
+      const int mine = world()->stageRank();
+      DataNeeds needs;
+      needs.inputs = schedule.rankOfStage(0) == mine;
+      needs.targets = schedule.rankOfStage(schedule.stages() - 1) == mine;
+      data_ = loadDataset(config_, model_, needs);
+    }
     PipelineOptions pipeOptions =
         pipelineOptions(config_, model_, plan_, world_);
     pipeOptions.trackMemory = measureMemory_;
