@@ -5,7 +5,7 @@
 # each; then the data-parallel gradient sync overlapped with the backward
 # against after it.
 # Usage: benchmarks/multiprocess.sh [OUT.json [CONFIG...]] (CONFIG: mlp_synthetic,
-# mid_mlp, char_transformer, fashion_mnist_cnn, dispatch; default all, then the
+# mid_mlp, char_transformer, fashion_mnist_cnn, fashion_2_ranks, dispatch; default all, then the
 # data-parallel table)
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -73,14 +73,19 @@ printf '%-20s %6s %12s %12s %12s %9s %9s\n' config ranks "threads s/s" "sockets 
 echo '[' > "$out"
 first=1
 only=("${@:2}")
-for spec in "mlp_synthetic 2 300" "mid_mlp 2 200" "char_transformer 4 40" "fashion_mnist_cnn 4 120" "dispatch 2 300"; do
+for spec in "mlp_synthetic 2 300" "mid_mlp 2 200" "char_transformer 4 40" "fashion_mnist_cnn 4 120" "fashion_2_ranks 2 120" "dispatch 2 300"; do
   set -- $spec
   [[ ${#only[@]} -eq 0 || " ${only[*]} " == *" $1 "* ]] || continue
   config="$root/configs/$1.json"
   [[ -f $config ]] || config="$scratch/$1.json"
   common=(--set "train.steps=$3" --set train.eval_every=0 --set data.eval_samples=256)
   # The default job tunes itself; across processes it runs the hand-set plan it had.
-  [[ $1 == fashion_mnist_cnn ]] && common+=(--set pipeline.auto=false --set pipeline.micro_batches=8 --set pipeline.partition=uniform)
+  # On 2 ranks it is not oversubscribed.
+  [[ $1 == fashion_* ]] && common+=(--set pipeline.auto=false --set pipeline.micro_batches=8 --set pipeline.partition=uniform)
+  if [[ $1 == fashion_2_ranks ]]; then
+    config="$root/configs/fashion_mnist_cnn.json"
+    common+=(--set 'pipeline.devices=["cpu:0","cpu:1"]')
+  fi
   threads=() sockets=() gloo=()
   for ((round = 0; round < rounds; round++)); do
     report() { [[ $1 == dispatch ]] && echo --report "$scratch/$2-$round.json"; true; }

@@ -170,15 +170,16 @@ TEST_F(DistributedTest, SocketsAndGlooCarryTheSameRun) {
   const std::string replicas = " --set pipeline.data_parallel=2";
   for (const std::string settings : {std::string(), replicas}) {
     const std::string nproc = settings.empty() ? "2" : "4";
-    ASSERT_EQ(trainThreaded("", "threaded.jsonl"), 0); // replicas need processes
+    ASSERT_EQ(
+        trainThreaded("", "threaded.jsonl"), 0); // replicas need processes
     const Result sockets = shell(
         binary() + " launch --nproc " + nproc + " " + config_ + settings +
         " --metrics " + path("sockets.jsonl"));
     ASSERT_EQ(sockets.status, 0) << sockets.output;
     EXPECT_NE(
         sockets.output.find(
-            "[rank 0] processes: " + nproc +
-            " (" + (settings.empty() ? "1" : "2") +
+            "[rank 0] processes: " + nproc + " (" +
+            (settings.empty() ? "1" : "2") +
             " replica(s) x 2 pipeline ranks), rendezvous over tpipe's store + "
             "Gloo, transfers over Unix sockets to rank(s) 1 (this host)"),
         std::string::npos)

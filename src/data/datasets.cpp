@@ -433,15 +433,17 @@ TensorPair readTensorFile(
   return pair;
 }
 
-Dataset tensors(const Config& config, const BuiltModel& model, DataNeeds needs) {
+Dataset tensors(
+    const Config& config,
+    const BuiltModel& model,
+    DataNeeds needs) {
   TensorPair train =
       readTensorFile("data.path", config.data.path, config, model, needs);
   Dataset data;
   const int64_t n = train.inputs.size(0);
   if (!config.data.evalPath.empty()) {
-    TensorPair eval =
-        readTensorFile(
-            "data.eval_path", config.data.evalPath, config, model, needs);
+    TensorPair eval = readTensorFile(
+        "data.eval_path", config.data.evalPath, config, model, needs);
     data.trainInputs = train.inputs, data.trainTargets = train.targets;
     data.evalInputs = eval.inputs, data.evalTargets = eval.targets;
   } else {

@@ -198,8 +198,10 @@ class ProcessGroupTransport final : public Transport {
         return sockets_->send(
             peer, key(direction, boundary, microBatch), payload.tensors);
       } catch (const std::exception& error) {
-        blame(peer, "sending the " + describe(direction, boundary, microBatch),
-              error);
+        blame(
+            peer,
+            "sending the " + describe(direction, boundary, microBatch),
+            error);
       }
     }
     // On the CPU for Gloo; on this process's GPU for NCCL, which starts
@@ -675,9 +677,8 @@ class ProcessGroupTransport final : public Transport {
       const std::string& what,
       const std::exception& error) {
     const std::string reason = error.what();
-    impl_.withPeer(peer, what, [&]() -> int {
-      throw std::runtime_error(reason);
-    });
+    impl_.withPeer(
+        peer, what, [&]() -> int { throw std::runtime_error(reason); });
     TORCH_INTERNAL_ASSERT(false, "unreachable");
   }
 

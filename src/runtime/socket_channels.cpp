@@ -64,8 +64,8 @@ sockaddr_un abstractAddress(const std::string& name, socklen_t* length) {
   address.sun_family = AF_UNIX;
   // A leading NUL: Linux's abstract namespace, gone with the socket.
   std::memcpy(address.sun_path + 1, name.data(), name.size());
-  *length = static_cast<socklen_t>(
-      offsetof(sockaddr_un, sun_path) + 1 + name.size());
+  *length =
+      static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size());
   return address;
 }
 
@@ -105,8 +105,7 @@ void readExactly(
       throw std::runtime_error("connection closed");
     if (errno == EAGAIN || errno == EWOULDBLOCK) {
       throw std::runtime_error(
-          "timed out after " + std::to_string(timeout.count() / 1000.0) +
-          " s");
+          "timed out after " + std::to_string(timeout.count() / 1000.0) + " s");
     }
     failWithErrno("reading from the socket");
   }
@@ -183,7 +182,8 @@ struct SocketChannels::Impl {
   Channel& channel(int peer) {
     auto found = channels.find(peer);
     if (found == channels.end())
-      throw std::logic_error("no socket channel to rank " + std::to_string(peer));
+      throw std::logic_error(
+          "no socket channel to rank " + std::to_string(peer));
     return *found->second;
   }
 
@@ -267,7 +267,7 @@ struct SocketChannels::Impl {
   std::string ticket;
 
   void accept(std::set<int> below);
-  void startSenders();
+  void configureAll();
 };
 
 namespace {
@@ -354,7 +354,7 @@ void SocketChannels::connect(const std::vector<std::string>& tickets) {
   if (impl_->listener >= 0)
     ::close(impl_->listener);
   impl_->listener = -1;
-  impl_->startSenders();
+  impl_->configureAll();
 }
 
 void SocketChannels::Impl::accept(std::set<int> below) {
@@ -390,12 +390,9 @@ void SocketChannels::Impl::accept(std::set<int> below) {
   }
 }
 
-void SocketChannels::Impl::startSenders() {
-  for (auto& [peer, channel] : channels) {
+void SocketChannels::Impl::configureAll() {
+  for (auto& [peer, channel] : channels)
     configure(channel->fd, timeout);
-    Channel* c = channel.get();
-    c->sender = std::thread([this, c] { sendLoop(*c); });
-  }
 }
 
 SocketChannels::~SocketChannels() {
@@ -461,6 +458,12 @@ void SocketChannels::send(
         failWithErrno("sending");
     }
     c.queue.push_back(std::move(out));
+    // Started at the first send the socket could not take: a job of many
+    // ranks on one host keeps no idle thread per peer.
+    if (!c.sender.joinable()) {
+      Impl* impl = impl_.get();
+      c.sender = std::thread([impl, &c] { impl->sendLoop(c); });
+    }
     c.sendChanged.notify_all();
   }
 }
