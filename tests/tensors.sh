@@ -94,23 +94,34 @@ else
   bad "resume mid-epoch" "$(cat "$work/diff.log" "$work/resume.log")"
 fi
 
-# A large file is held once while it loads: the peak RSS grows by less than
-# 1.5 times the file's size over a tiny file's run (twice would be 2x; the
-# whole-buffer unpickler took 3.3x). Measured from a Python without torch,
-# as below.
+# Memory, measured from a Python without torch (a child's peak RSS starts
+# at its parent's size); the files are written first:
+# - rss<n>: one stage, 2 steps, 256 features;
+# - ranks<n>: two ranks, a whole epoch (40 steps), 1024 features.
 /usr/bin/python3 - "$work" <<'PY'
 import json, sys, torch
 w = sys.argv[1]
-for n in (1000, 250000):
+def write(name, n, features, layers, devices, batch, steps):
     g = torch.Generator().manual_seed(0)
-    torch.save({"inputs": torch.randn(n, 256, generator=g),
-                "targets": torch.randint(0, 4, (n,), generator=g)}, f"{w}/rss{n}.pt")
-    json.dump({"model": {"input_shape": [256], "layers": [{"type": "linear", "out_features": 4}]},
-               "data": {"dataset": "tensors", "path": f"{w}/rss{n}.pt"},
-               "pipeline": {"devices": ["cpu:0"]},
-               "train": {"batch_size": 64, "steps": 2, "loss": "cross_entropy", "eval_every": 0}},
-              open(f"{w}/rss{n}.json", "w"))
+    torch.save({"inputs": torch.randn(n, features, generator=g),
+                "targets": torch.randint(0, 4, (n,), generator=g)}, f"{w}/{name}{n}.pt")
+    json.dump({"model": {"input_shape": [features], "layers": layers},
+               "data": {"dataset": "tensors", "path": f"{w}/{name}{n}.pt"},
+               "pipeline": {"devices": devices, "micro_batches": len(devices)},
+               "train": {"batch_size": batch, "steps": steps, "loss": "cross_entropy",
+                         "eval_every": 0}},
+              open(f"{w}/{name}{n}.json", "w"))
+for n in (1000, 250000):
+    write("rss", n, 256, [{"type": "linear", "out_features": 4}], ["cpu:0"], 64, 2)
+two = [{"type": "linear", "out_features": 8}, {"type": "relu"},
+       {"type": "linear", "out_features": 4}]
+for n in (400, 20000):
+    write("ranks", n, 1024, two, ["cpu:0", "cpu:1"], n // 40, 40)
 PY
+
+# A large file is held once while it loads: the peak RSS grows by less than
+# 1.5 times the file's size over a tiny file's run (twice would be 2x; the
+# whole-buffer unpickler took 3.3x).
 /usr/bin/python3 - "$tpipe" "$work" <<'PY' >"$work/rss.log" 2>&1
 import os, subprocess, sys
 tpipe, w = sys.argv[1], sys.argv[2]
@@ -134,29 +145,16 @@ fi
 # Across processes each rank reads only what its stages use: the file is
 # mapped, and rank 1 (the last stage, the targets) never touches the 80 MB
 # of inputs that rank 0 (the first stage) reads through a whole epoch. Each
-# rank's own peak RSS (wait4), against a tiny file's run, measured from a
-# Python without torch: a child's peak starts at its parent's size.
-/usr/bin/python3 - "$work" <<'PY'
-import json, sys, torch
-w = sys.argv[1]
-for n in (400, 20000):
-    g = torch.Generator().manual_seed(0)
-    torch.save({"inputs": torch.randn(n, 1024, generator=g),
-                "targets": torch.randint(0, 4, (n,), generator=g)}, f"{w}/ranks{n}.pt")
-    json.dump({"model": {"input_shape": [1024], "layers": [
-                   {"type": "linear", "out_features": 8}, {"type": "relu"},
-                   {"type": "linear", "out_features": 4}]},
-               "data": {"dataset": "tensors", "path": f"{w}/ranks{n}.pt"},
-               "pipeline": {"devices": ["cpu:0", "cpu:1"], "micro_batches": 2},
-               "train": {"batch_size": n // 40, "steps": 40, "loss": "cross_entropy",
-                         "eval_every": 0}},
-              open(f"{w}/ranks{n}.json", "w"))
-PY
+# rank's own peak RSS (wait4), against a tiny file's run.
 /usr/bin/python3 - "$tpipe" "$work" <<'PY' >"$work/ranks.log" 2>&1
-import os, random, subprocess, sys
+import os, socket, subprocess, sys
 tpipe, w = sys.argv[1], sys.argv[2]
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 def run(n):
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(random.randint(20000, 40000)),
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                WORLD_SIZE="2", TPIPE_JOB_TOKEN="ranks-test")
     ranks = [subprocess.Popen([tpipe, "train", f"{w}/ranks{n}.json"], env=dict(env, RANK=str(r)),
                               stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT) for r in (0, 1)]

@@ -7,8 +7,8 @@
 #include <condition_variable>
 #include <deque>
 #include <functional>
-#include <set>
 #include <future>
+#include <set>
 #include <sstream>
 #include <thread>
 
@@ -198,7 +198,7 @@ class ProcessGroupTransport final : public Transport {
         return sockets_->send(
             peer, key(direction, boundary, microBatch), payload.tensors);
       } catch (const std::exception& error) {
-        blame(
+        impl_.blame(
             peer,
             "sending the " + describe(direction, boundary, microBatch),
             error);
@@ -274,7 +274,7 @@ class ProcessGroupTransport final : public Transport {
       } catch (const StepAborted&) {
         throw;
       } catch (const std::exception& error) {
-        blame(
+        impl_.blame(
             peer,
             "receiving the " + describe(direction, boundary, microBatch),
             error);
@@ -326,7 +326,7 @@ class ProcessGroupTransport final : public Transport {
       try {
         sockets_->drain(&peer);
       } catch (const std::exception& error) {
-        blame(peer, "sending to it", error);
+        impl_.blame(peer, "sending to it", error);
       }
     }
   }
@@ -669,17 +669,6 @@ class ProcessGroupTransport final : public Transport {
 
   bool bySocket(int peer) const {
     return sockets_ && sockets_->reaches(peer);
-  }
-
-  // A failure on a socket, worded as Gloo's are: "lost rank K ... while".
-  [[noreturn]] void blame(
-      int peer,
-      const std::string& what,
-      const std::exception& error) {
-    const std::string reason = error.what();
-    impl_.withPeer(
-        peer, what, [&]() -> int { throw std::runtime_error(reason); });
-    TORCH_INTERNAL_ASSERT(false, "unreachable");
   }
 
   int processOf(int stage) const {

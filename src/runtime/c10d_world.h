@@ -92,6 +92,16 @@ struct Communicator::Impl {
     }
   }
 
+  // A failure outside c10d (a socket's), worded as withPeer words Gloo's.
+  [[noreturn]] void blame(
+      int peer,
+      const std::string& what,
+      const std::exception& error) {
+    const std::string reason = error.what();
+    withPeer(peer, what, [&]() -> int { throw std::runtime_error(reason); });
+    TORCH_INTERNAL_ASSERT(false, "unreachable");
+  }
+
   void wait(
       const c10::intrusive_ptr<c10d::Work>& work,
       int peer,

@@ -673,10 +673,7 @@ at::Tensor Communicator::Impl::sumOverSockets(const at::Tensor& mine) {
     try {
       return body();
     } catch (const std::exception& error) {
-      const std::string reason = error.what();
-      return withPeer(peer, what, [&]() -> decltype(body()) {
-        throw std::runtime_error(reason);
-      });
+      blame(peer, what, error);
     }
   };
   if (world.rank != 0) {
