@@ -429,6 +429,11 @@ void SocketChannels::send(
   const int count = static_cast<int>(tensors.size());
   for (int slot = 0; slot < count; ++slot) {
     const at::Tensor& tensor = tensors[static_cast<size_t>(slot)];
+    if (!tensor.device().is_cpu()) {
+      throw std::logic_error(
+          "socket channels carry host memory; a tensor on " +
+          tensor.device().str() + " must be copied to the CPU first");
+    }
     if (tensor.dim() > kMaxDims) {
       throw std::runtime_error(
           "cannot send a tensor of " + std::to_string(tensor.dim()) +
