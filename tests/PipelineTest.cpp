@@ -1,12 +1,20 @@
 #include <gtest/gtest.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
 
 #include <torch/torch.h>
 
+#include <cstddef>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
+#include <thread>
 #include <nlohmann/json.hpp>
 
+#include "runtime/socket_channels.h"
 #include "support/skip_net.h"
 #include "tpipe/pipeline.h"
 #include "tpipe/torchscript.h"
@@ -1262,3 +1270,48 @@ TEST(PipelineTest, ConvolutionWeightPassesEqualAutogradsUnderSplitBackward) {
 
 } // namespace
 } // namespace tpipe
+
+// Ranks of one host meet over abstract Unix sockets, whose names any local
+// process can find: a connection that cannot present the secret the
+// listener published in the rendezvous store is closed, and the ranks'
+// own channel carries their tensors.
+TEST(PipelineTest, SocketChannelsShutOutAnyoneWithoutTheSecret) {
+  using tpipe::runtime::SocketChannels;
+  SocketChannels low(0, std::chrono::seconds(10));
+  SocketChannels high(1, std::chrono::seconds(10));
+  if (high.ticket().empty())
+    GTEST_SKIP() << "no abstract Unix sockets here (or TPIPE_P2P=gloo)";
+  std::istringstream fields(high.ticket());
+  std::string identity, name;
+  fields >> identity >> name;
+  const int intruder = ::socket(AF_UNIX, SOCK_STREAM, 0);
+  sockaddr_un address{};
+  address.sun_family = AF_UNIX;
+  std::memcpy(address.sun_path + 1, name.data(), name.size());
+  const auto length =
+      static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size());
+  ASSERT_EQ(
+      ::connect(intruder, reinterpret_cast<sockaddr*>(&address), length), 0);
+  struct {
+    int64_t magic, rank;
+    char secret[32];
+  } hello{0x7470697065736f63, 0, {}}; // claims to be rank 0
+  std::memset(hello.secret, 'a', sizeof hello.secret);
+  ASSERT_EQ(::send(intruder, &hello, sizeof hello, 0), ssize_t{sizeof hello});
+  const std::vector<std::string> tickets{low.ticket(), high.ticket()};
+  std::thread lowSide([&] { low.connect(tickets); });
+  high.connect(tickets);
+  lowSide.join();
+  EXPECT_TRUE(high.reaches(0));
+  EXPECT_TRUE(low.reaches(1));
+  timeval wait{5, 0};
+  ::setsockopt(intruder, SOL_SOCKET, SO_RCVTIMEO, &wait, sizeof wait);
+  char byte = 0;
+  EXPECT_EQ(::recv(intruder, &byte, 1, 0), 0) << "the intruder was not closed";
+  ::close(intruder);
+  const torch::Tensor sent = torch::arange(6.0).reshape({2, 3});
+  low.send(1, 7, {sent});
+  const std::vector<torch::Tensor> got = high.receive(0, 7);
+  ASSERT_EQ(got.size(), 1u);
+  EXPECT_TRUE(got[0].equal(sent));
+}

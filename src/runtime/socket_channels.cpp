@@ -16,6 +16,7 @@
 #include <fstream>
 #include <map>
 #include <mutex>
+#include <random>
 #include <set>
 #include <sstream>
 #include <stdexcept>
@@ -38,8 +39,13 @@ struct Header {
   int64_t shape[kMaxDims];
 };
 
+// What a connecting rank first sends: its rank, and the listener's secret,
+// which only ranks that read the rendezvous store (the job token guards
+// it) know; any other local process that finds the abstract name is shut
+// out.
 struct Hello {
-  int64_t magic, rank, unused;
+  int64_t magic, rank;
+  char secret[32];
 };
 
 [[noreturn]] void failWithErrno(const std::string& what) {
@@ -265,6 +271,7 @@ struct SocketChannels::Impl {
 
   int listener = -1;
   std::string ticket;
+  std::string secret; // in the ticket; a connecting rank must present it
 
   void accept(std::set<int> below);
   void configureAll();
@@ -286,11 +293,29 @@ int listenOn(const std::string& name) {
   return fd;
 }
 
-// "<boot id>/<network namespace> <socket name>".
-bool sameHost(const std::string& mine, const std::string& theirs) {
-  if (mine.empty() || theirs.empty())
-    return false;
-  return mine.substr(0, mine.find(' ')) == theirs.substr(0, theirs.find(' '));
+// A ticket: "<boot id>/<network namespace> <socket name> <secret>".
+struct Ticket {
+  std::string identity, name, secret;
+};
+
+Ticket parseTicket(const std::string& text) {
+  Ticket ticket;
+  std::istringstream(text) >> ticket.identity >> ticket.name >> ticket.secret;
+  return ticket;
+}
+
+bool sameHost(const Ticket& mine, const Ticket& theirs) {
+  return !mine.identity.empty() && mine.identity == theirs.identity &&
+      theirs.secret.size() == sizeof(Hello::secret);
+}
+
+std::string randomSecret() {
+  std::random_device device; // /dev/urandom
+  static const char digits[] = "0123456789abcdef";
+  std::string secret(sizeof(Hello::secret), '0');
+  for (char& c : secret)
+    c = digits[device() % 16];
+  return secret;
 }
 
 } // namespace
@@ -305,8 +330,10 @@ SocketChannels::SocketChannels(int rank, std::chrono::milliseconds timeout)
   const std::string name = "tpipe-" + std::to_string(::getpid()) + "-" +
       std::to_string(rank) + "-" + std::to_string(made++);
   impl_->listener = identity.empty() ? -1 : listenOn(name);
-  if (impl_->listener >= 0)
-    impl_->ticket = identity + " " + name;
+  if (impl_->listener >= 0) {
+    impl_->secret = randomSecret();
+    impl_->ticket = identity + " " + name + " " + impl_->secret;
+  }
 }
 
 const std::string& SocketChannels::ticket() const {
@@ -316,10 +343,11 @@ const std::string& SocketChannels::ticket() const {
 void SocketChannels::connect(const std::vector<std::string>& tickets) {
   std::set<int> below;
   const int rank = impl_->rank;
+  const Ticket mine = parseTicket(impl_->ticket);
   try {
     for (int peer = 0; peer < static_cast<int>(tickets.size()); ++peer) {
-      const std::string& theirs = tickets[static_cast<size_t>(peer)];
-      if (peer == rank || !sameHost(impl_->ticket, theirs))
+      const Ticket theirs = parseTicket(tickets[static_cast<size_t>(peer)]);
+      if (peer == rank || !sameHost(mine, theirs))
         continue;
       if (peer < rank) {
         below.insert(peer);
@@ -332,15 +360,15 @@ void SocketChannels::connect(const std::vector<std::string>& tickets) {
       channel->peer = peer, channel->fd = fd;
       impl_->channels[peer] = std::move(channel);
       socklen_t length = 0;
-      const sockaddr_un address =
-          abstractAddress(theirs.substr(theirs.find(' ') + 1), &length);
+      const sockaddr_un address = abstractAddress(theirs.name, &length);
       if (::connect(fd, reinterpret_cast<const sockaddr*>(&address), length) !=
           0) {
         failWithErrno(
             "cannot connect to rank " + std::to_string(peer) +
             "'s socket on this host");
       }
-      const Hello hello{kMagic, rank, 0};
+      Hello hello{kMagic, rank, {}};
+      std::memcpy(hello.secret, theirs.secret.data(), sizeof hello.secret);
       if (::send(fd, &hello, sizeof hello, MSG_NOSIGNAL) != sizeof hello)
         failWithErrno("cannot greet rank " + std::to_string(peer));
     }
@@ -379,7 +407,8 @@ void SocketChannels::Impl::accept(std::set<int> below) {
     } catch (const std::runtime_error&) {
       hello.magic = 0;
     }
-    if (hello.magic != kMagic || !below.count(static_cast<int>(hello.rank))) {
+    if (hello.magic != kMagic || !below.count(static_cast<int>(hello.rank)) ||
+        std::memcmp(hello.secret, secret.data(), sizeof hello.secret) != 0) {
       ::close(fd);
       continue; // not one of ours
     }
