@@ -1,10 +1,11 @@
 // The tuner checked by measurement. For each config, `tpipe tune --quick`
 // (what pipeline.auto runs before training) chooses a plan `--repeat` times,
 // each in a fresh process; then a grid of plans (every distinct choice, the
-// top predicted, a spread over the rest of the ranking) runs in turn, in
-// alternating rounds, in this process. With --busy, everything is done again
-// while another process spins one core in bursts of 0.1-0.9 s, as jobs
-// starting and stopping do. Reports, per config and machine state:
+// top predicted, a spread over the rest of the ranking) is trained in turn
+// by `tpipe train` of the config with each plan, a fresh process per run,
+// in 3 alternating rounds: the step a user meets. With --busy, everything is
+// done again while another process spins one core in bursts of 0.1-0.9 s, as
+// jobs starting and stopping do. Reports, per config and machine state:
 // - how often the most frequent choice was chosen, and how much slower the
 //   other choices measured;
 // - each choice's measured step over the best measured in the grid;
@@ -124,6 +125,68 @@ std::vector<TuneCandidate> tuneInAFreshProcess(
   return out;
 }
 
+// A plan's step as a user meets it: `tpipe train` of the config with that
+// plan, in a fresh process, long enough for about a second of steps; the
+// median step (from the metrics' elapsed_s) over the run's second half.
+double trainedStepMs(
+    const std::string& tpipe,
+    const nlohmann::json& config,
+    const TuneCandidate& c,
+    const std::string& scratch) {
+  const std::string configPath = scratch + "/plan.json";
+  const std::string metricsPath = scratch + "/metrics.jsonl";
+  std::ofstream(configPath) << configWithPlan(config, c).dump();
+  const int steps = std::clamp(
+      static_cast<int>(std::ceil(1000.0 / std::max(c.predictedStepMs, 1.0))),
+      20,
+      200);
+  const std::string command = "'" + tpipe + "' train '" + configPath +
+      "' --set train.steps=" + std::to_string(steps) +
+      " --set train.eval_every=0 --set data.eval_samples=16 --metrics '" +
+      metricsPath + "' >/dev/null 2>&1";
+  std::remove(metricsPath.c_str());
+  if (std::system(command.c_str()) != 0)
+    throw std::runtime_error(command + " failed");
+  std::vector<double> elapsed;
+  std::ifstream metrics(metricsPath);
+  for (std::string line; std::getline(metrics, line);) {
+    const auto record = nlohmann::json::parse(line);
+    if (record.contains("loss") && record.contains("elapsed_s"))
+      elapsed.push_back(record["elapsed_s"].get<double>());
+  }
+  std::vector<double> secondHalf;
+  for (size_t i = elapsed.size() / 2 + 1; i < elapsed.size(); ++i)
+    secondHalf.push_back(1000.0 * (elapsed[i] - elapsed[i - 1]));
+  if (secondHalf.empty())
+    throw std::runtime_error("no steps recorded by " + command);
+  return median(secondHalf);
+}
+
+// Every plan of the grid trained in turn, `rounds` times: the median of
+// its runs.
+std::vector<double> measureByTraining(
+    const std::string& tpipe,
+    const std::string& path,
+    const std::vector<TuneCandidate>& grid,
+    int rounds) {
+  nlohmann::json config;
+  std::ifstream(path) >> config;
+  char pattern[] = "/tmp/tune-bench-XXXXXX";
+  const char* scratch = ::mkdtemp(pattern);
+  if (!scratch)
+    throw std::runtime_error("cannot make a scratch directory");
+  std::vector<std::vector<double>> runs(grid.size());
+  for (int round = 0; round < rounds; ++round) {
+    for (size_t g = 0; g < grid.size(); ++g)
+      runs[g].push_back(trainedStepMs(tpipe, config, grid[g], scratch));
+  }
+  std::system(("rm -rf '" + std::string(scratch) + "'").c_str());
+  std::vector<double> out;
+  for (auto& r : runs)
+    out.push_back(median(r));
+  return out;
+}
+
 // Every distinct choice, the top 5 predicted, then every few places down
 // the ranking: about 10 plans.
 std::vector<TuneCandidate> gridOf(
@@ -165,7 +228,7 @@ nlohmann::json benchConfig(
     int repeats,
     bool busy,
     Summary& summary) {
-  const Config config = loadConfig(path);
+  loadConfig(path); // a bad config is refused before any run
   std::cout << "== " << path << (busy ? " (busy)" : " (quiet)") << std::endl;
   const pid_t neighbour = busy ? startBusyNeighbour() : 0;
   std::vector<TuneCandidate> choices, ranked;
@@ -178,7 +241,7 @@ nlohmann::json benchConfig(
               << std::endl;
   }
   const std::vector<TuneCandidate> grid = gridOf(choices, ranked);
-  const std::vector<double> measured = measureCandidates(config, grid, 1, 15);
+  const std::vector<double> measured = measureByTraining(tpipe, path, grid, 3);
   stopBusyNeighbour(neighbour);
   std::map<std::string, double> measuredOf;
   for (size_t g = 0; g < grid.size(); ++g)
