@@ -274,7 +274,6 @@ struct SocketChannels::Impl {
   std::string secret; // in the ticket; a connecting rank must present it
 
   void accept(std::set<int> below);
-  void configureAll();
 };
 
 namespace {
@@ -356,6 +355,7 @@ void SocketChannels::connect(const std::vector<std::string>& tickets) {
       const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
       if (fd < 0)
         failWithErrno("cannot open a socket");
+      configure(fd, impl_->timeout);
       auto channel = std::make_unique<Impl::Channel>();
       channel->peer = peer, channel->fd = fd;
       impl_->channels[peer] = std::move(channel);
@@ -382,7 +382,6 @@ void SocketChannels::connect(const std::vector<std::string>& tickets) {
   if (impl_->listener >= 0)
     ::close(impl_->listener);
   impl_->listener = -1;
-  impl_->configureAll();
 }
 
 void SocketChannels::Impl::accept(std::set<int> below) {
@@ -417,11 +416,6 @@ void SocketChannels::Impl::accept(std::set<int> below) {
     channels[channel->peer] = std::move(channel);
     below.erase(static_cast<int>(hello.rank));
   }
-}
-
-void SocketChannels::Impl::configureAll() {
-  for (auto& [peer, channel] : channels)
-    configure(channel->fd, timeout);
 }
 
 SocketChannels::~SocketChannels() {

@@ -27,10 +27,10 @@ namespace runtime {
 // rendezvous) name the same boot and the same network namespace, where an
 // abstract Unix socket name is visible. A ticket also holds a random
 // secret that a connecting rank must present: any local process can find
-// an abstract name, but only ranks holding the job token read the store. TPIPE_P2P=gloo withholds the
-// ticket, so a rank that sets it talks to every peer over Gloo. Failures
-// are std::runtime_error saying what happened ("connection closed", "timed
-// out after ..."); the caller names the peer.
+// an abstract name, but only ranks holding the job token read the store.
+// TPIPE_P2P=gloo withholds the ticket, so a rank that sets it talks to every
+// peer over Gloo. Failures are std::runtime_error saying what happened
+// ("connection closed", "timed out after ..."); the caller names the peer.
 class SocketChannels {
  public:
   // Listens, unless TPIPE_P2P=gloo or the host has no abstract sockets.
