@@ -168,7 +168,7 @@ TEST_F(DistributedTest, TwoAndFourProcessesMatchTheThreadedRun) {
 // threaded run's losses, with replicas (whose sums add four ranks) too.
 TEST_F(DistributedTest, SocketsAndGlooCarryTheSameRun) {
   const std::string replicas = " --set pipeline.data_parallel=2";
-  for (const std::string settings : {std::string(), replicas}) {
+  for (const std::string& settings : {std::string(), replicas}) {
     const std::string nproc = settings.empty() ? "2" : "4";
     ASSERT_EQ(
         trainThreaded("", "threaded.jsonl"), 0); // replicas need processes

@@ -5,6 +5,8 @@
 #include <limits>
 #include <random>
 
+#include <nlohmann/json.hpp>
+
 #include "tpipe/partition.h"
 #include "tpipe/plan.h"
 #include "tpipe/schedule.h"
@@ -250,6 +252,60 @@ TEST(PartitionTest, InFlightMicroBatchesFollowTheSchedule) {
   EXPECT_FALSE(remat.keepsEverything());
   EXPECT_EQ(formatBytes(512LL << 20), "512.00 MiB");
   EXPECT_EQ(formatBytes(12), "12 B");
+}
+
+// A re-plan from measured stage times goes through the resolver: the
+// partition stays, `auto` is rebuilt for the given per-stage costs, and the
+// predicted step is theirs.
+TEST(PartitionTest, MeasuredStageCostsRebuildTheAutoScheduleOfAPlan) {
+  PlanRequest request;
+  for (int l = 0; l < 6; ++l)
+    request.layers.push_back({"l" + std::to_string(l), 1.0, 2.0, 1000});
+  request.devices = {{"cpu:0"}, {"cpu:1"}};
+  request.partition = PartitionMethod::kParameters;
+  request.schedule = ScheduleKind::kAuto;
+  request.microBatches = 8;
+  request.checkpoint = CheckpointMode::kNever;
+  request.threadsPerDevice = 3;
+  const Plan unit = resolvePlan(request);
+  EXPECT_EQ(unit.threadsPerDevice, 3);
+  EXPECT_EQ(unit.boundaries, (std::vector<int>{0, 3, 6}));
+
+  // The second stage measured three times as slow as the first.
+  std::vector<StageCosts> measured(2);
+  measured[1].forward = 3.0;
+  measured[1].backward = 6.0;
+  measured[1].backwardInput = 3.0;
+  measured[1].backwardWeight = 3.0;
+  const Plan replanned = resolvePlan(pinnedRequest(request, unit, measured));
+  EXPECT_EQ(replanned.boundaries, unit.boundaries);
+  EXPECT_EQ(replanned.partition, PartitionMethod::kBalance);
+  EXPECT_EQ(replanned.threadsPerDevice, 3);
+  ScheduleSpec spec;
+  spec.source = ScheduleKind::kAuto;
+  spec.ranks = 2;
+  spec.microBatches = 8;
+  spec.checkpoint = CheckpointMode::kNever;
+  spec.costs = measured;
+  const Schedule expected = makeSchedule(spec);
+  EXPECT_EQ(scheduleToJson(replanned.schedule), scheduleToJson(expected));
+  EXPECT_NE(scheduleToJson(replanned.schedule), scheduleToJson(unit.schedule));
+  EXPECT_DOUBLE_EQ(
+      replanned.simulation.makespan, simulate(expected, measured).makespan);
+  // The slow stage bounds the step: 8 micro-batches of 3 + 6 ms.
+  EXPECT_GE(replanned.simulation.makespan, 8 * 9.0);
+
+  // Per-stage costs fix the partition, so a searching method is refused.
+  request.stageCosts = measured;
+  try {
+    resolvePlan(request);
+    FAIL();
+  } catch (const PartitionError& error) {
+    EXPECT_NE(
+        std::string(error.what()).find("per-stage costs (2) need partition"),
+        std::string::npos)
+        << error.what();
+  }
 }
 
 } // namespace

@@ -81,6 +81,31 @@ TEST(TuneTest, PipeliningWinsWhenThreadsDoNotScale) {
   }
 }
 
+// Training runs the choice as the tuner predicted it: the resolver, given
+// the candidate's request, gives its boundaries, micro-batches, threads and
+// simulated step, for a built-in schedule and for `auto` (built from the
+// calibrated stage costs, not unit costs).
+TEST(TuneTest, TheChoicesPlanIsTheOnePredicted) {
+  const CostModel model = equalLayers(5, 1.0);
+  for (ScheduleKind kind : {ScheduleKind::kOneFOneB, ScheduleKind::kAuto}) {
+    TuneRequest request = twoCores();
+    request.schedules = {kind};
+    const TuneResult result = tunePlans(model, request);
+    const TuneCandidate& choice = choiceOf(result);
+    ASSERT_EQ(choice.ranks, 2) << choice.label();
+    const Plan plan = resolvePlan(candidatePlanRequest(model, request, choice));
+    EXPECT_EQ(plan.boundaries, choice.boundaries) << choice.label();
+    EXPECT_EQ(plan.schedule.microBatches, choice.microBatches);
+    EXPECT_EQ(plan.schedule.ranks, 2);
+    EXPECT_EQ(plan.checkpoint, choice.checkpoint);
+    EXPECT_EQ(plan.threadsPerDevice, choice.threadsPerStage);
+    // No per-step or held-activation costs in this model: the prediction
+    // is the simulated pipeline alone.
+    EXPECT_NEAR(plan.simulation.makespan, choice.predictedStepMs, 1e-9)
+        << choice.label();
+  }
+}
+
 // Plans that run the same instructions are one candidate: on one stage
 // except_last recomputes nothing (the only stage is the last), and with one
 // micro-batch fill-drain and 1F1B are the same list.

@@ -71,10 +71,11 @@ struct PipelineOptions {
   std::vector<std::string> devices{"cpu:0"};
   // A resolved plan (resolvePlan over measured costs, as the trainer
   // makes): its boundaries and schedule are run as they are, and stages,
-  // partition, balance, microBatches, schedule, virtualStages and checkpoint
-  // below must agree with it or stay at their defaults. Without one, the
-  // pipeline asks resolvePlan itself with parameterCosts(layers); kTime then
-  // needs a plan, since only measured costs can choose by time.
+  // partition, balance, microBatches, schedule, virtualStages, checkpoint
+  // and threadsPerDevice below must agree with it or stay at their defaults.
+  // Without one, the pipeline asks resolvePlan itself with
+  // parameterCosts(layers); kTime then needs a plan, since only measured costs
+  // can choose by time.
   std::shared_ptr<const Plan> plan;
   // Total stages; 0 means one per device (times virtualStages).
   int stages = 0;
@@ -86,7 +87,9 @@ struct PipelineOptions {
   ScheduleSource schedule = ScheduleKind::kGpipe;
   int virtualStages = 1; // stages per device (interleaved-1f1b)
   CheckpointMode checkpoint = CheckpointMode::kExceptLast;
-  // Intra-op threads of each device's worker; 0 shares the cores fairly.
+  // Intra-op threads of each device's worker; 0 takes the plan's
+  // (Plan::threadsPerDevice), and where that is 0 too shares the cores
+  // fairly.
   int threadsPerDevice = 0;
   uint64_t seed = 0; // seeds each stage's random generator
   // Record every executed instruction's start and end (see trace()); off,

@@ -77,6 +77,14 @@ struct PlanRequest {
   double instructionMs = 0.0;
   double splitBackward = 1.0;
   int64_t inputBytes = 0; // the model input per micro-batch
+  // Intra-op threads of each device's worker, as the costs were measured
+  // at; 0: the runtime shares the cores fairly. Carried into the Plan.
+  int threadsPerDevice = 0;
+  // Per-stage costs known as such (a recorded run's, or the tuner's for a
+  // fixed partition): the schedule `auto` is built from them and the
+  // simulation uses them, instead of sums of the layers. Needs partition
+  // kBalance, one entry per stage.
+  std::vector<StageCosts> stageCosts;
 };
 
 struct Plan {
@@ -90,6 +98,7 @@ struct Plan {
   std::string costSource;
   double costNoise = 0.0;
   std::vector<std::string> notes; // near-equal alternatives, choices made
+  int threadsPerDevice = 0;       // the request's (0: shared fairly)
   // A stage exceeds its device's capacity (only for methods that do not
   // search: uniform, parameters, balance; kTime throws instead).
   bool overCapacity() const;
@@ -100,6 +109,15 @@ struct Plan {
 
 // Throws UserError (PartitionError, ScheduleError) naming what is wrong.
 Plan resolvePlan(const PlanRequest& request);
+
+// The request for `plan`'s own partition (an explicit balance) under these
+// per-stage costs: resolving it keeps the layout and rebuilds a schedule
+// `auto` for them. The trainer's re-plan from measured stage times and the
+// tuner's `auto` candidates both ask this.
+PlanRequest pinnedRequest(
+    PlanRequest request,
+    const Plan& plan,
+    std::vector<StageCosts> stageCosts);
 
 // Per-stage costs for the simulator: forward and backward sums scaled by the
 // device speed, B and W as halves of the backward (times splitBackward),

@@ -167,6 +167,7 @@ struct TuneOptions {
 
 struct TuneOutcome {
   CostModel model;
+  TuneRequest request; // what was searched (see candidatePlanRequest)
   TuneResult result;
   // The calibration, for the reader: fit residuals, runtime overheads.
   std::vector<std::string> calibration;
@@ -205,11 +206,11 @@ std::vector<double> measureCandidates(
     int rounds,
     std::ostream* log = nullptr);
 
-// The config with its pipeline section set to run `candidate`: the first
-// `ranks` devices, partition "balance" with its boundaries, its schedule,
-// micro-batches, checkpoint mode and threads. The JSON form keeps every
-// other key as written.
-Config configWithPlan(Config config, const TuneCandidate& candidate);
+// A config file's JSON with its pipeline section set to run `candidate`
+// (`tpipe tune --write`): the first `ranks` devices, partition "balance"
+// with its boundaries, its schedule, micro-batches, checkpoint mode and
+// threads; every other key as written. Training itself takes the
+// candidate's plan (candidatePlanRequest), never a config rebuilt from it.
 nlohmann::json configWithPlan(
     nlohmann::json config,
     const TuneCandidate& candidate);

@@ -31,6 +31,7 @@
 #include <nlohmann/json_fwd.hpp>
 
 #include "tpipe/costs.h"
+#include "tpipe/plan.h"
 #include "tpipe/schedule.h"
 
 namespace tpipe {
@@ -149,6 +150,16 @@ TuneCandidate predictCandidate(
     const CostModel& model,
     const TuneRequest& request,
     const TuneCandidate& shape);
+
+// The plan request of a feasible candidate as it was predicted, which
+// training resolves and runs: its boundaries (an explicit balance),
+// schedule (`auto` built from the calibrated stage costs), micro-batches,
+// checkpoint mode and threads per stage, over the model's costs at its
+// micro-batch size. Throws UserError for a request tunePlans would refuse.
+PlanRequest candidatePlanRequest(
+    const CostModel& model,
+    const TuneRequest& request,
+    const TuneCandidate& candidate);
 
 // The order in which plans that run equally fast are preferred: fewer
 // devices, fewer virtual stages, the plainer schedule (gpipe, 1f1b, ...),

@@ -49,6 +49,8 @@ Schedule scheduleFor(const PlanRequest& request, int stages) {
   spec.microBatches = request.microBatches;
   spec.virtualStages = request.virtualStages;
   spec.checkpoint = request.checkpoint;
+  if (!request.stageCosts.empty())
+    spec.costs = request.stageCosts;
   return makeSchedule(spec);
 }
 
@@ -80,12 +82,13 @@ Candidate evaluate(
   candidate.schedule = schedule;
   candidate.simulation = simulate(
       schedule,
-      stageCostsOf(
-          request.layers,
-          candidate.problem.devices,
-          partition.boundaries,
-          request.instructionMs,
-          request.splitBackward));
+      !request.stageCosts.empty() ? request.stageCosts
+                                  : stageCostsOf(
+                                        request.layers,
+                                        candidate.problem.devices,
+                                        partition.boundaries,
+                                        request.instructionMs,
+                                        request.splitBackward));
   candidate.stepMs = candidate.simulation.makespan;
   return candidate;
 }
@@ -245,6 +248,16 @@ void checkRequest(const PlanRequest& request) {
         std::string(partitionMethodName(request.partition)) +
         "': give one or the other (the balance implies partition 'balance')");
   }
+  if (request.threadsPerDevice < 0)
+    throw PartitionError(
+        "threads per device must be >= 0, got " +
+        std::to_string(request.threadsPerDevice));
+  if (!request.stageCosts.empty() &&
+      (!balanced || request.stageCosts.size() != request.balance.size())) {
+    throw PartitionError(
+        "per-stage costs (" + std::to_string(request.stageCosts.size()) +
+        ") need partition 'balance' with one entry per stage");
+  }
   if (balanced && request.stages > 0 &&
       request.stages != static_cast<int>(request.balance.size())) {
     throw PartitionError(
@@ -384,9 +397,21 @@ Plan resolvePlan(const PlanRequest& request) {
   plan.simulation = chosen.simulation;
   plan.costSource = request.costSource;
   plan.costNoise = request.costNoise;
+  plan.threadsPerDevice = request.threadsPerDevice;
   if (request.partition == PartitionMethod::kTime)
     plan.notes.insert(plan.notes.begin(), "chosen: " + chosen.what);
   return plan;
+}
+
+PlanRequest pinnedRequest(
+    PlanRequest request,
+    const Plan& plan,
+    std::vector<StageCosts> stageCosts) {
+  request.partition = PartitionMethod::kBalance;
+  request.balance = balanceOf(plan.boundaries);
+  request.stages = plan.stageCount();
+  request.stageCosts = std::move(stageCosts);
+  return request;
 }
 
 nlohmann::json planToJson(const Plan& plan) {
@@ -413,6 +438,7 @@ nlohmann::json planToJson(const Plan& plan) {
       {"micro_batches", plan.schedule.microBatches},
       {"virtual_stages", plan.schedule.virtualStages},
       {"checkpoint", checkpointModeName(plan.checkpoint)},
+      {"threads_per_device", plan.threadsPerDevice},
       {"bottleneck_ms", plan.bottleneckMs},
       {"predicted_step_ms", plan.simulation.makespan},
       {"cost_source", plan.costSource},

@@ -298,6 +298,7 @@ PlanRequest planRequestFor(
   plan.splitBackward = model.splitBackward;
   plan.inputBytes = static_cast<int64_t>(
       std::llround(model.inputBytesPerSample * microBatchSize));
+  plan.threadsPerDevice = request.cores > 0 ? s.threads : 0;
   return plan;
 }
 
@@ -337,28 +338,33 @@ bool fitsDevices(
   return true;
 }
 
-// "auto" is the list scheduler on the candidate's own stage costs (the
-// resolver built it with unit costs).
-Simulation simulateAuto(
-    const PlanRequest& request,
-    const Plan& plan,
-    const Setting& s) {
+// "auto" is the list scheduler on the candidate's own stage costs: the
+// resolver's unit-cost schedule only chose the partition.
+PlanRequest withStageCosts(PlanRequest request, const Plan& plan) {
   std::vector<DeviceSpec> devices;
   for (int k = 0; k < plan.stageCount(); ++k)
     devices.push_back(request.devices[plan.schedule.rankOfStage(k)]);
-  const std::vector<StageCosts> costs = stageCostsOf(
+  std::vector<StageCosts> costs = stageCostsOf(
       request.layers,
       devices,
       plan.boundaries,
       request.instructionMs,
       request.splitBackward);
-  ScheduleSpec spec;
-  spec.source = ScheduleKind::kAuto;
-  spec.ranks = s.ranks;
-  spec.microBatches = s.microBatches;
-  spec.checkpoint = s.checkpoint;
-  spec.costs = costs;
-  return simulate(makeSchedule(spec), costs);
+  return pinnedRequest(std::move(request), plan, std::move(costs));
+}
+
+Setting settingOf(
+    const CostModel& model,
+    const TuneRequest& request,
+    const TuneCandidate& c) {
+  return {
+      c.ranks,
+      c.dataParallel,
+      request.cores > 0 ? c.threadsPerStage : model.threads.front(),
+      c.microBatches,
+      request.batchSize / c.dataParallel,
+      c.schedule,
+      c.checkpoint};
 }
 
 TuneCandidate evaluate(
@@ -389,7 +395,7 @@ TuneCandidate evaluate(
   if (!fitsDevices(plan, planRequest, c, heldBeyondOne))
     return c;
   const Simulation simulation = s.schedule == ScheduleKind::kAuto
-      ? simulateAuto(planRequest, plan, s)
+      ? resolvePlan(withStageCosts(planRequest, plan)).simulation
       : plan.simulation; // the resolver's, under the calibrated costs
   c.bubble = simulation.bubbleFraction;
   c.allReduceMs = allReduceMs(
@@ -590,16 +596,22 @@ TuneCandidate predictCandidate(
     const TuneRequest& request,
     const TuneCandidate& shape) {
   checkRequest(model, request);
-  return evaluate(
-      model,
-      request,
-      {shape.ranks,
-       shape.dataParallel,
-       request.cores > 0 ? shape.threadsPerStage : model.threads.front(),
-       shape.microBatches,
-       request.batchSize / shape.dataParallel,
-       shape.schedule,
-       shape.checkpoint});
+  return evaluate(model, request, settingOf(model, request, shape));
+}
+
+PlanRequest candidatePlanRequest(
+    const CostModel& model,
+    const TuneRequest& request,
+    const TuneCandidate& c) {
+  checkRequest(model, request);
+  const Setting s = settingOf(model, request, c);
+  PlanRequest pinned = planRequestFor(
+      model, request, s, static_cast<double>(s.batch) / s.microBatches);
+  pinned.partition = PartitionMethod::kBalance;
+  pinned.balance = balanceOf(c.boundaries);
+  if (c.schedule == ScheduleKind::kAuto)
+    pinned = withStageCosts(pinned, resolvePlan(pinned));
+  return pinned;
 }
 
 nlohmann::json tuneCandidateToJson(const TuneCandidate& c) {

@@ -346,6 +346,7 @@ PlanRequest Pipeline::Impl::planRequest(size_t deviceCount) const {
   request.microBatches = options.microBatches;
   request.virtualStages = options.virtualStages;
   request.checkpoint = options.checkpoint;
+  request.threadsPerDevice = options.threadsPerDevice;
   return request;
 }
 
@@ -376,6 +377,10 @@ void Pipeline::Impl::checkAgreesWithPlan() const {
       options.checkpoint == plan.checkpoint,
       options.checkpoint == defaults.checkpoint,
       "checkpoint");
+  agrees(
+      options.threadsPerDevice == plan.threadsPerDevice,
+      options.threadsPerDevice == 0 || plan.threadsPerDevice == 0,
+      "threadsPerDevice");
 }
 
 // NCCL pairs a boundary's sends with its receives by order alone.
@@ -466,8 +471,9 @@ void Pipeline::Impl::startWorkers() {
   const int ranks = schedule.ranks;
   const int cores =
       static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  const int threads = options.threadsPerDevice > 0 ? options.threadsPerDevice
-                                                   : std::max(1, cores / ranks);
+  const int asked = options.threadsPerDevice > 0 ? options.threadsPerDevice
+                                                 : plan.threadsPerDevice;
+  const int threads = asked > 0 ? asked : std::max(1, cores / ranks);
   threadsPerRank = threads;
   const bool tracking = options.trackMemory || !options.deviceMemory.empty();
   TORCH_CHECK(

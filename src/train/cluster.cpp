@@ -233,6 +233,7 @@ TuneOutcome tuneForCluster(
       formatBytes(cluster.device.memoryBytes) + " each, " +
       std::to_string(cluster.flopsPerMs / 1e9) + " effective TFLOP/s");
   outcome.result = tunePlans(outcome.model, request);
+  outcome.request = std::move(request);
   return outcome;
 }
 

@@ -66,9 +66,16 @@ Profile profileModelWith(
     const BuiltModel& model,
     ProfileOptions options);
 
+// A plan and the request it was resolved from: a re-plan (from measured
+// stage times) keeps the request's devices, costs and options.
+struct ResolvedPlan {
+  PlanRequest request;
+  Plan plan;
+};
+
 // The plan this run trains with: costs measured (or read) once, on rank 0,
 // and shared, so every process resolves the same plan.
-Plan planTraining(
+ResolvedPlan planTraining(
     const Config& config,
     const BuiltModel& model,
     const std::string& profilePath,

@@ -310,6 +310,7 @@ PlanRequest planRequest(const Config& config, const TrainingCosts& costs) {
   request.microBatches = p.microBatches;
   request.virtualStages = p.virtualStages;
   request.checkpoint = p.checkpoint;
+  request.threadsPerDevice = p.threadsPerDevice;
   const auto& o = config.train.optimizer;
   request.optimizerFactor = optimizerStateFactor(o.type, o.momentum);
   return request;
@@ -390,7 +391,7 @@ std::shared_ptr<Communicator> joinWorld(const Config& config) {
   return std::make_shared<Communicator>(world, ranks, timeout, run.dump());
 }
 
-Plan planTraining(
+ResolvedPlan planTraining(
     const Config& config,
     const BuiltModel& model,
     const std::string& profilePath,
@@ -405,11 +406,12 @@ Plan planTraining(
     costs = sharedCosts(costs, *world);
   // Before the first step: a plan over a device's cap (or, in one process,
   // over the host's available memory) is refused with what would fit.
+  PlanRequest request = planRequest(config, costs);
   const Feasibility verdict =
-      configFeasibility(config, costs, world == nullptr);
+      checkFeasibility(request, world == nullptr ? hostAvailableBytes() : 0);
   if (!verdict.fits)
     throw ConfigError(infeasibleText(verdict));
-  return verdict.plan;
+  return {std::move(request), verdict.plan};
 }
 
 } // namespace tpipe

@@ -55,8 +55,10 @@ PredictSummary predict(const Config& given, const PredictOptions& options) {
           kChunksPerCall, inputs.size(0) / config.train.batchSize));
   inference.train.batchSize *= calls;
   inference.pipeline.microBatches *= static_cast<int>(calls);
-  const Plan plan = planTraining(
-      inference, model, "", needsMeasuredCosts(inference), world.get());
+  const Plan plan =
+      planTraining(
+          inference, model, "", needsMeasuredCosts(inference), world.get())
+          .plan;
   Pipeline pipe(model.layers, pipelineOptions(inference, model, plan, world));
   // The optimizer only receives the checkpoint's state: resume's checks
   // (checksums, layer names, layout) are the ones a prediction needs.

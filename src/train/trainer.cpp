@@ -113,8 +113,8 @@ Evaluation evaluate(
   return result;
 }
 
-// pipeline.auto: tune briefly (prediction only) and train with the choice.
-Config tunedIfAuto(const Config& config, const TrainOptions& options) {
+// pipeline.auto tunes in this process, over costs it measures itself.
+const Config& checkedAuto(const Config& config, const TrainOptions& options) {
   if (!config.pipeline.autoTune)
     return config;
   if (!options.profilePath.empty()) {
@@ -127,7 +127,12 @@ Config tunedIfAuto(const Config& config, const TrainOptions& options) {
         "pipeline.auto tunes within one process; for a multi-process run, "
         "write the choice with `tpipe tune CONFIG --write OUT` and launch OUT");
   }
-  std::ostream& log = options.log ? *options.log : std::cout;
+  return config;
+}
+
+// pipeline.auto: tune briefly and train with the choice's plan as it was
+// predicted.
+ResolvedPlan tunedPlan(const Config& config, std::ostream& log) {
   TuneOptions tune;
   tune.quick = true;
   tune.log = &log;
@@ -144,7 +149,11 @@ Config tunedIfAuto(const Config& config, const TrainOptions& options) {
   log << std::defaultfloat << "\n";
   for (const auto& note : outcome.result.notes)
     log << "tune: " << note << "\n";
-  return configWithPlan(config, choice);
+  ResolvedPlan resolved;
+  resolved.request =
+      candidatePlanRequest(outcome.model, outcome.request, choice);
+  resolved.plan = resolvePlan(resolved.request);
+  return resolved;
 }
 
 // --resume auto: the --save directory's last committed checkpoint if it
@@ -173,7 +182,7 @@ TrainOptions withAutoResume(TrainOptions options, std::string& note) {
 class TrainingRun {
  public:
   TrainingRun(const Config& config, const TrainOptions& options)
-      : config_(fittedToWorld(tunedIfAuto(config, options))),
+      : config_(fittedToWorld(checkedAuto(config, options))),
         options_(withAutoResume(options, autoResumeNote_)),
         world_(joinWorld(config_)) {
     if (world_) {
@@ -233,12 +242,18 @@ class TrainingRun {
     for (const auto& device : config_.pipeline.devices)
       capped = capped || device.memoryBytes > 0;
     measureMemory_ = capped || options_.memoryReport;
-    plan_ = planTraining(
-        config_,
-        model_,
-        options_.profilePath,
-        needsMeasuredCosts(config_) || measureMemory_,
-        world());
+    const ResolvedPlan resolved = config_.pipeline.autoTune
+        ? tunedPlan(config_, *log_)
+        : planTraining(
+              config_,
+              model_,
+              options_.profilePath,
+              needsMeasuredCosts(config_) || measureMemory_,
+              world());
+    planRequest_ = resolved.request;
+    plan_ = resolved.plan;
+    // pipeline.auto's plan chooses its own count.
+    setBatchNormMicroBatches(model_, plan_.schedule.microBatches);
     if (world()) {
       const Schedule& schedule = plan_.schedule;
       const int mine = world()->stageRank();
@@ -391,7 +406,7 @@ class TrainingRun {
     log << ", boundaries";
     for (int b : pipe_->boundaries())
       log << ' ' << b;
-    log << ", " << config_.pipeline.microBatches << " micro-batches, "
+    log << ", " << plan_.schedule.microBatches << " micro-batches, "
         << plan_.schedule.name << ", checkpoint "
         << checkpointModeName(plan_.checkpoint) << "\n";
     log << "plan: partition " << partitionMethodName(plan_.partition)
@@ -634,15 +649,10 @@ class TrainingRun {
   void adoptAutoSchedule(bool recordAfter) {
     const BubbleReport report = bubbleReport(pipe_->trace());
     const int p = plan_.schedule.ranks;
-    Plan plan = plan_;
-    ScheduleSpec spec;
-    spec.source = ScheduleKind::kAuto;
-    spec.ranks = p;
-    spec.microBatches = plan.schedule.microBatches;
-    spec.checkpoint = plan.checkpoint;
-    spec.costs = report.measuredCosts;
-    plan.schedule = makeSchedule(spec);
-    plan.simulation = simulate(plan.schedule, report.measuredCosts);
+    PlanRequest request =
+        pinnedRequest(planRequest_, plan_, report.measuredCosts);
+    request.schedule = ScheduleKind::kAuto;
+    const Plan plan = resolvePlan(request);
     const double h1 = simulate(
                           zeroBubbleH1Schedule(
                               p, plan.schedule.microBatches, plan.checkpoint),
@@ -657,6 +667,7 @@ class TrainingRun {
     if (measureMemory_)
       memoryRows_ = prepareMemory(config_, *pipe_);
     pipe_->setRecording(recordAfter);
+    planRequest_ = request;
     plan_ = plan;
     *log_ << "schedule auto: built from the measured stage times of "
           << kAutoRecordedSteps << " steps; simulated step " << std::fixed
@@ -774,6 +785,7 @@ class TrainingRun {
   std::unique_ptr<DirectoryLock> saveLock_;
   BuiltModel model_;
   Dataset data_;
+  PlanRequest planRequest_; // what plan_ was resolved from
   Plan plan_;
   bool measureMemory_ = false;
   std::unique_ptr<Pipeline> pipe_;
@@ -809,9 +821,9 @@ PipelineOptions pipelineOptions(
   options.devices.clear();
   for (const auto& device : p.devices)
     options.devices.push_back(device.name);
-  // The plan carries the schedule, micro-batches and checkpoint mode.
+  // The plan carries the schedule, micro-batches, checkpoint mode and
+  // threads.
   options.plan = std::make_shared<const Plan>(plan);
-  options.threadsPerDevice = p.threadsPerDevice;
   options.seed = config.train.seed;
   options.layerOutputShapes.assign(
       model.shapes.begin() + 1, model.shapes.end());

@@ -192,8 +192,8 @@ class StepMeter {
   }
 
  private:
-  // A candidate runs as training would run it: the options trainer.cpp
-  // gives a config with this plan, at the candidate's boundaries.
+  // A candidate runs as training would run it: its plan (the candidate's
+  // boundaries, schedule and threads) through the trainer's options.
   PipelineOptions optionsFor(const BuiltModel& model, const TuneCandidate& c) {
     PlanRequest request;
     request.layers = parameterCosts(model.layers);
@@ -206,8 +206,8 @@ class StepMeter {
     request.microBatches = c.microBatches;
     request.virtualStages = c.virtualStages;
     request.checkpoint = c.checkpoint;
-    return pipelineOptions(
-        configWithPlan(config_, c), model, resolvePlan(request), nullptr);
+    request.threadsPerDevice = c.threadsPerStage;
+    return pipelineOptions(config_, model, resolvePlan(request), nullptr);
   }
 
   const Config& config_;
@@ -760,7 +760,8 @@ TuneOutcome tuneConfig(const Config& config, const TuneOptions& options) {
   warmUp(meter, options);
   profileCurves(
       config, meter.model(), options, outcome.model, outcome.calibration);
-  const TuneRequest request = requestFor(config);
+  outcome.request = requestFor(config);
+  const TuneRequest& request = outcome.request;
   calibrateRuntime(
       config, meter, options, request, outcome.model, outcome.calibration);
   outcome.result = tunePlans(outcome.model, request);
@@ -797,22 +798,6 @@ TuneOutcome tuneConfig(const Config& config, const TuneOptions& options) {
 }
 
 // ---- writing the choice -------------------------------------------------
-
-Config configWithPlan(Config config, const TuneCandidate& c) {
-  auto& p = config.pipeline;
-  p.devices.resize(static_cast<size_t>(c.ranks));
-  p.stages = c.stages;
-  p.microBatches = c.microBatches;
-  p.schedule = c.schedule;
-  p.virtualStages = c.virtualStages;
-  p.checkpoint = c.checkpoint;
-  p.partition = PartitionMethod::kBalance;
-  p.balance = balanceOf(c.boundaries);
-  p.threadsPerDevice = c.threadsPerStage;
-  p.dataParallel = c.dataParallel;
-  p.autoTune = false;
-  return config;
-}
 
 nlohmann::json configWithPlan(nlohmann::json config, const TuneCandidate& c) {
   nlohmann::json& pipeline = config["pipeline"];
