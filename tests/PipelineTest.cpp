@@ -14,6 +14,7 @@
 #include <thread>
 #include <nlohmann/json.hpp>
 
+#include "runtime/placement.h"
 #include "runtime/socket_channels.h"
 #include "support/skip_net.h"
 #include "tpipe/pipeline.h"
@@ -1314,4 +1315,64 @@ TEST(PipelineTest, SocketChannelsShutOutAnyoneWithoutTheSecret) {
   const std::vector<torch::Tensor> got = high.receive(0, 7);
   ASSERT_EQ(got.size(), 1u);
   EXPECT_TRUE(got[0].equal(sent));
+}
+
+// Where stages and workers go is a value decided from the plan: ZB-V lays
+// rank r's two stages in a V, threads follow the plan (or share the cores),
+// and in a multi-process run only this process's rank is local.
+TEST(PipelineTest, PlacementIsAPlainValueFromThePlan) {
+  tpipe::PlanRequest request;
+  for (int l = 0; l < 8; ++l)
+    request.layers.push_back({"l" + std::to_string(l), 1.0, 2.0, 100});
+  request.devices = {{"cpu:0"}, {"cpu:1"}};
+  request.schedule = tpipe::ScheduleKind::kZeroBubbleV;
+  request.virtualStages = 2;
+  request.microBatches = 4;
+  const tpipe::Plan plan = tpipe::resolvePlan(request);
+  const auto shared =
+      tpipe::runtime::placeStages(plan, {"cpu:0", "cpu:1"}, 0, 6);
+  EXPECT_EQ(
+      tpipe::runtime::describePlacement(shared),
+      "rank 0 cpu:0, 3 thread(s): stage 0 (layers 0-1), stage 3 (layers 6-7)\n"
+      "rank 1 cpu:1, 3 thread(s): stage 1 (layers 2-3), stage 2 (layers 4-5)\n");
+  EXPECT_FALSE(shared.runsOnCaller());
+  const auto second =
+      tpipe::runtime::placeStages(plan, {"cpu:0", "cpu:1"}, 1, 6, 1);
+  EXPECT_EQ(second.localRanks(), std::vector<int>{1});
+  EXPECT_TRUE(second.runsOnCaller());
+  EXPECT_FALSE(second.stages[0].local);
+  EXPECT_TRUE(second.stages[2].local);
+  EXPECT_NE(
+      tpipe::runtime::describePlacement(second).find(
+          "rank 0 cpu:0, 1 thread(s): stage 0 (layers 0-1), stage 3 (layers "
+          "6-7), another process"),
+      std::string::npos);
+}
+
+// A plan's threads reach the workers without being repeated in the
+// options; options that contradict them are refused.
+TEST(PipelineTest, ThePlansThreadsRunTheStages) {
+  int seen = 0;
+  auto probe = [&seen](const torch::Tensor& x) {
+    seen = at::get_num_threads();
+    return x;
+  };
+  tpipe::LayerList layers;
+  layers.push_back({"fc", torch::nn::AnyModule(torch::nn::Linear(4, 4))});
+  layers.push_back(
+      {"probe", torch::nn::AnyModule(torch::nn::Functional(probe))});
+  tpipe::PlanRequest request;
+  request.layers = tpipe::parameterCosts(layers);
+  request.devices = {{"cpu:0"}};
+  request.threadsPerDevice = 1;
+  auto plan = std::make_shared<const tpipe::Plan>(tpipe::resolvePlan(request));
+  tpipe::PipelineOptions options;
+  options.plan = plan;
+  {
+    tpipe::Pipeline pipe(layers, options);
+    pipe.forward(torch::ones({2, 4}));
+    EXPECT_EQ(seen, 1);
+  }
+  options.threadsPerDevice = 2;
+  EXPECT_THROW(tpipe::Pipeline(layers, options), c10::Error);
 }

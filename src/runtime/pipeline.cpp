@@ -1,18 +1,15 @@
+// Building a Pipeline: checking layers and devices, resolving (or taking)
+// the plan, placing stages on devices and starting their workers; and the
+// accessors. Steps are driven in pipeline_step.cpp.
 #include "tpipe/pipeline.h"
 
 #include <algorithm>
-#include <chrono>
-#include <cmath>
-#include <exception>
 #include <set>
 #include <thread>
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Context.h>
 #include <ATen/Parallel.h>
-#include <ATen/core/grad_mode.h>
-#include <ATen/ops/cat.h>
-#include <ATen/ops/stack.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 #include <torch/cuda.h>
@@ -20,11 +17,7 @@
 
 #include "layers/skips.h"
 #include "runtime/c10d_transport.h"
-#include "runtime/executor.h"
-#include "runtime/memory.h"
-#include "runtime/ties.h"
-#include "runtime/transport.h"
-#include "runtime/worker.h"
+#include "runtime/pipeline_impl.h"
 #include "tpipe/partition.h"
 
 namespace tpipe {
@@ -159,90 +152,6 @@ auto checked(Body body) -> decltype(body()) {
 
 } // namespace
 
-struct Pipeline::Impl {
-  LayerList layers;
-  PipelineOptions options;
-  std::vector<c10::Device> rankDevices;
-  std::vector<int> boundaries;
-  Schedule schedule;
-  std::vector<runtime::StageRuntime> stages;
-  c10::Device remoteDevice{c10::kCPU};  // see place()
-  std::vector<runtime::TiedGroup> ties; // parameters used on several stages
-  runtime::LocalTransport localTransport;
-  std::unique_ptr<runtime::Transport> remoteTransport;
-  runtime::Transport* transport = &localTransport;
-  // Set when every transfer's shape is known ahead (across processes).
-  c10::optional<at::ScalarType> transferDtype;
-  std::vector<int> localRanks; // the ranks this process runs
-
-  // "stage 1 (cpu:1)", or "stage 1, 5 (cpu:1)" with virtual stages.
-  std::string memoryLabel(int rank) const {
-    std::string stageList;
-    for (int s : schedule.stagesOfRank(rank)) {
-      stageList += (stageList.empty() ? "" : ", ") + std::to_string(s);
-    }
-    return "stage " + stageList + " (" + options.devices[rank] + ")";
-  }
-
-  bool isLocalStage(int stage) const {
-    const int rank = schedule.rankOfStage(stage);
-    return std::find(localRanks.begin(), localRanks.end(), rank) !=
-        localRanks.end();
-  }
-  std::vector<std::unique_ptr<runtime::DeviceWorker>> workers;
-  Trace trace;
-  int steps = 0;
-  std::vector<int> memorySlots; // per rank, when tracking memory
-
-  ~Impl() {
-    workers.clear(); // join before the slots go back
-    for (int slot : memorySlots)
-      memory::releaseSlot(slot);
-  }
-
-  Plan plan;
-
-  void resolve();
-  std::vector<c10::Device> checkLayersAndDevices() const;
-  PlanRequest planRequest(size_t deviceCount) const;
-  void checkAgreesWithPlan() const;
-  void place();
-  void checkSharedTensorsStayOnOneDevice() const;
-  void placeStage(int s);
-  void startWorkers();
-  void run(runtime::StepState& state, const Schedule& plan);
-  int threadsPerRank = 1; // intra-op threads of each device's work
-  bool runsOnCaller() const {
-    return localRanks.size() == 1;
-  }
-  // Runs job(rank) where each of `ranks` (local ones) works, and waits.
-  void runOn(
-      const std::vector<int>& ranks,
-      const std::function<void(int)>& job);
-  std::vector<at::Tensor> gradientsOf(int stage) const {
-    std::vector<at::Tensor> gradients;
-    for (const auto& parameter : stages[stage].parameters)
-      gradients.push_back(parameter.grad());
-    return gradients;
-  }
-  void expectShapes(const runtime::StepState& state, const Schedule& plan);
-  void routeSkips(runtime::StageRuntime& stage) const;
-  void checkTransfersInOrder(const Schedule& plan) const;
-  // The most tensors one transfer carries (the activation and its skips).
-  int mostSlots() const {
-    size_t most = 1;
-    for (const auto& stage : stages)
-      most = std::max(most, stage.sourceLayers.size());
-    return static_cast<int>(most);
-  }
-  void keepTrace(runtime::StepState& state, double wallUs);
-  c10::optional<at::ScalarType> fixedTransferDtype() const;
-  std::vector<at::Tensor> split(
-      const at::Tensor& tensor,
-      int chunks,
-      c10::Device device) const;
-};
-
 // Layer names unique, modules present, devices known and distinct.
 std::vector<c10::Device> Pipeline::Impl::checkLayersAndDevices() const {
   TORCH_CHECK(!layers.empty(), "the layer list is empty");
@@ -317,13 +226,19 @@ void Pipeline::Impl::resolve() {
         options.communicator->pipelineRanks(),
         " pipeline ranks but the pipeline has ",
         ranks);
-    localRanks = {options.communicator->stageRank()};
-  } else {
-    for (int rank = 0; rank < ranks; ++rank)
-      localRanks.push_back(rank);
   }
   boundaries = plan.boundaries;
   schedule = plan.schedule;
+  const int cores =
+      static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  placement = runtime::placeStages(
+      plan,
+      options.devices,
+      options.threadsPerDevice > 0 ? options.threadsPerDevice
+                                   : plan.threadsPerDevice,
+      cores,
+      options.communicator ? options.communicator->stageRank() : -1);
+  localRanks = placement.localRanks();
 }
 
 PlanRequest Pipeline::Impl::planRequest(size_t deviceCount) const {
@@ -422,7 +337,7 @@ void Pipeline::Impl::routeSkips(runtime::StageRuntime& stage) const {
 void Pipeline::Impl::placeStage(int s) {
   runtime::StageRuntime& stage = stages[s];
   stage.index = s;
-  stage.deviceName = options.devices[schedule.rankOfStage(s)];
+  stage.deviceName = placement.stages[s].device;
   const bool local = isLocalStage(s);
   // A stage in another process is sent tensors on remoteDevice (place()).
   stage.device = local ? rankDevices[schedule.rankOfStage(s)] : remoteDevice;
@@ -469,12 +384,6 @@ void Pipeline::Impl::placeStage(int s) {
 // One worker per local rank, with its intra-op threads and memory slot.
 void Pipeline::Impl::startWorkers() {
   const int ranks = schedule.ranks;
-  const int cores =
-      static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  const int asked = options.threadsPerDevice > 0 ? options.threadsPerDevice
-                                                 : plan.threadsPerDevice;
-  const int threads = asked > 0 ? asked : std::max(1, cores / ranks);
-  threadsPerRank = threads;
   const bool tracking = options.trackMemory || !options.deviceMemory.empty();
   TORCH_CHECK(
       options.deviceMemory.empty() ||
@@ -501,6 +410,7 @@ void Pipeline::Impl::startWorkers() {
     // OpenMP's thread count is per thread, and a new thread inherits the
     // last value set anywhere: set it once in each worker. Allocations on
     // the worker are charged to its device's slot.
+    const int threads = placement.ranks[rank].threads;
     workers[rank] = std::make_unique<runtime::DeviceWorker>([threads, slot] {
       at::set_num_threads(threads);
       memory::setThreadDevice(slot);
@@ -586,196 +496,6 @@ c10::optional<at::ScalarType> Pipeline::Impl::fixedTransferDtype() const {
   return dtype.value_or(at::kFloat);
 }
 
-std::vector<at::Tensor> Pipeline::Impl::split(
-    const at::Tensor& tensor,
-    int chunks,
-    c10::Device device) const {
-  std::vector<at::Tensor> parts;
-  for (const auto& part : tensor.tensor_split(chunks, 0)) {
-    parts.push_back(part.to(device));
-  }
-  return parts;
-}
-
-namespace {
-
-// Whether the schedule splits backwards into input and weight passes.
-bool splitsBackward(const Schedule& schedule) {
-  for (const auto& list : schedule.perRank) {
-    for (const auto& instruction : list) {
-      if (std::holds_alternative<BackwardInput>(instruction))
-        return true;
-    }
-  }
-  return false;
-}
-
-} // namespace
-
-namespace {
-
-// Across processes a failed step is explained by every rank: each posts its
-// account and waits (up to the timeout) for the others'; ranks that never
-// report are the lost ones, named in the error every live rank exits with.
-std::string withAccounts(Communicator& world, const std::string& error) {
-  const std::string mine =
-      "rank " + std::to_string(world.rank()) + ": " + error;
-  // The live ranks fail within moments of each other: a closed connection is
-  // news at once, and a silent peer has already been waited out for the
-  // timeout by whoever reports it. A few seconds collect every live
-  // account; waiting the timeout again would only delay the exit (a stopped
-  // rank used to hold the job for twice the timeout).
-  const auto grace = std::min(world.timeout(), std::chrono::milliseconds(3000));
-  const std::vector<std::string> accounts = world.reportFailure(mine, grace);
-  std::string lost, others;
-  for (size_t r = 0; r < accounts.size(); ++r) {
-    if (accounts[r].empty())
-      lost += (lost.empty() ? "" : ", ") + std::to_string(r);
-    else if (static_cast<int>(r) != world.rank())
-      others += "\n  " + accounts[r].substr(0, accounts[r].find('\n'));
-  }
-  std::string text = mine;
-  if (!lost.empty()) {
-    char seconds[32];
-    std::snprintf(seconds, sizeof seconds, "%.1f", grace.count() / 1000.0);
-    text +=
-        "\nlost: rank(s) " + lost + " sent no account within " + seconds + " s";
-  }
-  if (!others.empty())
-    text += "\nthe other ranks:" + others;
-  return text;
-}
-
-} // namespace
-
-// With the transfers' shapes fixed (fixedTransferDtype), the process
-// transport skips headers and posts its receives at the step's start.
-void Pipeline::Impl::expectShapes(
-    const runtime::StepState& state,
-    const Schedule& plan) {
-  if (!transferDtype)
-    return;
-  runtime::StepShapes shapes;
-  shapes.dtype = *transferDtype;
-  shapes.microBatchSizes = state.microBatchSizes;
-  shapes.receivesAhead = options.receivesAhead;
-  for (int b = 0; b + 1 < plan.stages(); ++b) {
-    shapes.perSample.emplace_back();
-    for (int layer : stages[b + 1].sourceLayers)
-      shapes.perSample.back().push_back(options.layerOutputShapes[layer]);
-  }
-  for (int rank : localRanks) {
-    for (const auto& instruction : plan.perRank[rank]) {
-      if (const auto* r = std::get_if<RecvActivation>(&instruction)) {
-        shapes.receives.push_back(
-            {runtime::Direction::kActivation, r->stage - 1, r->microBatch});
-      } else if (const auto* g = std::get_if<RecvGrad>(&instruction)) {
-        shapes.receives.push_back(
-            {runtime::Direction::kGradient, g->stage, g->microBatch});
-      }
-    }
-  }
-  // The posted receives' buffers are held from now on: charge them to the
-  // device (one process runs one pipeline rank).
-  c10::optional<memory::DeviceScope> charged;
-  if (!memorySlots.empty())
-    charged.emplace(memorySlots.front());
-  transport->expect(shapes);
-}
-
-// One device in this process (one stage, or one rank of a multi-process
-// run): its work runs on the calling thread, under the settings a worker
-// has (intra-op threads, memory slot). On this machine a LibTorch loop on
-// a process's first thread ran 6-10% faster than the same loop on a second
-// thread (OpenMP's pool and malloc's arenas of later threads), and one
-// stage must cost no more than a plain loop. With several devices each has
-// its worker, and the caller waits.
-void Pipeline::Impl::runOn(
-    const std::vector<int>& ranks,
-    const std::function<void(int)>& job) {
-  if (runsOnCaller()) {
-    // Set once and kept: changing the count back and forth would rebuild
-    // LibTorch's thread pools every step.
-    if (at::get_num_threads() != threadsPerRank)
-      at::set_num_threads(threadsPerRank);
-    memory::DeviceScope charged(
-        memorySlots.empty() ? memory::kUnattributed : memorySlots.front());
-    job(localRanks.front());
-    return;
-  }
-  runtime::Latch latch(static_cast<int>(ranks.size()));
-  for (int rank : ranks) {
-    workers[rank]->post([&job, &latch, rank] {
-      job(rank);
-      latch.countDown();
-    });
-  }
-  latch.wait();
-}
-
-void Pipeline::Impl::run(runtime::StepState& state, const Schedule& plan) {
-  state.schedule = &plan;
-  state.stages = &stages;
-  state.transport = transport;
-  transport->begin(plan.stages() - 1);
-  if (remoteTransport)
-    expectShapes(state, plan);
-  const int m = plan.microBatches;
-  state.stash.assign(static_cast<size_t>(plan.stages()) * m, {});
-  state.losses.assign(m, {});
-  state.outputs.assign(m, {});
-  state.record = options.record && plan.training;
-  state.splitBackward = splitsBackward(plan);
-  state.autocast = options.autocast;
-  state.copyOnReceive = !memorySlots.empty() && !remoteTransport;
-  if (state.record)
-    state.events.assign(plan.ranks, {});
-  state.start = std::chrono::steady_clock::now();
-  state.layerOutputShapes = &options.layerOutputShapes;
-  const bool training = plan.training;
-  runOn(localRanks, [&state, training](int rank) {
-    at::AutoGradMode gradMode(training); // grad mode is per thread
-    runtime::runRank(state, rank);
-  });
-  if (state.error.empty()) {
-    try {
-      transport->end();
-    } catch (const c10::Error& error) {
-      state.error = error.what_without_backtrace();
-    }
-  }
-  const double wallUs = std::chrono::duration<double, std::micro>(
-                            std::chrono::steady_clock::now() - state.start)
-                            .count();
-  state.stash.clear(); // frees activations of a failed step too
-  if (!state.error.empty() && options.communicator)
-    state.error = withAccounts(*options.communicator, state.error);
-  TORCH_CHECK(state.error.empty(), state.error);
-  if (plan.training)
-    ++steps;
-  if (state.record)
-    keepTrace(state, wallUs);
-}
-
-// The step's events join the trace; the last keepSteps are kept.
-void Pipeline::Impl::keepTrace(runtime::StepState& state, double wallUs) {
-  StepTrace step;
-  step.step = steps;
-  step.wallUs = wallUs;
-  step.originUs =
-      std::chrono::duration<double, std::micro>(state.start.time_since_epoch())
-          .count();
-  for (auto& events : state.events)
-    step.events.insert(step.events.end(), events.begin(), events.end());
-  trace.steps.push_back(std::move(step));
-  const size_t keep = static_cast<size_t>(std::max(1, options.keepSteps));
-  if (trace.steps.size() > keep) {
-    trace.steps.erase(
-        trace.steps.begin(),
-        trace.steps.end() - static_cast<std::ptrdiff_t>(keep));
-  }
-}
-
 Pipeline::Pipeline(LayerList layers, PipelineOptions options)
     : impl_(std::make_unique<Impl>()) {
   impl_->layers = std::move(layers);
@@ -789,171 +509,6 @@ Pipeline::Pipeline(LayerList layers, PipelineOptions options)
 }
 
 Pipeline::~Pipeline() = default;
-
-torch::Tensor Pipeline::trainStep(
-    const torch::Tensor& input,
-    const torch::Tensor& target,
-    const LossFunction& lossFn) {
-  TORCH_CHECK(
-      input.defined() && input.dim() >= 1,
-      "trainStep: input must have a batch dimension");
-  TORCH_CHECK(
-      target.defined() && target.dim() >= 1 && target.size(0) == input.size(0),
-      "trainStep: target batch (",
-      target.defined() && target.dim() ? target.size(0) : 0,
-      ") differs from input batch (",
-      input.size(0),
-      ")");
-  TORCH_CHECK(lossFn, "trainStep: no loss function given");
-  const int m = impl_->schedule.microBatches;
-  const int64_t batch = input.size(0);
-  TORCH_CHECK(
-      batch >= m,
-      "more micro-batches (",
-      m,
-      ") than samples (",
-      batch,
-      ") in the batch");
-  runtime::StepState state;
-  state.inputs = impl_->split(input, m, impl_->stages.front().device);
-  state.targets = impl_->split(target, m, impl_->stages.back().device);
-  for (const auto& chunk : state.inputs) {
-    state.weights.push_back(
-        static_cast<double>(chunk.size(0)) / static_cast<double>(batch));
-    state.microBatchSizes.push_back(chunk.size(0));
-  }
-  state.lossFn = &lossFn;
-  auto* communicator = impl_->options.communicator.get();
-  if (communicator && communicator->replicas() > 1 &&
-      impl_->options.overlapGradientSync) {
-    state.gradientsFinal = [this, communicator](int stage) {
-      communicator->startAveraging(impl_->gradientsOf(stage));
-    };
-  }
-  impl_->run(state, impl_->schedule);
-  const bool lastIsLocal = impl_->isLocalStage(impl_->schedule.stages() - 1);
-  at::Tensor total;
-  if (lastIsLocal) {
-    total = state.losses[0];
-    for (int mb = 1; mb < m; ++mb)
-      total = total + state.losses[mb];
-  }
-  auto isLocal = [this](int stage) { return impl_->isLocalStage(stage); };
-  if (!communicator) {
-    runtime::sumTiedGradients(impl_->ties, isLocal, nullptr);
-    return total;
-  }
-  // Every process returns the mean over replicas; gradients likewise, their
-  // reductions started as each stage's backward ended, or now.
-  const double local = lastIsLocal ? total.item<double>() : 0.0;
-  const double mean = communicator->sum({local})[0] / communicator->replicas();
-  if (!state.gradientsFinal) {
-    for (const auto& stage : impl_->stages) {
-      if (impl_->isLocalStage(stage.index))
-        communicator->startAveraging(impl_->gradientsOf(stage.index));
-    }
-  }
-  communicator->finishAveraging();
-  runtime::sumTiedGradients(impl_->ties, isLocal, communicator);
-  return torch::tensor(
-      mean,
-      torch::TensorOptions().dtype(
-          lastIsLocal ? total.scalar_type() : torch::kFloat));
-}
-
-void Pipeline::runOnWorker(const std::function<void()>& task) {
-  std::exception_ptr failure;
-  impl_->runOn({impl_->localRanks.front()}, [&](int) {
-    try {
-      memory::DeviceScope unattributed(memory::kUnattributed);
-      task();
-    } catch (...) {
-      failure = std::current_exception();
-    }
-  });
-  if (failure)
-    std::rethrow_exception(failure);
-}
-
-Pipeline::GradientNorm Pipeline::clipGradNorm(double maxNorm) {
-  const int stages = impl_->schedule.stages();
-  // Squares per stage in double, one device sync per stage.
-  std::vector<double> squares(stages, 0.0);
-  for (const auto& stage : impl_->stages) {
-    if (!impl_->isLocalStage(stage.index))
-      continue;
-    std::vector<at::Tensor> norms;
-    for (const auto& gradient : impl_->gradientsOf(stage.index)) {
-      if (gradient.defined())
-        norms.push_back(gradient.norm().to(at::kDouble));
-    }
-    if (!norms.empty())
-      squares[stage.index] = at::stack(norms).pow(2).sum().item<double>();
-  }
-  // A tied group's copies hold one (summed) gradient: counted once, where
-  // its first use lives.
-  for (const auto& group : impl_->ties) {
-    const at::Tensor& gradient = group.tensors.front().grad();
-    if (impl_->isLocalStage(group.stages.front()) && gradient.defined()) {
-      const double norm = gradient.norm().item<double>();
-      squares[group.stages.front()] += norm * norm;
-    }
-  }
-  if (auto* communicator = impl_->options.communicator.get()) {
-    // Replicas hold the same (averaged) gradients: count one of them.
-    squares = communicator->sum(squares);
-    for (double& value : squares)
-      value /= communicator->replicas();
-  }
-  GradientNorm result;
-  double total = 0.0;
-  for (int s = 0; s < stages; ++s) {
-    if (!std::isfinite(squares[s]) && result.nonFiniteStage < 0)
-      result.nonFiniteStage = s;
-    total += squares[s];
-  }
-  result.norm = std::sqrt(total);
-  if (result.nonFiniteStage >= 0 || maxNorm <= 0.0)
-    return result;
-  const double scale = maxNorm / (result.norm + 1e-6);
-  if (scale >= 1.0)
-    return result;
-  // Every parameter a local layer uses (tied copies too), each tensor once.
-  std::set<const c10::TensorImpl*> scaled;
-  for (const auto& stage : impl_->stages) {
-    if (!impl_->isLocalStage(stage.index))
-      continue;
-    for (const auto& layer : stage.layerParameters) {
-      for (const auto& parameter : layer) {
-        if (parameter.grad().defined() &&
-            scaled.insert(parameter.unsafeGetTensorImpl()).second)
-          parameter.mutable_grad().mul_(scale);
-      }
-    }
-  }
-  return result;
-}
-
-torch::Tensor Pipeline::forward(const torch::Tensor& input) {
-  TORCH_CHECK(
-      input.defined() && input.dim() >= 1 && input.size(0) >= 1,
-      "forward: input must have a non-empty batch dimension");
-  const int m = static_cast<int>(
-      std::min<int64_t>(impl_->schedule.microBatches, input.size(0)));
-  const Schedule inference = forwardOnlySchedule(
-      impl_->schedule.ranks,
-      impl_->schedule.virtualStages,
-      m,
-      impl_->schedule.placement);
-  runtime::StepState state;
-  state.inputs = impl_->split(input, m, impl_->stages.front().device);
-  for (const auto& chunk : state.inputs)
-    state.microBatchSizes.push_back(chunk.size(0));
-  impl_->run(state, inference);
-  if (!impl_->isLocalStage(impl_->schedule.stages() - 1))
-    return torch::Tensor();
-  return at::cat(state.outputs, 0);
-}
 
 std::vector<torch::Tensor> Pipeline::parameters() const {
   // A tensor two layers share is stepped once.

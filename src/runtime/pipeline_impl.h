@@ -1,0 +1,105 @@
+// Pipeline's private state, shared by its two files: pipeline.cpp builds
+// it (plan, placement, workers) and pipeline_step.cpp drives steps on it.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>
+
+#include "runtime/executor.h"
+#include "runtime/memory.h"
+#include "runtime/placement.h"
+#include "runtime/ties.h"
+#include "runtime/transport.h"
+#include "runtime/worker.h"
+#include "tpipe/pipeline.h"
+
+namespace tpipe {
+
+struct Pipeline::Impl {
+  LayerList layers;
+  PipelineOptions options;
+  std::vector<c10::Device> rankDevices;
+  std::vector<int> boundaries;
+  Schedule schedule;
+  std::vector<runtime::StageRuntime> stages;
+  c10::Device remoteDevice{c10::kCPU};  // see place()
+  std::vector<runtime::TiedGroup> ties; // parameters used on several stages
+  runtime::LocalTransport localTransport;
+  std::unique_ptr<runtime::Transport> remoteTransport;
+  runtime::Transport* transport = &localTransport;
+  // Set when every transfer's shape is known ahead (across processes).
+  c10::optional<at::ScalarType> transferDtype;
+  runtime::Placement placement; // see resolve()
+  std::vector<int> localRanks;  // the ranks this process runs
+
+  // "stage 1 (cpu:1)", or "stage 1, 5 (cpu:1)" with virtual stages.
+  std::string memoryLabel(int rank) const {
+    std::string stageList;
+    for (int s : schedule.stagesOfRank(rank)) {
+      stageList += (stageList.empty() ? "" : ", ") + std::to_string(s);
+    }
+    return "stage " + stageList + " (" + options.devices[rank] + ")";
+  }
+
+  bool isLocalStage(int stage) const {
+    return placement.stages[stage].local;
+  }
+  std::vector<std::unique_ptr<runtime::DeviceWorker>> workers;
+  Trace trace;
+  int steps = 0;
+  std::vector<int> memorySlots; // per rank, when tracking memory
+
+  ~Impl() {
+    workers.clear(); // join before the slots go back
+    for (int slot : memorySlots)
+      memory::releaseSlot(slot);
+  }
+
+  Plan plan;
+
+  void resolve();
+  std::vector<c10::Device> checkLayersAndDevices() const;
+  PlanRequest planRequest(size_t deviceCount) const;
+  void checkAgreesWithPlan() const;
+  void place();
+  void checkSharedTensorsStayOnOneDevice() const;
+  void placeStage(int s);
+  void startWorkers();
+  void run(runtime::StepState& state, const Schedule& plan);
+  bool runsOnCaller() const {
+    return placement.runsOnCaller();
+  }
+  // Runs job(rank) where each of `ranks` (local ones) works, and waits.
+  void runOn(
+      const std::vector<int>& ranks,
+      const std::function<void(int)>& job);
+  std::vector<at::Tensor> gradientsOf(int stage) const {
+    std::vector<at::Tensor> gradients;
+    for (const auto& parameter : stages[stage].parameters)
+      gradients.push_back(parameter.grad());
+    return gradients;
+  }
+  void expectShapes(const runtime::StepState& state, const Schedule& plan);
+  void routeSkips(runtime::StageRuntime& stage) const;
+  void checkTransfersInOrder(const Schedule& plan) const;
+  // The most tensors one transfer carries (the activation and its skips).
+  int mostSlots() const {
+    size_t most = 1;
+    for (const auto& stage : stages)
+      most = std::max(most, stage.sourceLayers.size());
+    return static_cast<int>(most);
+  }
+  void keepTrace(runtime::StepState& state, double wallUs);
+  c10::optional<at::ScalarType> fixedTransferDtype() const;
+  std::vector<at::Tensor> split(
+      const at::Tensor& tensor,
+      int chunks,
+      c10::Device device) const;
+};
+
+} // namespace tpipe
