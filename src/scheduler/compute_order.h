@@ -1,6 +1,7 @@
 // The compute order each schedule generator decides (what runs on every
 // rank, in order, without transfers), and its lowering into instruction
-// lists. Private to src/scheduler/: the generators and the CSV formats.
+// lists. Private to src/scheduler/: the generators, the list scheduler and
+// the CSV formats.
 #pragma once
 
 #include <string>
@@ -39,6 +40,12 @@ Schedule lower(
     int microBatches,
     CheckpointMode mode,
     const ComputeOrder& order);
+
+// Throws ScheduleError unless every count is at least 1.
+void requireCounts(int ranks, int microBatches, int virtualStages);
+
+// 2p stages in a V: rank r holds stages r and 2p - 1 - r (zb-v, dualpipev).
+std::vector<int> vPlacement(int ranks);
 
 } // namespace scheduling
 } // namespace tpipe
