@@ -11,12 +11,7 @@
 namespace tpipe {
 namespace {
 
-using scheduling::ComputeOrder;
-using scheduling::ComputeStep;
-using scheduling::lower;
-using scheduling::Pass;
-using scheduling::requireCounts;
-using scheduling::vPlacement;
+using namespace scheduling; // the compute order, its lowering and checks
 
 // How the list scheduler below breaks ties; autoSchedule tries several and
 // keeps the best (the Zero Bubble paper's heuristic variants).
