@@ -262,12 +262,7 @@ class TrainingRun {
       needs.targets = schedule.rankOfStage(schedule.stages() - 1) == mine;
       data_ = loadDataset(config_, model_, needs);
     }
-    PipelineOptions pipeOptions =
-        pipelineOptions(config_, model_, plan_, world_);
-    pipeOptions.trackMemory = measureMemory_;
-    pipe_ = std::make_unique<Pipeline>(model_.layers, pipeOptions);
-    if (measureMemory_)
-      memoryRows_ = prepareMemory(config_, *pipe_);
+    startPipeline(planRequest_, plan_);
     optimizer_ = makeOptimizer(config_.train.optimizer, pipe_->parameters());
     lossFn_ = makeLoss(config_.train.loss);
     classification_ = config_.train.loss == "cross_entropy";
@@ -276,6 +271,20 @@ class TrainingRun {
         config_.train.batchSize,
         config_.data.shuffle,
         config_.train.seed);
+  }
+
+  // The one place the run's Pipeline is built, from the plan it runs (at
+  // set-up, and again when schedule auto is re-planned): the parameters
+  // stay the model's, so the optimizer keeps stepping the same tensors.
+  void startPipeline(const PlanRequest& request, const Plan& plan) {
+    PipelineOptions options = pipelineOptions(config_, model_, plan, world_);
+    options.trackMemory = measureMemory_;
+    pipe_.reset(); // its workers end before the new ones start
+    pipe_ = std::make_unique<Pipeline>(model_.layers, options);
+    planRequest_ = request;
+    plan_ = plan;
+    if (measureMemory_)
+      memoryRows_ = prepareMemory(config_, *pipe_);
   }
 
   // The process that commits checkpoints, and so holds the --save lock.
@@ -659,16 +668,9 @@ class TrainingRun {
                           report.measuredCosts)
                           .makespan;
     const std::vector<torch::Tensor> generators = pipe_->generatorStates();
-    PipelineOptions options = pipelineOptions(config_, model_, plan, world_);
-    options.trackMemory = measureMemory_;
-    pipe_.reset(); // its workers end before the new ones start
-    pipe_ = std::make_unique<Pipeline>(model_.layers, options);
+    startPipeline(request, plan);
     pipe_->setGeneratorStates(generators);
-    if (measureMemory_)
-      memoryRows_ = prepareMemory(config_, *pipe_);
     pipe_->setRecording(recordAfter);
-    planRequest_ = request;
-    plan_ = plan;
     *log_ << "schedule auto: built from the measured stage times of "
           << kAutoRecordedSteps << " steps; simulated step " << std::fixed
           << std::setprecision(2) << plan.simulation.makespan
