@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "tpipe/profile.h"
+#include "tpipe/planning.h"
 #include "tpipe/trainer.h"
 
 namespace {

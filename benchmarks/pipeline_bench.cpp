@@ -17,6 +17,7 @@
 #include <nlohmann/json.hpp>
 
 #include "tpipe/pipeline.h"
+#include "tpipe/planning.h"
 #include "tpipe/trainer.h"
 
 namespace {

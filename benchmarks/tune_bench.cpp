@@ -31,6 +31,7 @@
 
 #include "json_input.h"
 #include "tpipe/trainer.h"
+#include "tpipe/tuning.h"
 
 using namespace tpipe;
 

@@ -7,7 +7,8 @@
 
 #include "model/layer_types.h"
 #include "tpipe/config.h"
-#include "tpipe/trainer.h"
+#include "tpipe/model.h"
+#include "tpipe/tuning.h"
 #include "tpipe/tune.h"
 
 using namespace tpipe;

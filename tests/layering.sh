@@ -19,7 +19,7 @@ floor_of() { # a source folder or a header path -> floor number
     runtime | runtime/* | tpipe/pipeline.h | tpipe/distributed.h) echo 4 ;;
     profiler | tpipe/profile.h) echo 5 ;;
     config | model | data | model/* | data/* | tpipe/config.h | tpipe/torchscript.h | tpipe/model.h) echo 6 ;;
-    train | train/* | tpipe/trainer.h | tpipe/predict.h) echo 7 ;;
+    train | train/* | tpipe/trainer.h | tpipe/planning.h | tpipe/tuning.h | tpipe/predict.h) echo 7 ;;
     cli | cli/*) echo 8 ;;
     *) echo "?" ;;
   esac

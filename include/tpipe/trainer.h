@@ -1,6 +1,7 @@
-// Config-driven training: build the layer list from a Config (with shape
+// The training run: build the layer list from a Config (with shape
 // inference), load its data, and train it through a Pipeline with metrics,
-// evaluation and atomic checkpoints.
+// evaluation and atomic checkpoints. How a config becomes a plan is
+// tpipe/planning.h; choosing the plan by tuning, tpipe/tuning.h.
 #pragma once
 
 #include <cstdint>
@@ -14,64 +15,9 @@
 #include "tpipe/config.h"
 #include "tpipe/model.h"
 #include "tpipe/pipeline.h"
-#include "tpipe/profile.h"
-#include "tpipe/tune.h"
+#include "tpipe/trace.h"
 
 namespace tpipe {
-
-// Profiles the config's model at its micro-batch size (batch / micro-batches)
-// on the first pipeline device's type.
-Profile profileModel(const Config& config, const BuiltModel& model);
-
-// Per-layer costs for planning, and where they came from.
-struct TrainingCosts {
-  std::vector<LayerCost> layers;
-  int64_t inputBytes = 0;
-  double noise = 0.0;
-  std::string source; // "parameter bytes", "measured now", "profile.json"
-};
-
-// Whether the config's plan needs measured times or bytes: partition `time`,
-// or a device with a memory capacity.
-bool needsMeasuredCosts(const Config& config);
-
-// Costs for the config's plan: read from a saved profile (`tpipe profile
-// --out`) when profilePath is given, measured now when `measure`, else
-// parameter bytes alone. A profile of another model is a ConfigError.
-TrainingCosts trainingCosts(
-    const Config& config,
-    const BuiltModel& model,
-    const std::string& profilePath,
-    bool measure);
-
-// Bytes without running anything: parameters, and each layer's output and
-// saved activations at the config's micro-batch size from shape inference
-// (the layer facts; a TorchScript model's saved bytes are taken as its
-// output's). No times.
-TrainingCosts shapeCosts(const Config& config, const BuiltModel& model);
-
-// Memory this process may still use on this host (MemAvailable); 0 when
-// unknown.
-int64_t hostAvailableBytes();
-
-// checkFeasibility for a config over these costs, against its devices'
-// caps and (in one process) the host's available memory; and the text a
-// refusal prints: the problem, then the changes that would fit.
-Feasibility configFeasibility(
-    const Config& config,
-    const TrainingCosts& costs,
-    bool oneProcess = true);
-std::string infeasibleText(const Feasibility& verdict);
-
-// Costs from a profile, at the config's micro-batch size.
-TrainingCosts costsFromProfile(
-    const Config& config,
-    const Profile& profile,
-    const std::string& source);
-
-// The plan resolver's request for a config: its devices (speed, memory),
-// partition method, schedule, micro-batches, checkpoint mode and optimizer.
-PlanRequest planRequest(const Config& config, const TrainingCosts& costs);
 
 struct TrainOptions {
   // Plan from this saved profile instead of measuring (reproducible plans).
@@ -153,67 +99,6 @@ struct TrainSummary {
 // finishes the current step (on every rank), checkpoints with --save, and
 // returns with stopSignal set; a second one exits at once.
 TrainSummary train(const Config& config, const TrainOptions& options);
-
-// ---- Tuning: `tpipe tune` and "pipeline": {"auto": true} ----------------
-
-struct TuneOptions {
-  int top = 10;                // candidates shown (and measured, with measure)
-  bool measure = false;        // run the top ones and rank them by measurement
-  int measureSteps = 4;        // timed steps per candidate and round (after 2)
-  int measureRounds = 2;       // rounds over the candidates, in turn
-  bool quick = false;          // fewer profiling repeats (for pipeline.auto)
-  std::ostream* log = nullptr; // progress lines; null: none
-};
-
-struct TuneOutcome {
-  CostModel model;
-  TuneRequest request; // what was searched (see candidatePlanRequest)
-  TuneResult result;
-  // The calibration, for the reader: fit residuals, runtime overheads.
-  std::vector<std::string> calibration;
-};
-
-// Calibrates a cost model on this machine for the config's job (profiles
-// every layer at the micro-batch sizes and thread counts the search needs,
-// then times real steps, in turn, for the runtime's own costs and the
-// noise) and searches. Where the prediction cannot decide (the plans
-// predicted within 25% of the fastest, at most 4, the predicted choice, and
-// the fastest predicted per device count within 2x) or with measure (the
-// top candidates), they run in turn, built once, one step each per round
-// over 15 rounds, and the fastest measured becomes the choice, or the
-// simplest within the measurement's noise of it (at least 3%). The config's
-// devices are the devices a plan may use; its pipeline settings are ignored.
-TuneOutcome tuneConfig(const Config& config, const TuneOptions& options);
-
-// Plans for a described cluster, nothing measured: per-layer FLOPs and
-// bytes from shape inference, device peak FLOP/s and efficiency, links and
-// memory from `cluster` (format in docs/tune.md). Throws ConfigError naming
-// a bad key. `source` names the file for messages.
-TuneOutcome tuneForCluster(
-    const Config& config,
-    const nlohmann::json& cluster,
-    const std::string& source);
-
-// Runs each candidate (one process, threads) from the same initial weights:
-// each built once and given 2 warm-up steps, then `rounds` rounds in which
-// each takes `steps` steps in turn. The lower quartile of each one's ms per
-// step (batch, forward, backward, optimizer): a busy neighbour only adds
-// time, and the quartile is robust to bursts that hit one plan's steps more.
-std::vector<double> measureCandidates(
-    const Config& config,
-    const std::vector<TuneCandidate>& candidates,
-    int steps,
-    int rounds,
-    std::ostream* log = nullptr);
-
-// A config file's JSON with its pipeline section set to run `candidate`
-// (`tpipe tune --write`): the first `ranks` devices, partition "balance"
-// with its boundaries, its schedule, micro-batches, checkpoint mode and
-// threads; every other key as written. Training itself takes the
-// candidate's plan (candidatePlanRequest), never a config rebuilt from it.
-nlohmann::json configWithPlan(
-    nlohmann::json config,
-    const TuneCandidate& candidate);
 
 // Called at the start of every training step with (rank, step) and this
 // rank's input batch, on the training thread. For tests: a hook that exits

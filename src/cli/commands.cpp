@@ -21,6 +21,8 @@
 #include "tpipe/profile.h"
 #include "tpipe/pipeline.h"
 #include "tpipe/trainer.h"
+#include "tpipe/planning.h"
+#include "tpipe/tuning.h"
 #include "train/checkpoint.h"
 #include "train/files.h"
 #include "tpipe/schedule.h"

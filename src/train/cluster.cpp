@@ -7,7 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "model/layer_types.h"
-#include "tpipe/trainer.h"
+#include "tpipe/tuning.h"
 
 namespace tpipe {
 namespace {

@@ -12,6 +12,8 @@
 
 #include "tpipe/distributed.h"
 #include "tpipe/trainer.h"
+#include "tpipe/planning.h"
+#include "tpipe/tuning.h"
 
 namespace tpipe {
 
