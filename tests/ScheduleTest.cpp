@@ -571,6 +571,27 @@ TEST(ScheduleTest, ZeroBubbleVIdleDoesNotGrowWithMicroBatches) {
   EXPECT_LT(v, 0.6 * h1);
 }
 
+// ZB-V as the paper lays it out: with T_F = T_B = T_W and m >= 2p every
+// rank is busy from its first operation to its last (span bubble 0), so
+// back-to-back steps without a barrier take exactly the work, at 1F1B's
+// peak memory (2p half-stages per rank).
+TEST(ScheduleTest, ZeroBubbleVHasNoBubbleUnderEqualCosts) {
+  StageCosts half;
+  half.forward = half.backwardInput = half.backwardWeight = 0.5;
+  half.backward = 1.0;
+  for (int p : {2, 3, 4, 8}) {
+    for (int m : {2 * p, 3 * p, 4 * p + 1, 8 * p}) {
+      SCOPED_TRACE("p=" + std::to_string(p) + " m=" + std::to_string(m));
+      const Schedule v = zeroBubbleVSchedule(p, m, CheckpointMode::kNever);
+      const Simulation s = simulate(v, {half});
+      EXPECT_NEAR(s.spanBubble, 0.0, 1e-12);
+      EXPECT_NEAR(steadyStepTime(v, {half}), 3.0 * m, 1e-9);
+      for (int held : peakHeldPerRank(v))
+        EXPECT_LE(held, 2 * p);
+    }
+  }
+}
+
 // Back-to-back steps without a barrier: ZB-H2's staggered ends pay (no
 // bubble at all under unit costs once m >= 2p), where a barrier gives it
 // ZB-H1's step; no schedule is slower than with the barrier.

@@ -539,16 +539,87 @@ Schedule autoSchedule(
   return best;
 }
 
+namespace {
+
+// ZB-V as the Zero Bubble paper lays it out (m >= 2p): rank r holds stage
+// r (chunk 0, going down) and stage 2p - 1 - r (chunk 1, coming back).
+// Its warm-up forwards chunk 0 until the V's turn reaches it, then pairs
+// each chunk-1 forward with that micro-batch's input and weight passes;
+// the steady state repeats F, B, W on chunk 0 then chunk 1; the cool-down
+// runs the remaining input passes, then the weight passes they left. Under
+// T_F = T_B = T_W every rank is busy from its first operation to its last.
+ComputeOrder zeroBubbleVOrder(int p, int m) {
+  ComputeOrder order(p);
+  for (int r = 0; r < p; ++r) {
+    auto& steps = order[r];
+    const int stageOf[2] = {r, 2 * p - 1 - r};
+    int forwards[2] = {0, 0}, inputs[2] = {0, 0}, weights[2] = {0, 0};
+    auto forward = [&](int chunk) {
+      steps.push_back({Pass::kForward, stageOf[chunk], forwards[chunk]++});
+    };
+    auto input = [&](int chunk) {
+      steps.push_back({Pass::kBackwardInput, stageOf[chunk], inputs[chunk]++});
+    };
+    auto weight = [&](int chunk) {
+      steps.push_back(
+          {Pass::kBackwardWeight, stageOf[chunk], weights[chunk]++});
+    };
+    for (int i = 0; i < 2 * (p - r) - 1; ++i)
+      forward(0);
+    for (int i = 0; i < r; ++i) {
+      forward(1);
+      forward(0);
+    }
+    for (int i = 0; i < p - r; ++i) {
+      forward(1);
+      input(1);
+      weight(1);
+    }
+    while (forwards[1] < forwards[0] || forwards[0] < m) {
+      if (forwards[0] < m)
+        forward(0);
+      input(0);
+      weight(0);
+      forward(1);
+      input(1);
+      weight(1);
+    }
+    for (int i = 0; i < r; ++i) {
+      input(0);
+      input(1);
+    }
+    for (int i = 0; i < p - r; ++i) {
+      input(0);
+      weight(0);
+    }
+    while (weights[1] < inputs[1])
+      weight(1);
+    while (weights[0] < inputs[0])
+      weight(0);
+  }
+  return order;
+}
+
+} // namespace
+
 Schedule zeroBubbleVSchedule(int ranks, int microBatches, CheckpointMode mode) {
   requireCounts(ranks, microBatches, 2);
   const std::vector<int> placement = vPlacement(ranks);
   // Each stage is half a 1F1B stage: 2p of them in flight on a rank hold
-  // what 1F1B's first stage holds (p whole micro-batches).
-  const std::vector<int> limit(ranks, 2 * ranks);
-  const ComputeOrder order =
-      bestGreedy(ranks, placement, microBatches, {StageCosts{}}, limit);
+  // what 1F1B's first stage holds (p whole micro-batches). Fewer
+  // micro-batches than stages leave the paper's layout no steady state:
+  // the list scheduler lays those under the same limit.
+  const ComputeOrder order = microBatches >= 2 * ranks
+      ? zeroBubbleVOrder(ranks, microBatches)
+      : bestGreedy(
+            ranks,
+            placement,
+            microBatches,
+            {StageCosts{}},
+            std::vector<int>(ranks, 2 * ranks));
   Schedule schedule = lower("zb-v", ranks, 2, microBatches, mode, order);
   schedule.placement = placement;
+  validate(schedule);
   return schedule;
 }
 
