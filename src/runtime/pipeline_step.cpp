@@ -1,15 +1,12 @@
 // Driving a step on a built pipeline: splitting the batch, running every
 // local rank's instructions, the loss and the gradients' sums across
-// processes; and the global gradient norm with its clip.
+// processes. The gradient norm and clip after a step: gradient_norm.cpp.
 #include <algorithm>
 #include <chrono>
-#include <cmath>
 #include <cstdio>
 #include <exception>
-#include <set>
 
 #include <ATen/ops/cat.h>
-#include <ATen/ops/stack.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
@@ -293,65 +290,6 @@ void Pipeline::runOnWorker(const std::function<void()>& task) {
   });
   if (failure)
     std::rethrow_exception(failure);
-}
-
-Pipeline::GradientNorm Pipeline::clipGradNorm(double maxNorm) {
-  const int stages = impl_->schedule.stages();
-  // Squares per stage in double, one device sync per stage.
-  std::vector<double> squares(stages, 0.0);
-  for (const auto& stage : impl_->stages) {
-    if (!impl_->isLocalStage(stage.index))
-      continue;
-    std::vector<at::Tensor> norms;
-    for (const auto& gradient : impl_->gradientsOf(stage.index)) {
-      if (gradient.defined())
-        norms.push_back(gradient.norm().to(at::kDouble));
-    }
-    if (!norms.empty())
-      squares[stage.index] = at::stack(norms).pow(2).sum().item<double>();
-  }
-  // A tied group's copies hold one (summed) gradient: counted once, where
-  // its first use lives.
-  for (const auto& group : impl_->ties) {
-    const at::Tensor& gradient = group.tensors.front().grad();
-    if (impl_->isLocalStage(group.stages.front()) && gradient.defined()) {
-      const double norm = gradient.norm().item<double>();
-      squares[group.stages.front()] += norm * norm;
-    }
-  }
-  if (auto* communicator = impl_->options.communicator.get()) {
-    // Replicas hold the same (averaged) gradients: count one of them.
-    squares = communicator->sum(squares);
-    for (double& value : squares)
-      value /= communicator->replicas();
-  }
-  GradientNorm result;
-  double total = 0.0;
-  for (int s = 0; s < stages; ++s) {
-    if (!std::isfinite(squares[s]) && result.nonFiniteStage < 0)
-      result.nonFiniteStage = s;
-    total += squares[s];
-  }
-  result.norm = std::sqrt(total);
-  if (result.nonFiniteStage >= 0 || maxNorm <= 0.0)
-    return result;
-  const double scale = maxNorm / (result.norm + 1e-6);
-  if (scale >= 1.0)
-    return result;
-  // Every parameter a local layer uses (tied copies too), each tensor once.
-  std::set<const c10::TensorImpl*> scaled;
-  for (const auto& stage : impl_->stages) {
-    if (!impl_->isLocalStage(stage.index))
-      continue;
-    for (const auto& layer : stage.layerParameters) {
-      for (const auto& parameter : layer) {
-        if (parameter.grad().defined() &&
-            scaled.insert(parameter.unsafeGetTensorImpl()).second)
-          parameter.mutable_grad().mul_(scale);
-      }
-    }
-  }
-  return result;
 }
 
 torch::Tensor Pipeline::forward(const torch::Tensor& input) {
