@@ -170,7 +170,9 @@ inputs = 20000 * 1024 * 4
 grown = [(b - s) / inputs for b, s in zip(big, small)]
 print(f"peak RSS grew by {grown[0]:.2f}x (rank 0, the inputs) and {grown[1]:.2f}x (rank 1, the targets) "
       f"the inputs' {inputs >> 20} MiB")
-sys.exit(0 if grown[0] > 0.5 and grown[1] < 0.1 else 1)
+# Rank 1's own growth is allocator and socket-buffer noise, 0.00-0.11x over
+# runs here; reading the inputs would add about 0.9x, as rank 0's does.
+sys.exit(0 if grown[0] > 0.5 and grown[1] < 0.3 else 1)
 PY
 if [[ $? -eq 0 ]]; then
   ok "each rank reads only what its stages use: $(cat "$work/ranks.log")"
