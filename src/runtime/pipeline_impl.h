@@ -71,9 +71,8 @@ struct Pipeline::Impl {
   void placeStage(int s);
   void startWorkers();
   void run(runtime::StepState& state, const Schedule& plan);
-  // One local rank: its work runs on the calling thread (runOn).
   bool runsOnCaller() const {
-    return localRanks.size() == 1;
+    return placement.runsOnCaller();
   }
   // Runs job(rank) where each of `ranks` (local ones) works, and waits.
   void runOn(

@@ -13,6 +13,12 @@ std::vector<int> Placement::localRanks() const {
   return local;
 }
 
+bool Placement::runsOnCaller() const {
+  return std::count_if(ranks.begin(), ranks.end(), [](const RankPlace& rank) {
+           return rank.local;
+         }) == 1;
+}
+
 Placement placeStages(
     const Plan& plan,
     const std::vector<std::string>& devices,

@@ -29,10 +29,9 @@ struct Placement {
   std::vector<StagePlace> stages;
 
   std::vector<int> localRanks() const;
-  // One rank in this process: its work runs on the calling thread.
-  bool runsOnCaller() const {
-    return localRanks().size() == 1;
-  }
+  // One rank in this process: its work runs on the calling thread. Asked
+  // every step, so it counts without building a list.
+  bool runsOnCaller() const;
 };
 
 // Rank r of the plan's schedule on devices[r]. Each worker gets
