@@ -1376,3 +1376,223 @@ TEST(PipelineTest, ThePlansThreadsRunTheStages) {
   options.threadsPerDevice = 2;
   EXPECT_THROW(tpipe::Pipeline(layers, options), c10::Error);
 }
+
+namespace tpipe {
+namespace {
+
+// Each rank's SGD (momentum) over its own parameters, and a deep copy of its
+// state for a speculative update.
+struct RankOptimizers {
+  std::vector<std::unique_ptr<torch::optim::SGD>> perRank;
+  RankOptimizers(Pipeline& pipe, double lr) : perRank(pipe.schedule().ranks) {
+    for (int rank : pipe.localRanks()) {
+      perRank[rank] = std::make_unique<torch::optim::SGD>(
+          pipe.rankParameters(rank),
+          torch::optim::SGDOptions(lr).momentum(0.9));
+    }
+  }
+  Pipeline::Update update(bool checkGradients, double clip) {
+    Pipeline::Update u;
+    u.apply = [this](int rank) { perRank[rank]->step(); };
+    u.saveState = [this](int rank) -> std::function<void()> {
+      auto& state = perRank[rank]->state();
+      auto saved = std::make_shared<std::map<std::string, torch::Tensor>>();
+      for (auto& entry : state) {
+        auto& sgd = static_cast<torch::optim::SGDParamState&>(*entry.second);
+        (*saved)[entry.first] = sgd.momentum_buffer().clone();
+      }
+      return [&state, saved] {
+        for (auto it = state.begin(); it != state.end();) {
+          auto found = saved->find(it->first);
+          if (found == saved->end()) {
+            it = state.erase(it);
+            continue;
+          }
+          static_cast<torch::optim::SGDParamState&>(*it->second)
+              .momentum_buffer(found->second);
+          ++it;
+        }
+      };
+    };
+    u.checkGradients = checkGradients;
+    u.clipGradNorm = clip;
+    return u;
+  }
+};
+
+// Steps posted back to back, each rank updating as soon as its part ends
+// (optimizer post-validation), train bit for bit as synchronous steps with
+// one optimizer do: the losses, the skipped non-finite step, a clip that
+// binds on the whole model only (each rank speculates wrongly, and the next
+// step runs again), one that binds on a rank's own part (it waits), and
+// dropout and batch-norm state through the runs done again.
+TEST(PipelineTest, PostedStepsTrainAsSynchronousSteps) {
+  struct Mode {
+    const char* name;
+    bool checks;
+    double clipFactor; // of the first step's norm; 0: no clip
+    bool expectRedo;
+  };
+  const Mode modes[] = {
+      {"loss check only", false, 0.0, false},
+      {"skip non-finite", true, 0.0, false},
+      {"clip binding on the whole model", true, 0.9, true},
+      {"clip binding on every rank", true, 0.05, false},
+  };
+  struct Layout {
+    const char* schedule;
+    int ranks, virtualStages;
+    bool batchNorm;
+  };
+  const Layout layouts[] = {
+      {"zb-h2", 3, 1, false},
+      {"1f1b", 2, 1, true},
+      {"zb-v", 2, 2, false},
+  };
+  const int steps = 6;
+  for (const auto& layout : layouts) {
+    for (const auto& mode : modes) {
+      SCOPED_TRACE(std::string(layout.schedule) + ", " + mode.name);
+      // Batch norm keeps a poisoned batch's statistics for good: its runs
+      // compare the statistics instead.
+      const int poisoned = layout.batchNorm ? -1 : 3;
+      auto makeModel = [&] {
+        return layout.batchNorm ? batchNormNet(torch::kFloat, 21)
+                                : makeNet(torch::kFloat, 21, 0.2);
+      };
+      torch::nn::Sequential syncNet = makeModel(), postedNet = makeModel();
+      PipelineOptions options;
+      options.devices = cpuDevices(layout.ranks);
+      options.virtualStages = layout.virtualStages;
+      options.microBatches = 4;
+      options.schedule = layout.schedule;
+      options.checkpoint = CheckpointMode::kExceptLast;
+      options.seed = 5;
+      Pipeline syncPipe(layersOf(syncNet), options);
+      Pipeline postedPipe(layersOf(postedNet), options);
+      ASSERT_TRUE(postedPipe.canOverlapSteps());
+      torch::optim::SGD syncOptimizer(
+          syncPipe.parameters(), torch::optim::SGDOptions(0.3).momentum(0.9));
+      RankOptimizers rankOptimizers(postedPipe, 0.3);
+
+      torch::manual_seed(22);
+      std::vector<torch::Tensor> xs, ys;
+      for (int k = 0; k < steps; ++k) {
+        xs.push_back(
+            layout.batchNorm ? torch::randn({8, 1, 5, 5})
+                             : torch::randn({8, 6}));
+        // Without checks only a non-finite loss skips (NaN reaches it);
+        // with them, an infinite input makes the first stage's gradients
+        // non-finite under a finite loss (the MLP's tanh), which ranks
+        // that end earlier cannot know.
+        if (k == poisoned) {
+          xs.back().view(-1)[3] = mode.checks
+              ? std::numeric_limits<float>::infinity()
+              : std::numeric_limits<float>::quiet_NaN();
+        }
+        ys.push_back(torch::randint(0, 3, {8}, torch::kLong));
+      }
+      double clip = 0.0;
+      if (mode.clipFactor > 0.0) {
+        torch::nn::Sequential probeNet = makeModel();
+        Pipeline probe(layersOf(probeNet), options);
+        probe.trainStep(xs[0], ys[0], crossEntropy);
+        clip = mode.clipFactor * probe.clipGradNorm().norm;
+      }
+
+      const Pipeline::Update update = rankOptimizers.update(mode.checks, clip);
+      postedPipe.postStep(xs[0], ys[0], crossEntropy, update);
+      int redone = 0;
+      for (int k = 0; k < steps; ++k) {
+        if (k + 1 < steps)
+          postedPipe.postStep(xs[k + 1], ys[k + 1], crossEntropy, update);
+        const Pipeline::StepOutcome outcome = postedPipe.finishStep();
+        redone += outcome.redone ? 1 : 0;
+
+        syncOptimizer.zero_grad();
+        const torch::Tensor loss =
+            syncPipe.trainStep(xs[k], ys[k], crossEntropy);
+        Pipeline::GradientNorm norm;
+        if (mode.checks)
+          norm = syncPipe.clipGradNorm(clip);
+        const bool finite =
+            std::isfinite(loss.item<double>()) && norm.nonFiniteStage < 0;
+        if (finite)
+          syncOptimizer.step();
+
+        EXPECT_EQ(outcome.updated, finite) << "step " << k;
+        EXPECT_EQ(outcome.updated, k != poisoned) << "step " << k;
+        if (finite) {
+          EXPECT_TRUE(torch::equal(outcome.loss, loss)) << "step " << k;
+        }
+        if (mode.checks && finite) {
+          EXPECT_EQ(outcome.norm.norm, norm.norm) << "step " << k;
+        }
+      }
+      EXPECT_EQ(postedPipe.stepsInFlight(), 0);
+      if (mode.expectRedo)
+        EXPECT_GT(redone, 0)
+            << "no speculation was wrong: the clip never bound";
+      if (!mode.checks)
+        EXPECT_EQ(redone, 0) << "nothing speculates without checks";
+      auto same = [](const torch::Tensor& a, const torch::Tensor& b) {
+        return torch::allclose(a, b, 0.0, 0.0, /*equal_nan=*/true);
+      };
+      const auto want = syncNet->named_parameters();
+      const auto got = postedNet->named_parameters();
+      for (size_t i = 0; i < want.size(); ++i) {
+        EXPECT_TRUE(same(got[i].value(), want[i].value()))
+            << want[i].key() << " differs by "
+            << (got[i].value() - want[i].value()).abs().max().item<float>();
+      }
+      const auto wantBuffers = syncNet->named_buffers();
+      const auto gotBuffers = postedNet->named_buffers();
+      for (size_t i = 0; i < wantBuffers.size(); ++i) {
+        EXPECT_TRUE(same(gotBuffers[i].value(), wantBuffers[i].value()))
+            << wantBuffers[i].key();
+      }
+    }
+  }
+}
+
+TEST(PipelineTest, PostedStepsRefuseWhatTheyCannotRun) {
+  torch::nn::Sequential net = makeNet(torch::kFloat, 1);
+  PipelineOptions options;
+  options.devices = cpuDevices(1);
+  Pipeline one(layersOf(net), options);
+  EXPECT_FALSE(one.canOverlapSteps()); // one device runs on the caller
+  options.devices = cpuDevices(2);
+  options.microBatches = 2;
+  torch::nn::Sequential net2 = makeNet(torch::kFloat, 1);
+  Pipeline two(layersOf(net2), options);
+  EXPECT_THROW(two.finishStep(), c10::Error);
+  RankOptimizers optimizers(two, 0.1);
+  const torch::Tensor x = torch::randn({4, 6});
+  const torch::Tensor y = torch::randint(0, 3, {4}, torch::kLong);
+  two.postStep(x, y, crossEntropy, optimizers.update(false, 0.0));
+  EXPECT_EQ(two.stepsInFlight(), 1);
+  try {
+    two.trainStep(x, y, crossEntropy);
+    ADD_FAILURE() << "a synchronous step ran beside a posted one";
+  } catch (const c10::Error& error) {
+    EXPECT_NE(std::string(error.what()).find("posted"), std::string::npos);
+  }
+  two.finishStep();
+  // A failing step names its stage, and the pipeline recovers.
+  const torch::Tensor bad = torch::randn({4, 7});
+  two.postStep(bad, y, crossEntropy, optimizers.update(false, 0.0));
+  two.postStep(x, y, crossEntropy, optimizers.update(false, 0.0));
+  try {
+    two.finishStep();
+    ADD_FAILURE() << "a step with the wrong input width finished";
+  } catch (const c10::Error& error) {
+    EXPECT_NE(std::string(error.what()).find("stage 0"), std::string::npos)
+        << error.what();
+  }
+  EXPECT_EQ(two.stepsInFlight(), 0);
+  two.postStep(x, y, crossEntropy, optimizers.update(false, 0.0));
+  EXPECT_TRUE(two.finishStep().updated);
+}
+
+} // namespace
+} // namespace tpipe

@@ -211,6 +211,61 @@ class Pipeline {
   // are charged to no device.
   void runOnWorker(const std::function<void()>& task);
 
+  // Steps without a barrier between them: the Zero Bubble paper's
+  // optimizer post-validation. Each rank updates its own parameters on its
+  // worker as soon as its part of a step is done, and its part of the next
+  // posted step follows at once, while later ranks still finish this one.
+  // The results equal trainStep + clipGradNorm + a skipped or applied
+  // update of one optimizer, bit for bit: see docs/schedules.md.
+  //
+  // The global decisions (a non-finite loss or gradient skips the update;
+  // the clip factor of the global norm) need every rank's part. With
+  // checkGradients, a rank whose own part cannot decide updates
+  // speculatively (unclipped), keeping a copy of what it changed; when all
+  // parts are in and the step should have been clipped or skipped, each
+  // such rank restores its copy and redoes the update as decided, and the
+  // step posted after it, computed on the wrong parameters, is run again.
+  // A rank whose own gradients already exceed the clip waits for the
+  // decision instead.
+  struct Update {
+    // Steps rank `rank`'s optimizer over rankParameters(rank), whose
+    // gradients are final (and clipped). Runs on the rank's worker.
+    std::function<void(int rank)> apply;
+    // Copies rank `rank`'s optimizer state deeply and returns what puts
+    // the copy back (the pipeline copies the parameters itself); needed
+    // with checkGradients.
+    std::function<std::function<void()>(int rank)> saveState;
+    // Compute the global gradient norm and finiteness (for a clip, or for
+    // skipping non-finite updates); without it only the loss is checked.
+    bool checkGradients = false;
+    double clipGradNorm = 0.0; // > 0: scale as clipGradNorm(maxNorm)
+  };
+  struct StepOutcome {
+    torch::Tensor loss;  // the batch's mean loss, as trainStep returns
+    GradientNorm norm;   // zero without checkGradients
+    bool updated = true; // false: skipped (a non-finite loss or gradient)
+    bool redone = false; // ran again after a wrong speculative update
+  };
+  // In one process with a worker per device and no tied parameters; false
+  // otherwise (then use trainStep).
+  bool canOverlapSteps() const;
+  // Queues a step behind those posted before; returns at once.
+  void postStep(
+      const torch::Tensor& input,
+      const torch::Tensor& target,
+      const LossFunction& lossFn,
+      Update update);
+  // Waits for the oldest posted step and its update. Throws what the step
+  // failed with, after every posted step has ended (those after it are
+  // dropped, unapplied or not: a failed step leaves the parameters to be
+  // restored from a checkpoint).
+  StepOutcome finishStep();
+  int stepsInFlight() const;
+  // The parameters whose gradients rank `rank` computes (each tensor once).
+  std::vector<torch::Tensor> rankParameters(int rank) const;
+  // The pipeline ranks this process runs.
+  const std::vector<int>& localRanks() const;
+
   std::vector<torch::Tensor> parameters() const;
   // Named as nn.Sequential.state_dict() names them: "1.weight".
   std::vector<std::pair<std::string, torch::Tensor>> namedParameters() const;

@@ -11,20 +11,23 @@
 
 namespace tpipe {
 
+double Pipeline::Impl::gradientSquares(int stage) const {
+  std::vector<at::Tensor> norms;
+  for (const auto& gradient : gradientsOf(stage)) {
+    if (gradient.defined())
+      norms.push_back(gradient.norm().to(at::kDouble));
+  }
+  return norms.empty() ? 0.0 : at::stack(norms).pow(2).sum().item<double>();
+}
+
 Pipeline::GradientNorm Pipeline::clipGradNorm(double maxNorm) {
+  TORCH_CHECK(
+      impl_->posted.empty(), "clipGradNorm: steps are posted (finishStep)");
   const int stages = impl_->schedule.stages();
-  // Squares per stage in double, one device sync per stage.
   std::vector<double> squares(stages, 0.0);
   for (const auto& stage : impl_->stages) {
-    if (!impl_->isLocalStage(stage.index))
-      continue;
-    std::vector<at::Tensor> norms;
-    for (const auto& gradient : impl_->gradientsOf(stage.index)) {
-      if (gradient.defined())
-        norms.push_back(gradient.norm().to(at::kDouble));
-    }
-    if (!norms.empty())
-      squares[stage.index] = at::stack(norms).pow(2).sum().item<double>();
+    if (impl_->isLocalStage(stage.index))
+      squares[stage.index] = impl_->gradientSquares(stage.index);
   }
   // A tied group's copies hold one (summed) gradient: counted once, where
   // its first use lives.

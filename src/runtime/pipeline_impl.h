@@ -2,6 +2,7 @@
 // it (plan, placement, workers) and pipeline_step.cpp drives steps on it.
 #pragma once
 
+#include <deque>
 #include <functional>
 #include <memory>
 #include <string>
@@ -19,6 +20,9 @@
 #include "tpipe/pipeline.h"
 
 namespace tpipe {
+namespace runtime {
+struct PostedStep; // overlapped_steps.cpp
+} // namespace runtime
 
 struct Pipeline::Impl {
   LayerList layers;
@@ -95,6 +99,16 @@ struct Pipeline::Impl {
     return static_cast<int>(most);
   }
   void keepTrace(runtime::StepState& state, double wallUs);
+  // The squared L2 norm of a stage's gradients, in double, one device
+  // sync: what clipGradNorm and a posted step's validation add up.
+  double gradientSquares(int stage) const;
+
+  // Steps posted without a barrier (overlapped_steps.cpp), oldest first.
+  std::deque<std::shared_ptr<runtime::PostedStep>> posted;
+  void post(std::shared_ptr<runtime::PostedStep> step);
+  void runPostedPart(runtime::PostedStep& step, int rank);
+  void settle(runtime::PostedStep& step, int rank);
+  void waitForPosted();
   c10::optional<at::ScalarType> fixedTransferDtype() const;
   std::vector<at::Tensor> split(
       const at::Tensor& tensor,

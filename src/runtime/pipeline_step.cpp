@@ -145,6 +145,11 @@ void Pipeline::Impl::runOn(
 }
 
 void Pipeline::Impl::run(runtime::StepState& state, const Schedule& plan) {
+  TORCH_CHECK(
+      posted.empty(),
+      "a step runs while ",
+      posted.size(),
+      " posted step(s) are unfinished (finishStep first)");
   state.schedule = &plan;
   state.stages = &stages;
   state.transport = transport;

@@ -1,0 +1,465 @@
+// Steps without a barrier between them (the Zero Bubble paper's optimizer
+// post-validation): each rank's worker runs its part of a posted step, then
+// updates its own parameters, then starts its part of the next posted step,
+// while later ranks still finish the first.
+//
+// Why the decisions are always in time: a rank ends its part of step k + 1
+// only after every rank has begun step k + 1 (its backwards need the last
+// stage's forwards, which need every earlier stage's), and each rank
+// publishes its part of step k before it begins step k + 1. So a step's
+// validation is known to every rank before that rank's part of the next
+// step ends, which is where a wrong speculative update is settled.
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <mutex>
+#include <set>
+
+#include <ATen/core/grad_mode.h>
+#include <ATen/ops/cat.h>
+#include <c10/util/Exception.h>
+#include <torch/types.h>
+
+#include "runtime/pipeline_impl.h"
+
+namespace tpipe {
+namespace runtime {
+
+struct PostedStep {
+  StepState state;
+  at::Tensor input, target; // kept to run the step again
+  LossFunction lossFn;
+  Pipeline::Update update;
+  std::shared_ptr<PostedStep> previous; // posted and unfinished before it
+  std::unique_ptr<Latch> latch;         // the local ranks' parts
+  std::chrono::steady_clock::time_point posted;
+  std::vector<double> endedUs; // per rank, since `posted`
+
+  std::mutex mutex;
+  std::condition_variable decided;
+  std::vector<double> squares; // per stage
+  int partsIn = 0, parts = 0;
+  bool failed = false; // a rank's part failed (state.error, or an earlier
+                       // step's failure aborted it)
+  bool lossFinite = true;
+  bool known = false;
+  bool anySpeculated = false;
+  bool doomed = false; // ran on the parameters of a wrong speculation
+  bool redone = false; // posted again after a doomed run
+  Pipeline::GradientNorm norm;
+  bool updated = false;
+  double scale = 1.0;
+
+  // Per rank: what a speculative update changed, to undo it.
+  struct Speculation {
+    bool active = false;
+    std::vector<at::Tensor> parameters, gradients;
+    std::function<void()> restoreState;
+  };
+  std::vector<Speculation> speculations;
+  // Per rank: its stages' buffers and generators as this step found them,
+  // to undo a doomed step's forwards (batch norm's running statistics).
+  struct Found {
+    std::vector<at::Tensor> buffers, generators;
+  };
+  std::vector<Found> found;
+
+  bool speculationWrong() const {
+    return anySpeculated && !(updated && scale == 1.0);
+  }
+  void waitDecided() {
+    std::unique_lock<std::mutex> lock(mutex);
+    decided.wait(lock, [&] { return known; });
+  }
+  bool hasError() {
+    std::lock_guard<std::mutex> lock(state.errorMutex);
+    return !state.error.empty();
+  }
+  // An earlier step's failure aborts the transport under this one too,
+  // whose parts then end without an error of their own. The step before
+  // marked `failed` on this rank's worker before this part began.
+  bool erroredOrAborted() {
+    if (hasError())
+      return true;
+    if (!previous)
+      return false;
+    if (previous->hasError())
+      return true;
+    std::lock_guard<std::mutex> lock(previous->mutex);
+    return previous->failed;
+  }
+};
+
+} // namespace runtime
+
+namespace {
+
+void dropGradients(const std::vector<at::Tensor>& parameters) {
+  for (const auto& parameter : parameters)
+    parameter.mutable_grad() = at::Tensor();
+}
+
+// The batch's loss as trainStep sums it: the weighted micro-batch losses in
+// order.
+at::Tensor lossTotal(const runtime::StepState& state) {
+  at::Tensor total = state.losses[0];
+  for (size_t mb = 1; mb < state.losses.size(); ++mb)
+    total = total + state.losses[mb];
+  return total;
+}
+
+} // namespace
+
+bool Pipeline::canOverlapSteps() const {
+  return !impl_->options.communicator && !impl_->runsOnCaller() &&
+      impl_->ties.empty();
+}
+
+int Pipeline::stepsInFlight() const {
+  return static_cast<int>(impl_->posted.size());
+}
+
+const std::vector<int>& Pipeline::localRanks() const {
+  return impl_->localRanks;
+}
+
+std::vector<torch::Tensor> Pipeline::rankParameters(int rank) const {
+  std::vector<torch::Tensor> all;
+  std::set<const c10::TensorImpl*> seen;
+  for (int s : impl_->schedule.stagesOfRank(rank)) {
+    for (const auto& parameter : impl_->stages[s].parameters) {
+      if (seen.insert(parameter.unsafeGetTensorImpl()).second)
+        all.push_back(parameter);
+    }
+  }
+  return all;
+}
+
+void Pipeline::postStep(
+    const torch::Tensor& input,
+    const torch::Tensor& target,
+    const LossFunction& lossFn,
+    Update update) {
+  TORCH_CHECK(
+      canOverlapSteps(),
+      "postStep: steps overlap only in one process, with a worker per "
+      "device and no tied parameters (use trainStep)");
+  TORCH_CHECK(update.apply, "postStep: no update given");
+  TORCH_CHECK(
+      !update.checkGradients || update.saveState,
+      "postStep: checkGradients needs saveState");
+  TORCH_CHECK(
+      input.defined() && input.dim() >= 1 && target.defined() &&
+          target.dim() >= 1 && target.size(0) == input.size(0),
+      "postStep: input and target need one batch dimension of one size");
+  TORCH_CHECK(lossFn, "postStep: no loss function given");
+  const int m = impl_->schedule.microBatches;
+  TORCH_CHECK(
+      input.size(0) >= m,
+      "more micro-batches (",
+      m,
+      ") than samples (",
+      input.size(0),
+      ") in the batch");
+  auto step = std::make_shared<runtime::PostedStep>();
+  step->input = input;
+  step->target = target;
+  step->lossFn = lossFn;
+  step->update = std::move(update);
+  impl_->post(std::move(step));
+}
+
+void Pipeline::Impl::post(std::shared_ptr<runtime::PostedStep> step) {
+  const int m = schedule.microBatches;
+  runtime::StepState& state = step->state;
+  state.inputs = split(step->input, m, stages.front().device);
+  state.targets = split(step->target, m, stages.back().device);
+  const int64_t batch = step->input.size(0);
+  for (const auto& chunk : state.inputs) {
+    state.weights.push_back(
+        static_cast<double>(chunk.size(0)) / static_cast<double>(batch));
+    state.microBatchSizes.push_back(chunk.size(0));
+  }
+  state.lossFn = &step->lossFn;
+  state.schedule = &schedule;
+  state.stages = &stages;
+  state.transport = transport;
+  state.stash.assign(static_cast<size_t>(schedule.stages()) * m, {});
+  state.losses.assign(m, {});
+  state.outputs.assign(m, {});
+  state.record = options.record;
+  state.splitBackward = false;
+  for (const auto& list : schedule.perRank) {
+    for (const auto& instruction : list)
+      state.splitBackward = state.splitBackward ||
+          std::holds_alternative<BackwardInput>(instruction);
+  }
+  state.autocast = options.autocast;
+  state.copyOnReceive = !memorySlots.empty();
+  state.layerOutputShapes = &options.layerOutputShapes;
+  if (state.record)
+    state.events.assign(schedule.ranks, {});
+  step->squares.assign(schedule.stages(), 0.0);
+  step->parts = static_cast<int>(localRanks.size());
+  step->speculations.resize(schedule.ranks);
+  step->found.resize(schedule.ranks);
+  step->endedUs.assign(schedule.ranks, 0.0);
+  step->latch = std::make_unique<runtime::Latch>(step->parts);
+  if (posted.empty())
+    transport->begin(schedule.stages() - 1);
+  else
+    step->previous = posted.back();
+  step->posted = std::chrono::steady_clock::now();
+  state.start = step->posted;
+  posted.push_back(step);
+  for (int rank : localRanks) {
+    workers[rank]->post([this, step, rank] {
+      runPostedPart(*step, rank);
+      step->endedUs[rank] = std::chrono::duration<double, std::micro>(
+                                std::chrono::steady_clock::now() - step->posted)
+                                .count();
+      step->latch->countDown();
+    });
+  }
+}
+
+void Pipeline::Impl::runPostedPart(runtime::PostedStep& step, int rank) {
+  const std::vector<int> rankStages = schedule.stagesOfRank(rank);
+  runtime::PostedStep* previous = step.previous.get();
+  const bool mayBeDoomed = previous && previous->update.checkGradients;
+  if (mayBeDoomed) {
+    auto& found = step.found[rank];
+    for (int s : rankStages) {
+      for (const auto& buffer : stages[s].buffers)
+        found.buffers.push_back(buffer.clone());
+      found.generators.push_back(
+          stages[s].rngState.defined() ? stages[s].rngState.clone()
+                                       : at::Tensor());
+    }
+  }
+  {
+    at::AutoGradMode gradMode(true);
+    runtime::runRank(step.state, rank);
+  }
+  const std::vector<at::Tensor> parameters = [&] {
+    std::vector<at::Tensor> all;
+    std::set<const c10::TensorImpl*> seen;
+    for (int s : rankStages) {
+      for (const auto& parameter : stages[s].parameters) {
+        if (seen.insert(parameter.unsafeGetTensorImpl()).second)
+          all.push_back(parameter);
+      }
+    }
+    return all;
+  }();
+  const bool errored = step.erroredOrAborted();
+
+  // The step before: right, or settled here and this step runs again.
+  if (previous && !errored) {
+    previous->waitDecided();
+    const bool doomed = previous->doomed || previous->speculationWrong();
+    if (doomed) {
+      settle(*previous, rank);
+      dropGradients(parameters);
+      auto& found = step.found[rank];
+      size_t b = 0, g = 0;
+      for (int s : rankStages) {
+        for (auto& buffer : stages[s].buffers)
+          buffer.copy_(found.buffers[b++]);
+        stages[s].rngState = found.generators[g++];
+      }
+      std::lock_guard<std::mutex> lock(step.mutex);
+      step.doomed = true;
+      step.known = true;
+      step.decided.notify_all();
+      return;
+    }
+    previous->speculations[rank] = {};
+  }
+
+  const Update& update = step.update;
+  const bool checks = update.checkGradients;
+  bool lossFinite = true;
+  std::vector<double> mine;
+  double mineSquares = 0.0;
+  bool mineFinite = true;
+  if (!errored) {
+    lossFinite = std::isfinite(lossTotal(step.state).item<double>());
+    if (checks) {
+      for (int s : rankStages) {
+        mine.push_back(gradientSquares(s));
+        mineSquares += mine.back();
+        mineFinite = mineFinite && std::isfinite(mine.back());
+      }
+    }
+  }
+  const double clip = update.clipGradNorm;
+  // Whether this part alone settles the step: a non-finite loss or
+  // gradient skips it; a norm already past the clip will be clipped.
+  const bool skipsForSure = !lossFinite || !mineFinite;
+  const bool clipsForSure = clip > 0.0 && std::sqrt(mineSquares) + 1e-6 > clip;
+  bool speculate = false;
+  {
+    std::lock_guard<std::mutex> lock(step.mutex);
+    size_t i = 0;
+    for (int s : rankStages) {
+      if (i < mine.size())
+        step.squares[s] = mine[i++];
+    }
+    step.failed = step.failed || errored;
+    step.lossFinite = step.lossFinite && lossFinite;
+    if (++step.partsIn == step.parts) {
+      double total = 0.0;
+      for (size_t s = 0; s < step.squares.size(); ++s) {
+        if (!std::isfinite(step.squares[s]) && step.norm.nonFiniteStage < 0)
+          step.norm.nonFiniteStage = static_cast<int>(s);
+        total += step.squares[s];
+      }
+      step.norm.norm = std::sqrt(total);
+      step.updated =
+          !step.failed && step.lossFinite && step.norm.nonFiniteStage < 0;
+      if (step.updated && clip > 0.0) {
+        const double scale = clip / (step.norm.norm + 1e-6);
+        if (scale < 1.0)
+          step.scale = scale;
+      }
+      step.known = true;
+      step.decided.notify_all();
+    } else if (checks && !errored && !skipsForSure && !clipsForSure) {
+      speculate = true;
+      step.anySpeculated = true;
+    }
+  }
+  if (errored)
+    return;
+  if (!checks) {
+    if (lossFinite)
+      update.apply(rank);
+    dropGradients(parameters);
+    return;
+  }
+  if (speculate) {
+    auto& speculation = step.speculations[rank];
+    speculation.active = true;
+    for (const auto& parameter : parameters)
+      speculation.parameters.push_back(parameter.detach().clone());
+    speculation.restoreState = update.saveState(rank);
+    update.apply(rank);
+    for (const auto& parameter : parameters)
+      speculation.gradients.push_back(parameter.grad());
+    dropGradients(parameters);
+    return;
+  }
+  if (skipsForSure) {
+    dropGradients(parameters);
+    return;
+  }
+  step.waitDecided();
+  if (step.updated) {
+    if (step.scale < 1.0) {
+      for (const auto& parameter : parameters) {
+        if (parameter.grad().defined())
+          parameter.mutable_grad().mul_(step.scale);
+      }
+    }
+    update.apply(rank);
+  }
+  dropGradients(parameters);
+}
+
+// Undoes rank's wrong speculative update of `step` and makes the one
+// decided, from the gradients it kept.
+void Pipeline::Impl::settle(runtime::PostedStep& step, int rank) {
+  auto& speculation = step.speculations[rank];
+  if (!speculation.active)
+    return;
+  std::vector<at::Tensor> parameters;
+  for (int s : schedule.stagesOfRank(rank)) {
+    for (const auto& parameter : stages[s].parameters) {
+      bool seen = false;
+      for (const auto& p : parameters)
+        seen =
+            seen || p.unsafeGetTensorImpl() == parameter.unsafeGetTensorImpl();
+      if (!seen)
+        parameters.push_back(parameter);
+    }
+  }
+  {
+    at::NoGradGuard noGrad;
+    for (size_t i = 0; i < parameters.size(); ++i)
+      parameters[i].copy_(speculation.parameters[i]);
+  }
+  if (speculation.restoreState)
+    speculation.restoreState();
+  if (step.updated) {
+    for (size_t i = 0; i < parameters.size(); ++i) {
+      at::Tensor gradient = speculation.gradients[i];
+      if (gradient.defined() && step.scale < 1.0)
+        gradient.mul_(step.scale);
+      parameters[i].mutable_grad() = gradient;
+    }
+    step.update.apply(rank);
+    dropGradients(parameters);
+  }
+  speculation = {};
+}
+
+void Pipeline::Impl::waitForPosted() {
+  for (const auto& step : posted)
+    step->latch->wait();
+  posted.clear();
+}
+
+Pipeline::StepOutcome Pipeline::finishStep() {
+  auto& posted = impl_->posted;
+  TORCH_CHECK(!posted.empty(), "finishStep: no step is posted");
+  std::shared_ptr<runtime::PostedStep> step = posted.front();
+  step->latch->wait();
+  if (step->erroredOrAborted()) {
+    impl_->waitForPosted();
+    std::string error;
+    {
+      std::lock_guard<std::mutex> lock(step->state.errorMutex);
+      error = step->state.error;
+    }
+    impl_->transport->begin(impl_->schedule.stages() - 1);
+    TORCH_CHECK(false, error.empty() ? "a posted step was aborted" : error);
+  }
+  posted.pop_front();
+  step->previous.reset();
+  ++impl_->steps;
+  if (step->state.record) {
+    double wallUs = 0.0;
+    for (double us : step->endedUs)
+      wallUs = std::max(wallUs, us);
+    impl_->keepTrace(step->state, wallUs);
+  }
+  StepOutcome outcome;
+  outcome.loss = lossTotal(step->state);
+  outcome.norm = step->norm;
+  outcome.updated = step->updated;
+  if (step->speculationWrong()) {
+    // Every later posted step ran on the wrong parameters: the first of
+    // them settled this step on each rank; run them again, in order.
+    std::vector<std::shared_ptr<runtime::PostedStep>> later(
+        posted.begin(), posted.end());
+    if (later.empty()) {
+      impl_->runOn(
+          impl_->localRanks, [&](int rank) { impl_->settle(*step, rank); });
+    }
+    impl_->waitForPosted();
+    for (const auto& again : later) {
+      auto fresh = std::make_shared<runtime::PostedStep>();
+      fresh->input = again->input;
+      fresh->target = again->target;
+      fresh->lossFn = again->lossFn;
+      fresh->update = again->update;
+      fresh->redone = true;
+      impl_->post(std::move(fresh));
+    }
+  }
+  outcome.redone = step->redone;
+  return outcome;
+}
+
+} // namespace tpipe
