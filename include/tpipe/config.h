@@ -78,6 +78,11 @@ struct PipelineConfig {
   // With data_parallel > 1: reduce each stage's gradients as soon as its
   // backward ends (PipelineOptions::overlapGradientSync).
   bool overlapGradSync = true;
+  // In one process with a worker per device: each device updates its own
+  // parameters as soon as its part of a step ends, and starts the next
+  // step's work behind it (optimizer post-validation,
+  // Pipeline::postStep); results equal synchronous steps bit for bit.
+  bool overlapSteps = true;
   // Across processes: GPU tensors go over NCCL where it can pair the two
   // GPUs; false stages them through host memory over Gloo.
   bool nccl = true;

@@ -72,6 +72,9 @@ struct TrainSummary {
   int64_t startStep = 0;    // 0 unless resumed
   int64_t steps = 0;        // optimizer steps taken in total
   int64_t skippedSteps = 0; // non-finite, skipped (train.on_nonfinite)
+  // Steps run again after a wrong speculative update (overlap_steps with a
+  // clip or train.on_nonfinite "skip").
+  int64_t rerunSteps = 0;
   // Resumed with --metrics: steps the file recorded beyond the checkpoint,
   // which this run did again (work lost to the failure).
   int64_t redoneSteps = 0;

@@ -668,6 +668,7 @@ void parsePipeline(const Json& json, Config& config) {
   p.timeoutS = pipeline.number(
       "timeout_s", 60.0, 0.1, 86400.0, "a number of seconds in [0.1, 86400]");
   p.overlapGradSync = pipeline.boolean("overlap_grad_sync", true);
+  p.overlapSteps = pipeline.boolean("overlap_steps", true);
   p.nccl = pipeline.boolean("nccl", true);
   p.autoTune = pipeline.boolean("auto", false);
   if (const Json* elastic = pipeline.find("elastic")) {
@@ -938,6 +939,7 @@ nlohmann::json describeConfig(const Config& config) {
         {"data_parallel", p.dataParallel},
         {"timeout_s", p.timeoutS},
         {"overlap_grad_sync", p.overlapGradSync},
+        {"overlap_steps", p.overlapSteps},
         {"nccl", p.nccl},
         {"auto", p.autoTune},
         {"elastic", {{"min_ranks", p.elasticMinRanks}}}}},

@@ -325,7 +325,10 @@ void Pipeline::Impl::runPostedPart(runtime::PostedStep& step, int rank) {
       }
       step.known = true;
       step.decided.notify_all();
-    } else if (checks && !errored && !skipsForSure && !clipsForSure) {
+      lastStepBound = !step.updated || step.scale < 1.0;
+    } else if (
+        checks && !errored && !skipsForSure && !clipsForSure &&
+        !lastStepBound) {
       speculate = true;
       step.anySpeculated = true;
     }

@@ -2,6 +2,7 @@
 // it (plan, placement, workers) and pipeline_step.cpp drives steps on it.
 #pragma once
 
+#include <atomic>
 #include <deque>
 #include <functional>
 #include <memory>
@@ -105,6 +106,10 @@ struct Pipeline::Impl {
 
   // Steps posted without a barrier (overlapped_steps.cpp), oldest first.
   std::deque<std::shared_ptr<runtime::PostedStep>> posted;
+  // Whether the last decided step was clipped or skipped: the next ones
+  // likely are too, and waiting for their decision beats running a step
+  // twice (a clip that binds every step would otherwise rerun each one).
+  std::atomic<bool> lastStepBound{false};
   void post(std::shared_ptr<runtime::PostedStep> step);
   void runPostedPart(runtime::PostedStep& step, int rank);
   void settle(runtime::PostedStep& step, int rank);

@@ -2,6 +2,7 @@
 #include "train/checkpoint.h"
 
 #include "json_input.h"
+#include "train/parts.h"
 
 #include <fcntl.h>
 #include <unistd.h>
@@ -504,20 +505,6 @@ std::string restoreGenerators(const fs::path& file, Pipeline& pipe) {
       " stage(s), this pipeline " + std::to_string(stages) + kCarriedOver;
 }
 
-// LibTorch keys an optimizer's state by its parameter's TensorImpl: 1.x
-// as the pointer's text, 2.x as the pointer itself.
-template <typename StateMap>
-typename StateMap::key_type stateKey(const torch::Tensor& parameter) {
-  using Key = typename StateMap::key_type;
-  if constexpr (std::is_same_v<Key, std::string>) {
-    std::ostringstream text;
-    text << parameter.unsafeGetTensorImpl();
-    return text.str();
-  } else {
-    return parameter.unsafeGetTensorImpl();
-  }
-}
-
 // Across processes each rank keeps (and later saves) the optimizer state of
 // its own stages only: state read for other stages' parameters would be
 // stale in this rank's next checkpoint, and could override the fresh state
@@ -530,7 +517,7 @@ void keepOnlyOwnOptimizerState(
   using StateMap = std::decay_t<decltype(state)>;
   std::set<typename StateMap::key_type> own;
   for (const auto& item : checkpointTensors(pipe, communicator))
-    own.insert(stateKey<StateMap>(item.second)); // buffers have no state
+    own.insert(stateKeyOf<StateMap>(item.second)); // buffers have no state
   for (auto it = state.begin(); it != state.end();) {
     if (own.count(it->first) == 0)
       it = state.erase(it);

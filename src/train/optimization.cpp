@@ -51,6 +51,74 @@ std::unique_ptr<torch::optim::Optimizer> makeOptimizer(
           .weight_decay(o.weightDecay));
 }
 
+namespace {
+
+// Replaces a cloned state's tensors (shared with the original) by copies.
+void deepen(torch::optim::OptimizerParamState& state) {
+  auto copy = [](const torch::Tensor& t) {
+    return t.defined() ? t.clone() : t;
+  };
+  if (auto* sgd = dynamic_cast<torch::optim::SGDParamState*>(&state)) {
+    sgd->momentum_buffer(copy(sgd->momentum_buffer()));
+  } else if (auto* adam = dynamic_cast<torch::optim::AdamParamState*>(&state)) {
+    adam->exp_avg(copy(adam->exp_avg()));
+    adam->exp_avg_sq(copy(adam->exp_avg_sq()));
+    adam->max_exp_avg_sq(copy(adam->max_exp_avg_sq()));
+  } else if (
+      auto* adamw = dynamic_cast<torch::optim::AdamWParamState*>(&state)) {
+    adamw->exp_avg(copy(adamw->exp_avg()));
+    adamw->exp_avg_sq(copy(adamw->exp_avg_sq()));
+    adamw->max_exp_avg_sq(copy(adamw->max_exp_avg_sq()));
+  } else {
+    TORCH_CHECK(false, "no deep copy for this optimizer's state");
+  }
+}
+
+} // namespace
+
+void collectOptimizerState(
+    torch::optim::Optimizer& into,
+    const RankOptimizers& from) {
+  for (const auto& rank : from) {
+    if (!rank)
+      continue;
+    for (const auto& entry : rank->state())
+      into.state()[entry.first] = entry.second->clone();
+  }
+}
+
+void distributeOptimizerState(
+    torch::optim::Optimizer& from,
+    RankOptimizers& into) {
+  auto& all = from.state();
+  using StateMap = std::decay_t<decltype(all)>;
+  for (auto& rank : into) {
+    if (!rank)
+      continue;
+    for (auto& group : rank->param_groups()) {
+      for (const auto& parameter : group.params()) {
+        const auto key = stateKeyOf<StateMap>(parameter);
+        const auto found = all.find(key);
+        if (found != all.end())
+          rank->state()[key] = found->second->clone();
+      }
+    }
+  }
+}
+
+std::function<void()> snapshotOptimizerState(
+    torch::optim::Optimizer& optimizer) {
+  auto& state = optimizer.state();
+  using StateMap = std::decay_t<decltype(state)>;
+  auto saved = std::make_shared<StateMap>();
+  for (const auto& entry : state) {
+    auto copy = entry.second->clone();
+    deepen(*copy);
+    (*saved)[entry.first] = std::move(copy);
+  }
+  return [&state, saved] { state = std::move(*saved); };
+}
+
 double learningRate(const TrainConfig& t, int64_t step) {
   const auto& o = t.optimizer;
   if (step < o.warmupSteps)

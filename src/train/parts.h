@@ -2,9 +2,12 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <iosfwd>
 #include <memory>
+#include <sstream>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -23,6 +26,36 @@ LossFunction makeLoss(const std::string& name);
 std::unique_ptr<torch::optim::Optimizer> makeOptimizer(
     const OptimizerConfig& optimizer,
     std::vector<torch::Tensor> parameters);
+// LibTorch keys an optimizer's state by its parameter's TensorImpl: 1.x
+// as the pointer's text, 2.x as the pointer itself.
+template <typename StateMap>
+typename StateMap::key_type stateKeyOf(const torch::Tensor& parameter) {
+  using Key = typename StateMap::key_type;
+  if constexpr (std::is_same_v<Key, std::string>) {
+    std::ostringstream text;
+    text << parameter.unsafeGetTensorImpl();
+    return text.str();
+  } else {
+    return parameter.unsafeGetTensorImpl();
+  }
+}
+
+// One optimizer per pipeline rank (null where another process trains it),
+// each over Pipeline::rankParameters, steps exactly what one optimizer over
+// every parameter would. Their state moves into that one for a checkpoint
+// (collect) and back after a resume or a re-plan (distribute); the two
+// then share state tensors until the ranks' optimizers next step.
+using RankOptimizers = std::vector<std::unique_ptr<torch::optim::Optimizer>>;
+void collectOptimizerState(
+    torch::optim::Optimizer& into,
+    const RankOptimizers& from);
+void distributeOptimizerState(
+    torch::optim::Optimizer& from,
+    RankOptimizers& into);
+// A deep copy of the optimizer's state; calling the result puts it back
+// (once). SGD, Adam and AdamW.
+std::function<void()> snapshotOptimizerState(
+    torch::optim::Optimizer& optimizer);
 // Linear warm-up over warmupSteps, then constant or cosine decay to minLr
 // at the final step. `step` counts from 0.
 double learningRate(const TrainConfig& train, int64_t step);

@@ -208,6 +208,7 @@ class TrainingRun {
                          // the first step
     setUp();
     resume();
+    startOverlap();
     openMetrics();
     logStart();
     alignClocks();
@@ -486,8 +487,91 @@ class TrainingRun {
     log << std::defaultfloat << std::endl;
   }
 
-  double trainStep(int64_t step) {
-    const auto begin = Clock::now();
+  // Steps without a barrier (pipeline.overlap_steps): one optimizer per
+  // rank, each stepped on its rank's worker (Pipeline::postStep). The run's
+  // optimizer_ then only carries state to and from checkpoints.
+  void startOverlap() {
+    rankOptimizers_.clear();
+    overlapping_ = config_.pipeline.overlapSteps && pipe_->canOverlapSteps();
+    if (!overlapping_)
+      return;
+    rankOptimizers_.resize(pipe_->schedule().ranks);
+    for (int rank : pipe_->localRanks()) {
+      rankOptimizers_[rank] =
+          makeOptimizer(config_.train.optimizer, pipe_->rankParameters(rank));
+    }
+    distributeOptimizerState(*optimizer_, rankOptimizers_);
+  }
+
+  // What a posted step does on each rank once its part is done.
+  Pipeline::Update rankUpdate(double lr) {
+    Pipeline::Update update;
+    update.apply = [this, lr](int rank) {
+      torch::optim::Optimizer& optimizer = *rankOptimizers_[rank];
+      for (auto& group : optimizer.param_groups())
+        group.options().set_lr(lr);
+      optimizer.step();
+    };
+    update.saveState = [this](int rank) {
+      return snapshotOptimizerState(*rankOptimizers_[rank]);
+    };
+    update.checkGradients = checksGradients();
+    update.clipGradNorm = config_.train.clipGradNorm;
+    return update;
+  }
+
+  void postStep(int64_t step) {
+    auto [x, y] = batches_->batch(step);
+    if (stepHook())
+      stepHook()(0, step, x);
+    pipe_->postStep(
+        x, y, lossFn_, rankUpdate(learningRate(config_.train, step)));
+  }
+
+  // Whether step `next` may start before the one before it ends: not where
+  // the loop needs the pipeline quiet after that one (a checkpoint, an
+  // evaluation, the auto schedule's calibration, recording's start, a stop).
+  bool postsAhead(int64_t next) const {
+    if (next >= lastStep_ || requestedStop.load() != 0)
+      return false;
+    if (calibrating() && next <= adoptAt_)
+      return false;
+    if (options_.recordSteps > 0 && next == recordFrom_)
+      return false;
+    const int64_t save = config_.train.checkpointEvery;
+    if (!options_.saveDir.empty() && save > 0 && next % save == 0)
+      return false;
+    const int64_t eval = config_.train.evalEvery;
+    return !(options_.evaluate && eval > 0 && next % eval == 0);
+  }
+
+  struct StepResult {
+    double loss = 0.0;
+    Pipeline::GradientNorm norm;
+    bool finite = false;
+    TrainSummary::StepSplit split; // but stepMs
+  };
+
+  StepResult overlappedStep(int64_t step) {
+    const auto start = Clock::now();
+    if (pipe_->stepsInFlight() == 0)
+      postStep(step);
+    if (postsAhead(step + 1))
+      postStep(step + 1);
+    const auto posted = Clock::now();
+    const Pipeline::StepOutcome outcome = pipe_->finishStep();
+    if (outcome.redone)
+      ++summary_.rerunSteps;
+    // The batch split and each rank's update run inside the pipeline's time.
+    return {
+        outcome.loss.item<double>(),
+        outcome.norm,
+        outcome.updated,
+        {milliseconds(posted - start), milliseconds(Clock::now() - posted)}};
+  }
+
+  StepResult synchronousStep(int64_t step) {
+    const auto start = Clock::now();
     const double lr = learningRate(config_.train, step);
     for (auto& group : optimizer_->param_groups())
       group.options().set_lr(lr);
@@ -501,44 +585,53 @@ class TrainingRun {
       stepHook()(world() ? world()->rank() : 0, step, x);
     if (world())
       world()->rideNextSum({static_cast<double>(requestedStop.load())});
+    StepResult result;
     const auto fetched = Clock::now();
-    const double loss = pipe_->trainStep(x, y, lossFn_).item<double>();
+    result.loss = pipe_->trainStep(x, y, lossFn_).item<double>();
     const auto piped = Clock::now();
     if (world())
       stopsSignalled_ = world()->ridersSummed();
     // Every rank sees the same summed loss and norm, so all decide alike.
     // The update runs where the first stage works, with its threads.
-    Pipeline::GradientNorm norm;
-    bool finite = false;
     pipe_->runOnWorker([&] {
       if (checksGradients())
-        norm = pipe_->clipGradNorm(config_.train.clipGradNorm);
-      finite = std::isfinite(loss) && norm.nonFiniteStage < 0;
-      if (finite)
+        result.norm = pipe_->clipGradNorm(config_.train.clipGradNorm);
+      result.finite =
+          std::isfinite(result.loss) && result.norm.nonFiniteStage < 0;
+      if (result.finite)
         optimizer_->step();
       // Zeroed after the update rather than before the next step: the
       // same work, counted where it belongs.
       optimizer_->zero_grad();
     });
-    splits_.push_back(
-        {milliseconds(fetched - begin),
-         milliseconds(piped - fetched),
-         milliseconds(Clock::now() - piped),
-         0.0});
+    result.split = {
+        milliseconds(fetched - start),
+        milliseconds(piped - fetched),
+        milliseconds(Clock::now() - piped)};
+    return result;
+  }
+
+  double trainStep(int64_t step) {
+    const auto begin = Clock::now();
+    const StepResult result =
+        overlapping_ ? overlappedStep(step) : synchronousStep(step);
+    splits_.push_back(result.split);
     if (splits_.size() > 1)
       splits_[splits_.size() - 2].stepMs = milliseconds(begin - lastStart_);
     lastStart_ = begin;
-    if (finite)
-      return loss;
+    if (result.finite)
+      return result.loss;
     auto text = [](double value) -> std::string {
       return std::isnan(value) ? "NaN" : value > 0 ? "inf" : "-inf";
     };
-    const std::string what = !std::isfinite(loss)
-        ? "the loss became " + text(loss)
+    const Pipeline::GradientNorm& norm = result.norm;
+    const std::string what = !std::isfinite(result.loss)
+        ? "the loss became " + text(result.loss)
         : "the gradients of stage " + std::to_string(norm.nonFiniteStage) +
             " (" + pipe_->stageDevices()[norm.nonFiniteStage] +
             ") became non-finite (global norm " + text(norm.norm) + ")";
     if (config_.train.onNonFinite == "stop") {
+      drainPostedSteps();
       throw std::runtime_error(
           what + " at step " + std::to_string(step + 1) +
           " (lower train.optimizer.lr, set train.clip_grad_norm, or "
@@ -547,7 +640,17 @@ class TrainingRun {
     *log_ << "step " << step + 1 << ": " << what
           << "; its update is skipped on every stage" << std::endl;
     ++summary_.skippedSteps;
-    return loss;
+    return result.loss;
+  }
+
+  // A run ending on an error leaves no step running behind it.
+  void drainPostedSteps() {
+    while (overlapping_ && pipe_->stepsInFlight() > 0) {
+      try {
+        pipe_->finishStep();
+      } catch (const std::exception&) {
+      }
+    }
   }
 
   // The gradient norm is one more pass over every gradient, which a plain
@@ -641,6 +744,8 @@ class TrainingRun {
   }
 
   void save(int64_t done) {
+    if (overlapping_)
+      collectOptimizerState(*optimizer_, rankOptimizers_);
     saveCheckpoint(
         options_.saveDir, done, *pipe_, *optimizer_, identity_, world());
     saved_ = true;
@@ -668,7 +773,10 @@ class TrainingRun {
                           report.measuredCosts)
                           .makespan;
     const std::vector<torch::Tensor> generators = pipe_->generatorStates();
+    if (overlapping_)
+      collectOptimizerState(*optimizer_, rankOptimizers_);
     startPipeline(request, plan);
+    startOverlap();
     pipe_->setGeneratorStates(generators);
     pipe_->setRecording(recordAfter);
     *log_ << "schedule auto: built from the measured stage times of "
@@ -683,6 +791,8 @@ class TrainingRun {
         options_.stopAfter > 0 ? std::min(total, options_.stopAfter) : total;
     const int64_t recordFrom = std::max<int64_t>(
         summary_.startStep, last - std::max(0, options_.recordSteps));
+    lastStep_ = last;
+    recordFrom_ = recordFrom;
     const bool saving = !options_.saveDir.empty();
     if (saving && total == 0)
       save(0);
@@ -693,8 +803,13 @@ class TrainingRun {
     const bool calibrate = calibrating();
     const int64_t calibrateFrom = summary_.startStep + kAutoWarmupSteps;
     const int64_t adoptAt = calibrateFrom + kAutoRecordedSteps;
-    for (int64_t step = summary_.startStep; step < last && !summary_.stopSignal;
-         ++step) {
+    adoptAt_ = adoptAt;
+    // A stop ends the run after the step posted ahead, if one is.
+    auto stopped = [&] {
+      return summary_.stopSignal &&
+          (!overlapping_ || pipe_->stepsInFlight() == 0);
+    };
+    for (int64_t step = summary_.startStep; step < last && !stopped(); ++step) {
       if ((step == recordFrom && options_.recordSteps > 0) ||
           (calibrate && step == calibrateFrom))
         pipe_->setRecording(true);
@@ -711,7 +826,7 @@ class TrainingRun {
       summary_.stopSignal = agreedStop();
       const bool periodic = config_.train.checkpointEvery > 0 &&
           done % config_.train.checkpointEvery == 0;
-      if (saving && (done == last || periodic || summary_.stopSignal))
+      if (saving && (done == last || periodic || stopped()))
         save(done);
     }
     summary_.steps = done;
@@ -767,6 +882,9 @@ class TrainingRun {
       log << ", eval accuracy " << summary_.evalAccuracy;
     if (summary_.skippedSteps > 0)
       log << ", " << summary_.skippedSteps << " non-finite step(s) skipped";
+    if (summary_.rerunSteps > 0)
+      log << ", " << summary_.rerunSteps
+          << " step(s) run again after a wrong speculative update";
     if (summary_.redoneSteps > 0)
       log << ", " << summary_.redoneSteps
           << " step(s) redone after the last failure";
@@ -790,6 +908,11 @@ class TrainingRun {
   PlanRequest planRequest_; // what plan_ was resolved from
   Plan plan_;
   bool measureMemory_ = false;
+  // Before pipe_: a posted step's update steps these on the workers, which
+  // end when pipe_ does.
+  RankOptimizers rankOptimizers_; // with overlapping_ (see startOverlap)
+  bool overlapping_ = false;
+  int64_t lastStep_ = 0, recordFrom_ = 0, adoptAt_ = 0; // see loop()
   std::unique_ptr<Pipeline> pipe_;
   std::vector<MemoryRow> memoryRows_;
   std::vector<double> stopsSignalled_; // summed with the last step's loss
