@@ -742,6 +742,132 @@ nlohmann::json scheduleTable() {
   return rows;
 }
 
+// Steps back to back, with a barrier (trainStep, then one optimizer step)
+// and without (postStep: each rank steps its own optimizer when its part
+// ends, and starts the next step behind it). Staggered schedules (ZB-H2,
+// ZB-V) end their ranks at different times, which only the second collects.
+double msPerStep(
+    const tpipe::LayerList& layers,
+    const tpipe::PipelineOptions& options,
+    const torch::Tensor& x,
+    const torch::Tensor& y,
+    bool overlap,
+    int steps) {
+  tpipe::Pipeline pipe(layers, options);
+  const auto sgd = torch::optim::SGDOptions(0.001).momentum(0.9);
+  std::vector<std::unique_ptr<torch::optim::SGD>> perRank(
+      pipe.schedule().ranks);
+  for (int rank : pipe.localRanks())
+    perRank[rank] =
+        std::make_unique<torch::optim::SGD>(pipe.rankParameters(rank), sgd);
+  torch::optim::SGD all(pipe.parameters(), sgd);
+  tpipe::Pipeline::Update update;
+  update.apply = [&](int rank) { perRank[rank]->step(); };
+  auto run = [&](int count) {
+    if (!overlap) {
+      for (int s = 0; s < count; ++s) {
+        pipe.trainStep(x, y, crossEntropy);
+        pipe.runOnWorker([&] {
+          all.step();
+          all.zero_grad();
+        });
+      }
+      return;
+    }
+    pipe.postStep(x, y, crossEntropy, update);
+    for (int s = 0; s < count; ++s) {
+      if (s + 1 < count)
+        pipe.postStep(x, y, crossEntropy, update);
+      pipe.finishStep();
+    }
+  };
+  run(2); // warm-up
+  const auto start = Clock::now();
+  run(steps);
+  return std::chrono::duration<double, std::milli>(Clock::now() - start)
+             .count() /
+      steps;
+}
+
+nlohmann::json overlappedSteps() {
+  torch::manual_seed(3);
+  torch::nn::Sequential net = balancedStack(8, 512);
+  const torch::Tensor x = torch::randn({256, 512});
+  const torch::Tensor y = torch::randint(0, 512, {256}, torch::kLong);
+  const int steps = 20, m = 8;
+  nlohmann::json rows = nlohmann::json::array();
+  for (int p : {2, 4}) {
+    std::printf(
+        "\nsteps back to back, %d devices over %d cores%s, m = %d, 8 x (Linear 512 + Tanh), batch 256, SGD; "
+        "ms per step over %d steps, medians of 3 alternating rounds\n",
+        p,
+        kCores,
+        p > kCores ? " (oversubscribed)" : "",
+        m,
+        steps);
+    std::printf(
+        "%-7s %12s %12s %10s %12s %12s %12s\n",
+        "sched",
+        "barrier ms",
+        "overlap ms",
+        "gain",
+        "vs zb-h1",
+        "sim. barrier",
+        "sim. overlap");
+    const char* schedules[] = {"1f1b", "zb-h1", "zb-h2", "zb-v"};
+    std::map<std::string, std::vector<double>> barrier, overlapped;
+    for (int round = 0; round < 3; ++round) {
+      for (const char* schedule : schedules) {
+        tpipe::PipelineOptions options =
+            benchOptions(p, m, schedule, CheckpointMode::kNever);
+        if (std::string(schedule) == "zb-v")
+          options.virtualStages = 2;
+        barrier[schedule].push_back(
+            msPerStep(tpipe::layersOf(net), options, x, y, false, steps));
+        overlapped[schedule].push_back(
+            msPerStep(tpipe::layersOf(net), options, x, y, true, steps));
+      }
+    }
+    for (auto& parameter : net->parameters())
+      parameter.mutable_grad() = torch::Tensor();
+    const double h1 = median(overlapped["zb-h1"]);
+    for (const char* schedule : schedules) {
+      tpipe::PipelineOptions options =
+          benchOptions(p, m, schedule, CheckpointMode::kNever);
+      if (std::string(schedule) == "zb-v")
+        options.virtualStages = 2;
+      tpipe::Pipeline pipe(tpipe::layersOf(net), options);
+      // Unit costs (T_F = T_B, T_W = T_B / 2 on split schedules): what the
+      // simulator predicts with and without the barrier.
+      const tpipe::Schedule& plan = pipe.schedule();
+      tpipe::StageCosts unit;
+      const double simBarrier = tpipe::simulate(plan, {unit}).makespan;
+      const double simOverlap = tpipe::steadyStepTime(plan, {unit});
+      const double b = median(barrier[schedule]);
+      const double o = median(overlapped[schedule]);
+      std::printf(
+          "%-7s %12.2f %12.2f %9.1f%% %12.3f %12.1f %12.1f\n",
+          schedule,
+          b,
+          o,
+          100.0 * (1.0 - o / b),
+          o / h1,
+          simBarrier,
+          simOverlap);
+      rows.push_back(
+          {{"devices", p},
+           {"micro_batches", m},
+           {"schedule", schedule},
+           {"barrier_ms", b},
+           {"overlap_ms", o},
+           {"overlap_over_zb_h1", o / h1},
+           {"simulated_barrier", simBarrier},
+           {"simulated_overlap", simOverlap}});
+    }
+  }
+  return rows;
+}
+
 int main(int argc, char** argv) {
   const std::string out = argc > 1 ? argv[1] : "pipeline.json";
   const std::string only = argc > 2 ? argv[2] : "all";
@@ -761,6 +887,8 @@ int main(int argc, char** argv) {
     json["zero_bubble"] = zeroBubble();
   if (only == "all" || only == "schedules")
     json["schedules"] = scheduleTable();
+  if (only == "all" || only == "schedules" || only == "overlap")
+    json["overlapped_steps"] = overlappedSteps();
   std::ofstream(out) << json.dump(1) << '\n';
   std::printf("\nwrote %s\n", out.c_str());
   return 0;

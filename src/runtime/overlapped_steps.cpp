@@ -241,6 +241,31 @@ void Pipeline::Impl::runPostedPart(runtime::PostedStep& step, int rank) {
     at::AutoGradMode gradMode(true);
     runtime::runRank(step.state, rank);
   }
+  // The update is charged to no device, as between synchronous steps (the
+  // memory report counts optimizer state apart), and must not throw out of
+  // the worker: a failure fails the step, and wakes whoever waits on it.
+  try {
+    memory::DeviceScope unattributed(memory::kUnattributed);
+    updateAfterPart(step, rank);
+  } catch (const std::exception& error) {
+    {
+      std::lock_guard<std::mutex> lock(step.state.errorMutex);
+      if (step.state.error.empty()) {
+        step.state.error =
+            "the update of " + memoryLabel(rank) + " failed: " + error.what();
+      }
+    }
+    std::lock_guard<std::mutex> lock(step.mutex);
+    step.failed = true;
+    step.updated = false;
+    step.known = true;
+    step.decided.notify_all();
+  }
+}
+
+void Pipeline::Impl::updateAfterPart(runtime::PostedStep& step, int rank) {
+  const std::vector<int> rankStages = schedule.stagesOfRank(rank);
+  runtime::PostedStep* previous = step.previous.get();
   const std::vector<at::Tensor> parameters = [&] {
     std::vector<at::Tensor> all;
     std::set<const c10::TensorImpl*> seen;
@@ -308,7 +333,7 @@ void Pipeline::Impl::runPostedPart(runtime::PostedStep& step, int rank) {
     }
     step.failed = step.failed || errored;
     step.lossFinite = step.lossFinite && lossFinite;
-    if (++step.partsIn == step.parts) {
+    if (++step.partsIn == step.parts && !step.known) {
       double total = 0.0;
       for (size_t s = 0; s < step.squares.size(); ++s) {
         if (!std::isfinite(step.squares[s]) && step.norm.nonFiniteStage < 0)
@@ -437,6 +462,11 @@ Pipeline::StepOutcome Pipeline::finishStep() {
       wallUs = std::max(wallUs, us);
     impl_->keepTrace(step->state, wallUs);
   }
+  // The step after reads only this one's decision: its inputs and stash
+  // go now, not when that step ends.
+  step->state.stash.clear();
+  step->state.inputs.clear();
+  step->state.targets.clear();
   StepOutcome outcome;
   outcome.loss = lossTotal(step->state);
   outcome.norm = step->norm;

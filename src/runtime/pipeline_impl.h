@@ -112,6 +112,7 @@ struct Pipeline::Impl {
   std::atomic<bool> lastStepBound{false};
   void post(std::shared_ptr<runtime::PostedStep> step);
   void runPostedPart(runtime::PostedStep& step, int rank);
+  void updateAfterPart(runtime::PostedStep& step, int rank);
   void settle(runtime::PostedStep& step, int rank);
   void waitForPosted();
   c10::optional<at::ScalarType> fixedTransferDtype() const;
