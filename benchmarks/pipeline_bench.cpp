@@ -837,10 +837,14 @@ nlohmann::json overlappedSteps() {
       if (std::string(schedule) == "zb-v")
         options.virtualStages = 2;
       tpipe::Pipeline pipe(tpipe::layersOf(net), options);
-      // Unit costs (T_F = T_B, T_W = T_B / 2 on split schedules): what the
-      // simulator predicts with and without the barrier.
+      // Unit costs per rank (F = I = W = 1; a V's half-stages half each):
+      // what the simulator predicts with and without the barrier.
       const tpipe::Schedule& plan = pipe.schedule();
+      const double share = 1.0 / plan.virtualStages;
       tpipe::StageCosts unit;
+      unit.forward = unit.backwardInput = unit.backwardWeight =
+          unit.recompute = share;
+      unit.backward = 2.0 * share;
       const double simBarrier = tpipe::simulate(plan, {unit}).makespan;
       const double simOverlap = tpipe::steadyStepTime(plan, {unit});
       const double b = median(barrier[schedule]);

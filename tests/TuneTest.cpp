@@ -349,3 +349,39 @@ TEST(TuneTest, ClusterRooflineMakesSmallMicroBatchesBandwidthBound) {
   EXPECT_NEAR(forwardAt(flat, 1), flops / 1e11, 1e-9);
   EXPECT_NEAR(forwardAt(flat, 4096), 4096 * flops / 1e11, 1e-6);
 }
+
+// With steps that overlap, a plan of several ranks is predicted by its
+// back-to-back step: ZB-H2, whose ranks end staggered, then predicts below
+// ZB-H1 (with a barrier they tie), and one stage is predicted as before.
+TEST(TuneTest, OverlappingStepsRankSchedulesByTheirBackToBackStep) {
+  const CostModel model = equalLayers(4, 1.0);
+  auto predicted = [&](ScheduleKind kind, int ranks, bool overlap) {
+    TuneRequest request = twoCores();
+    request.schedules = {kind};
+    request.stageCounts = {ranks};
+    request.microBatches = {8};
+    request.checkpoints = {CheckpointMode::kNever};
+    request.overlapSteps = overlap;
+    const TuneResult result = tunePlans(model, request);
+    const TuneCandidate& choice = choiceOf(result);
+    EXPECT_EQ(choice.ranks, ranks);
+    const Plan plan = resolvePlan(candidatePlanRequest(model, request, choice));
+    return std::make_pair(choice.predictedStepMs, plan);
+  };
+  const auto [h1Barrier, h1Plan] =
+      predicted(ScheduleKind::kZeroBubbleH1, 2, false);
+  const auto [h2Barrier, h2Plan] =
+      predicted(ScheduleKind::kZeroBubbleH2, 2, false);
+  const double h1Overlap =
+      predicted(ScheduleKind::kZeroBubbleH1, 2, true).first;
+  const double h2Overlap =
+      predicted(ScheduleKind::kZeroBubbleH2, 2, true).first;
+  EXPECT_NEAR(h2Barrier, h2Plan.simulation.makespan, 1e-9);
+  EXPECT_NEAR(h1Barrier, h1Plan.simulation.makespan, 1e-9);
+  EXPECT_LT(h2Overlap, h2Barrier);
+  EXPECT_LT(h2Overlap, h1Overlap);
+  EXPECT_LE(h1Overlap, h1Barrier);
+  EXPECT_DOUBLE_EQ(
+      predicted(ScheduleKind::kOneFOneB, 1, true).first,
+      predicted(ScheduleKind::kOneFOneB, 1, false).first);
+}

@@ -20,7 +20,9 @@
 // per compute instruction, with the split backward of zero-bubble schedules
 // scaled by the measured split overhead; plus the fixed cost per step
 // (optimizer, loss, batch) and, with replicas, the gradient all-reduce after
-// the flush (not overlapped). docs/tune.md states what this leaves out.
+// the flush (not overlapped). With overlapSteps, a plan of several ranks is
+// predicted by its steady back-to-back step instead of the makespan.
+// docs/tune.md states what this leaves out.
 #pragma once
 
 #include <cstdint>
@@ -107,6 +109,10 @@ struct TuneRequest {
   // devices / stages replicas (stage counts that divide the devices).
   bool replicate = false;
   double optimizerFactor = 0.0;
+  // Steps overlap (pipeline.overlap_steps, in one process): a plan of
+  // several ranks and one replica is predicted by its back-to-back step
+  // (steadyStepTime), which staggered schedules (ZB-H2, ZB-V) shorten.
+  bool overlapSteps = false;
 };
 
 struct TuneCandidate {

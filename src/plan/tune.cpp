@@ -394,13 +394,19 @@ TuneCandidate evaluate(
   double heldBeyondOne = 0.0;
   if (!fitsDevices(plan, planRequest, c, heldBeyondOne))
     return c;
-  const Simulation simulation = s.schedule == ScheduleKind::kAuto
-      ? resolvePlan(withStageCosts(planRequest, plan)).simulation
-      : plan.simulation; // the resolver's, under the calibrated costs
+  const PlanRequest costed = withStageCosts(planRequest, plan);
+  const Plan run =
+      s.schedule == ScheduleKind::kAuto ? resolvePlan(costed) : plan;
+  const Simulation& simulation = run.simulation; // under calibrated costs
   c.bubble = simulation.bubbleFraction;
   c.allReduceMs = allReduceMs(
       request, planRequest.layers, plan.boundaries, s.ranks, s.replicas);
-  c.predictedStepMs = simulation.makespan + model.stepMs + c.allReduceMs +
+  const bool overlapped =
+      request.overlapSteps && s.ranks > 1 && s.replicas == 1;
+  const double pipelineMs = overlapped
+      ? steadyStepTime(run.schedule, costed.stageCosts)
+      : simulation.makespan;
+  c.predictedStepMs = pipelineMs + model.stepMs + c.allReduceMs +
       model.heldByteMs * heldBeyondOne;
   c.samplesPerSecond =
       static_cast<double>(request.batchSize) * 1000.0 / c.predictedStepMs;
