@@ -369,6 +369,34 @@ TEST(TrainTest, ResumeReproducesTheUninterruptedLosses) {
   }
 }
 
+// Steps without a barrier (pipeline.overlap_steps, one optimizer per rank)
+// train as steps with one: the same losses bit for bit, under a clip, with
+// non-finite steps skipped, evaluations between steps and Adam's state.
+TEST(TrainTest, OverlappingStepsTrainAsStepsWithABarrier) {
+  for (const char* schedule : {"zb-h2", "1f1b"}) {
+    for (const char* clip : {"0", "0.5"}) {
+      SCOPED_TRACE(std::string(schedule) + ", clip " + clip);
+      const std::vector<std::string> overrides{
+          std::string("pipeline.schedule=") + schedule,
+          std::string("train.clip_grad_norm=") + clip,
+          "train.on_nonfinite=skip",
+          "train.eval_every=3"};
+      TrainOptions evaluate;
+      evaluate.evaluate = true;
+      const TrainSummary overlapped =
+          quietTrain(withOverrides(smokeConfig(), overrides), evaluate);
+      auto withBarrier = overrides;
+      withBarrier.push_back("pipeline.overlap_steps=false");
+      const TrainSummary barrier =
+          quietTrain(withOverrides(smokeConfig(), withBarrier), evaluate);
+      ASSERT_EQ(overlapped.losses.size(), 8u);
+      EXPECT_EQ(overlapped.losses, barrier.losses);
+      EXPECT_EQ(overlapped.evalLoss, barrier.evalLoss);
+      EXPECT_EQ(barrier.rerunSteps, 0);
+    }
+  }
+}
+
 TEST(TrainTest, CheckpointHoldsSequentialNamesAndSurvivesAFailedSave) {
   const fs::path dir = scratch("ckpt");
   Json json = smokeConfig();
