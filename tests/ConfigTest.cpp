@@ -43,7 +43,8 @@ TEST(ConfigTest, ShippedConfigsParse) {
         "gpt_tied",
         "data_parallel_mlp",
         "torchscript_mlp",
-        "skip_cnn"}) {
+        "skip_cnn",
+        "zero_bubble_mlp"}) {
     const std::string path =
         std::string(TPIPE_SOURCE_DIR) + "/configs/" + name + ".json";
     SCOPED_TRACE(path);
