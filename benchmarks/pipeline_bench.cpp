@@ -842,8 +842,8 @@ nlohmann::json overlappedSteps() {
       const tpipe::Schedule& plan = pipe.schedule();
       const double share = 1.0 / plan.virtualStages;
       tpipe::StageCosts unit;
-      unit.forward = unit.backwardInput = unit.backwardWeight =
-          unit.recompute = share;
+      unit.forward = unit.backwardInput = unit.backwardWeight = unit.recompute =
+          share;
       unit.backward = 2.0 * share;
       const double simBarrier = tpipe::simulate(plan, {unit}).makespan;
       const double simOverlap = tpipe::steadyStepTime(plan, {unit});

@@ -124,10 +124,14 @@ const std::vector<int>& Pipeline::localRanks() const {
 }
 
 std::vector<torch::Tensor> Pipeline::rankParameters(int rank) const {
-  std::vector<torch::Tensor> all;
+  return impl_->rankParameters(rank);
+}
+
+std::vector<at::Tensor> Pipeline::Impl::rankParameters(int rank) const {
+  std::vector<at::Tensor> all;
   std::set<const c10::TensorImpl*> seen;
-  for (int s : impl_->schedule.stagesOfRank(rank)) {
-    for (const auto& parameter : impl_->stages[s].parameters) {
+  for (int s : schedule.stagesOfRank(rank)) {
+    for (const auto& parameter : stages[s].parameters) {
       if (seen.insert(parameter.unsafeGetTensorImpl()).second)
         all.push_back(parameter);
     }
@@ -172,14 +176,7 @@ void Pipeline::postStep(
 void Pipeline::Impl::post(std::shared_ptr<runtime::PostedStep> step) {
   const int m = schedule.microBatches;
   runtime::StepState& state = step->state;
-  state.inputs = split(step->input, m, stages.front().device);
-  state.targets = split(step->target, m, stages.back().device);
-  const int64_t batch = step->input.size(0);
-  for (const auto& chunk : state.inputs) {
-    state.weights.push_back(
-        static_cast<double>(chunk.size(0)) / static_cast<double>(batch));
-    state.microBatchSizes.push_back(chunk.size(0));
-  }
+  splitBatch(state, step->input, step->target);
   state.lossFn = &step->lossFn;
   state.schedule = &schedule;
   state.stages = &stages;
@@ -188,12 +185,7 @@ void Pipeline::Impl::post(std::shared_ptr<runtime::PostedStep> step) {
   state.losses.assign(m, {});
   state.outputs.assign(m, {});
   state.record = options.record;
-  state.splitBackward = false;
-  for (const auto& list : schedule.perRank) {
-    for (const auto& instruction : list)
-      state.splitBackward = state.splitBackward ||
-          std::holds_alternative<BackwardInput>(instruction);
-  }
+  state.splitBackward = splitsBackward(schedule);
   state.autocast = options.autocast;
   state.copyOnReceive = !memorySlots.empty();
   state.layerOutputShapes = &options.layerOutputShapes;
@@ -266,17 +258,7 @@ void Pipeline::Impl::runPostedPart(runtime::PostedStep& step, int rank) {
 void Pipeline::Impl::updateAfterPart(runtime::PostedStep& step, int rank) {
   const std::vector<int> rankStages = schedule.stagesOfRank(rank);
   runtime::PostedStep* previous = step.previous.get();
-  const std::vector<at::Tensor> parameters = [&] {
-    std::vector<at::Tensor> all;
-    std::set<const c10::TensorImpl*> seen;
-    for (int s : rankStages) {
-      for (const auto& parameter : stages[s].parameters) {
-        if (seen.insert(parameter.unsafeGetTensorImpl()).second)
-          all.push_back(parameter);
-      }
-    }
-    return all;
-  }();
+  const std::vector<at::Tensor> parameters = rankParameters(rank);
   const bool errored = step.erroredOrAborted();
 
   // The step before: right, or settled here and this step runs again.
@@ -401,17 +383,7 @@ void Pipeline::Impl::settle(runtime::PostedStep& step, int rank) {
   auto& speculation = step.speculations[rank];
   if (!speculation.active)
     return;
-  std::vector<at::Tensor> parameters;
-  for (int s : schedule.stagesOfRank(rank)) {
-    for (const auto& parameter : stages[s].parameters) {
-      bool seen = false;
-      for (const auto& p : parameters)
-        seen =
-            seen || p.unsafeGetTensorImpl() == parameter.unsafeGetTensorImpl();
-      if (!seen)
-        parameters.push_back(parameter);
-    }
-  }
+  const std::vector<at::Tensor> parameters = rankParameters(rank);
   {
     at::NoGradGuard noGrad;
     for (size_t i = 0; i < parameters.size(); ++i)

@@ -120,6 +120,15 @@ struct Pipeline::Impl {
       const at::Tensor& tensor,
       int chunks,
       c10::Device device) const;
+  // The batch into micro-batches, each with its share of the batch.
+  void splitBatch(
+      runtime::StepState& state,
+      const at::Tensor& input,
+      const at::Tensor& target) const;
+  // Whether the schedule splits backwards into input and weight passes.
+  static bool splitsBackward(const Schedule& schedule);
+  // The parameters whose gradients `rank` computes, each tensor once.
+  std::vector<at::Tensor> rankParameters(int rank) const;
 };
 
 } // namespace tpipe

@@ -27,10 +27,22 @@ std::vector<at::Tensor> Pipeline::Impl::split(
   return parts;
 }
 
-namespace {
+void Pipeline::Impl::splitBatch(
+    runtime::StepState& state,
+    const at::Tensor& input,
+    const at::Tensor& target) const {
+  const int m = schedule.microBatches;
+  state.inputs = split(input, m, stages.front().device);
+  state.targets = split(target, m, stages.back().device);
+  const int64_t batch = input.size(0);
+  for (const auto& chunk : state.inputs) {
+    state.weights.push_back(
+        static_cast<double>(chunk.size(0)) / static_cast<double>(batch));
+    state.microBatchSizes.push_back(chunk.size(0));
+  }
+}
 
-// Whether the schedule splits backwards into input and weight passes.
-bool splitsBackward(const Schedule& schedule) {
+bool Pipeline::Impl::splitsBackward(const Schedule& schedule) {
   for (const auto& list : schedule.perRank) {
     for (const auto& instruction : list) {
       if (std::holds_alternative<BackwardInput>(instruction))
@@ -39,8 +51,6 @@ bool splitsBackward(const Schedule& schedule) {
   }
   return false;
 }
-
-} // namespace
 
 namespace {
 
@@ -237,13 +247,7 @@ torch::Tensor Pipeline::trainStep(
       batch,
       ") in the batch");
   runtime::StepState state;
-  state.inputs = impl_->split(input, m, impl_->stages.front().device);
-  state.targets = impl_->split(target, m, impl_->stages.back().device);
-  for (const auto& chunk : state.inputs) {
-    state.weights.push_back(
-        static_cast<double>(chunk.size(0)) / static_cast<double>(batch));
-    state.microBatchSizes.push_back(chunk.size(0));
-  }
+  impl_->splitBatch(state, input, target);
   state.lossFn = &lossFn;
   auto* communicator = impl_->options.communicator.get();
   if (communicator && communicator->replicas() > 1 &&
