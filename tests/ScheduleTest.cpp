@@ -120,9 +120,10 @@ TEST(ScheduleTest, EveryGeneratorValidatesAcrossShapes) {
               CheckpointMode::kNever}) {
           for (int v : {1, 2, 3}) {
             const bool interleaved = name == "interleaved-1f1b";
-            const bool vShaped = name == "zb-v" || name == "dualpipev";
+            const bool vShaped =
+                name == "zb-v" || name == "zb-v-half" || name == "dualpipev";
             if (vShaped ? v != 2 : v > 1 && !interleaved)
-              continue; // zb-v and dualpipev: two stages per rank, always
+              continue; // the V schedules: two stages per rank, always
             if (name == "dualpipev" && m < 2 * p)
               continue; // it needs as many micro-batches as stages
             if (interleaved && v > 1 && m % p != 0)
@@ -588,6 +589,36 @@ TEST(ScheduleTest, ZeroBubbleVHasNoBubbleUnderEqualCosts) {
       EXPECT_NEAR(steadyStepTime(v, {half}), 3.0 * m, 1e-9);
       for (int held : peakHeldPerRank(v))
         EXPECT_LE(held, 2 * p);
+    }
+  }
+}
+
+// ZB-V under the V-Half memory bound: at most p + 2 half-stage micro-batches
+// stashed per rank (P / 2 + 1 whole ones, where 1F1B holds P), and under
+// equal costs a step no longer than 1F1B's (the bound costs bubble, never
+// more than 1F1B has) for m >= 2p.
+TEST(ScheduleTest, ZeroBubbleVHalfHoldsHalfOfOneFOneBsActivations) {
+  StageCosts half;
+  half.forward = half.backwardInput = half.backwardWeight = 0.5;
+  half.backward = 1.0;
+  for (int p : {2, 4, 8}) {
+    for (int m : {2 * p, 4 * p, 8 * p}) {
+      SCOPED_TRACE("p=" + std::to_string(p) + " m=" + std::to_string(m));
+      const Schedule v = zeroBubbleVHalfSchedule(p, m, CheckpointMode::kNever);
+      EXPECT_EQ(v.name, "zb-v-half");
+      for (int held : peakHeldPerRank(v))
+        EXPECT_LE(held, p + 2);
+      const double oneFOneB =
+          simulate(
+              oneFOneBSchedule(p, m, CheckpointMode::kNever), {StageCosts{}})
+              .makespan;
+      EXPECT_LE(simulate(v, {half}).makespan, oneFOneB + 1e-9);
+      // Less memory than zb-v's 2p costs some of its bubble.
+      EXPECT_GE(
+          simulate(v, {half}).makespan,
+          simulate(zeroBubbleVSchedule(p, m, CheckpointMode::kNever), {half})
+                  .makespan -
+              1e-9);
     }
   }
 }

@@ -125,6 +125,14 @@ TEST(TraceTest, ReportAddsUp) {
   EXPECT_LT(report.measuredBubble, 1.0);
   EXPECT_NEAR(report.theoreticalBubble, 2.0 / 6.0, 1e-12);
   EXPECT_GT(report.simulatedStepMs, 0.0);
+  // Back to back: never longer than with the barrier; the measured
+  // interval is the recorded starts' mean spacing.
+  EXPECT_GT(report.simulatedSteadyStepMs, 0.0);
+  EXPECT_LE(report.simulatedSteadyStepMs, report.simulatedStepMs + 1e-9);
+  const double firstToLastUs =
+      r.trace.steps.back().originUs - r.trace.steps.front().originUs;
+  EXPECT_NEAR(report.measuredStartToStartMs, firstToLastUs / 2000.0, 1e-9);
+  EXPECT_GT(report.measuredStartToStartMs, 0.0);
   const auto json = bubbleReportToJson(report);
   EXPECT_EQ(json["ranks"].size(), 3u);
   EXPECT_TRUE(json["definitions"].contains("measured_bubble"));

@@ -160,6 +160,8 @@ enum class ScheduleKind {
                  // measures the stages (after its first recorded steps)
   kDualPipeV,    // "dualpipev": DeepSeek's DualPipeV, the V of zb-v with one
                  // micro-batch's forward overlapped with another's backward
+  kZeroBubbleVHalf, // "zb-v-half": the V of zb-v holding about half of
+                    // 1F1B's activations (V-Half's bound, Qi et al. 2024)
 };
 const char* scheduleKindName(ScheduleKind kind);
 // Whether the kind lays two stages on each rank in a V (zb-v, dualpipev):
@@ -270,6 +272,15 @@ Schedule loadScheduleCsv(const std::string& path, CheckpointMode mode);
 // 2p stages on p ranks in a V, from the list scheduler with unit costs and
 // p micro-batches of each stage in flight.
 Schedule zeroBubbleVSchedule(int ranks, int microBatches, CheckpointMode mode);
+// The same V under about half of 1F1B's activation memory: at most p + 2
+// half-stage micro-batches stashed on a rank at once (P / 2 + 1 whole ones,
+// where 1F1B's first rank holds P), the V-Half bound of "Pipeline
+// Parallelism with Controllable Memory" (Qi et al., 2024). Laid by tpipe's
+// list scheduler under that bound, not by the paper's building blocks.
+Schedule zeroBubbleVHalfSchedule(
+    int ranks,
+    int microBatches,
+    CheckpointMode mode);
 // DeepSeek's DualPipeV on p ranks in a V (rank r holds stages r and
 // 2p - 1 - r): eight phases per rank, the steady one pairing a forward of
 // one stage with the full backward of the other (overlapsBackward), the

@@ -61,6 +61,11 @@ struct BubbleReport {
   double theoreticalBubble = 0.0; // (p - 1) / (m + p - 1)
   double simulatedBubble = 0.0;   // simulator on the measured mean times
   double simulatedStepMs = 0.0;
+  // Steps back to back without a barrier (overlapping steps): the
+  // simulator's steady step on the measured times, and the measured mean
+  // time from one recorded step's start to the next's (0: one step).
+  double simulatedSteadyStepMs = 0.0;
+  double measuredStartToStartMs = 0.0;
   std::vector<StageCosts> measuredCosts; // per stage, ms
 };
 

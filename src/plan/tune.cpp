@@ -124,6 +124,7 @@ const std::vector<ScheduleKind>& allSchedules() {
       ScheduleKind::kZeroBubbleH1,
       ScheduleKind::kZeroBubbleH2,
       ScheduleKind::kZeroBubbleV,
+      ScheduleKind::kZeroBubbleVHalf,
       ScheduleKind::kAuto};
   return kinds;
 }

@@ -107,6 +107,14 @@ BubbleReport bubbleReport(const Trace& trace) {
   const Simulation simulation = simulate(trace.schedule, report.measuredCosts);
   report.simulatedBubble = simulation.bubbleFraction;
   report.simulatedStepMs = simulation.makespan;
+  if (simulation.finished)
+    report.simulatedSteadyStepMs =
+        steadyStepTime(trace.schedule, report.measuredCosts);
+  if (trace.steps.size() > 1) {
+    report.measuredStartToStartMs =
+        (trace.steps.back().originUs - trace.steps.front().originUs) /
+        (1000.0 * static_cast<double>(trace.steps.size() - 1));
+  }
   return report;
 }
 
@@ -131,6 +139,14 @@ void printBubbleReport(std::ostream& out, const BubbleReport& report) {
       << "%  (the schedule replayed with the measured mean "
       << "instruction times: step " << std::setprecision(3)
       << report.simulatedStepMs << " ms)\n";
+  if (report.simulatedSteadyStepMs > 0.0) {
+    out << "        back to back " << report.simulatedSteadyStepMs
+        << " ms per step simulated without a barrier";
+    if (report.measuredStartToStartMs > 0.0)
+      out << "; measured " << report.measuredStartToStartMs
+          << " ms from one step's start to the next's";
+    out << '\n';
+  }
   out << std::setprecision(1) << "        theory "
       << 100 * report.theoreticalBubble
       << "%  ((p - 1) / (v m + p - 1): fill-drain, 1F1B and interleaved with equal stages)\n";
@@ -166,6 +182,8 @@ nlohmann::json bubbleReportToJson(const BubbleReport& report) {
       {"measured_bubble", report.measuredBubble},
       {"simulated_bubble", report.simulatedBubble},
       {"simulated_step_ms", report.simulatedStepMs},
+      {"simulated_steady_step_ms", report.simulatedSteadyStepMs},
+      {"measured_start_to_start_ms", report.measuredStartToStartMs},
       {"theoretical_bubble", report.theoreticalBubble},
       {"definitions",
        {{"measured_bubble",

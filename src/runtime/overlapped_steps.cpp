@@ -32,8 +32,11 @@ struct PostedStep {
   Pipeline::Update update;
   std::shared_ptr<PostedStep> previous; // posted and unfinished before it
   std::unique_ptr<Latch> latch;         // the local ranks' parts
-  std::chrono::steady_clock::time_point posted;
-  std::vector<double> endedUs; // per rank, since `posted`
+  // The trace's origin is when the first rank begins its part, not when
+  // the step was posted behind another (a step posted ahead would show
+  // the previous step's work as its idle start).
+  std::once_flag started;
+  std::vector<double> endedUs; // per rank, since state.start
 
   std::mutex mutex;
   std::condition_variable decided;
@@ -201,15 +204,15 @@ void Pipeline::Impl::post(std::shared_ptr<runtime::PostedStep> step) {
     transport->begin(schedule.stages() - 1);
   else
     step->previous = posted.back();
-  step->posted = std::chrono::steady_clock::now();
-  state.start = step->posted;
+  state.start = std::chrono::steady_clock::now(); // until a rank begins
   posted.push_back(step);
   for (int rank : localRanks) {
     workers[rank]->post([this, step, rank] {
       runPostedPart(*step, rank);
-      step->endedUs[rank] = std::chrono::duration<double, std::micro>(
-                                std::chrono::steady_clock::now() - step->posted)
-                                .count();
+      step->endedUs[rank] =
+          std::chrono::duration<double, std::micro>(
+              std::chrono::steady_clock::now() - step->state.start)
+              .count();
       step->latch->countDown();
     });
   }
@@ -229,6 +232,9 @@ void Pipeline::Impl::runPostedPart(runtime::PostedStep& step, int rank) {
                                        : at::Tensor());
     }
   }
+  std::call_once(step.started, [&] {
+    step.state.start = std::chrono::steady_clock::now();
+  });
   {
     at::AutoGradMode gradMode(true);
     runtime::runRank(step.state, rank);

@@ -223,6 +223,7 @@ const std::vector<std::string>& scheduleNames() {
       "zb-h1",
       "zb-h2",
       "zb-v",
+      "zb-v-half",
       "auto",
       "dualpipev"};
   return names;
@@ -475,7 +476,9 @@ Schedule dualPipeVSchedule(int ranks, int microBatches, CheckpointMode mode) {
 }
 
 bool isVShaped(ScheduleKind kind) {
-  return kind == ScheduleKind::kZeroBubbleV || kind == ScheduleKind::kDualPipeV;
+  return kind == ScheduleKind::kZeroBubbleV ||
+      kind == ScheduleKind::kZeroBubbleVHalf ||
+      kind == ScheduleKind::kDualPipeV;
 }
 
 const char* scheduleKindName(ScheduleKind kind) {
@@ -496,6 +499,8 @@ const char* scheduleKindName(ScheduleKind kind) {
       return "auto";
     case ScheduleKind::kDualPipeV:
       return "dualpipev";
+    case ScheduleKind::kZeroBubbleVHalf:
+      return "zb-v-half";
   }
   return "?";
 }
@@ -509,7 +514,8 @@ ScheduleSource::ScheduleSource(const std::string& text) {
         ScheduleKind::kZeroBubbleH2,
         ScheduleKind::kZeroBubbleV,
         ScheduleKind::kAuto,
-        ScheduleKind::kDualPipeV}) {
+        ScheduleKind::kDualPipeV,
+        ScheduleKind::kZeroBubbleVHalf}) {
     if (text == scheduleKindName(kind)) {
       kind_ = kind;
       known_ = true;
@@ -642,6 +648,10 @@ Schedule makeSchedule(const ScheduleSpec& spec) {
     case ScheduleKind::kDualPipeV:
       schedule =
           dualPipeVSchedule(spec.ranks, spec.microBatches, spec.checkpoint);
+      break;
+    case ScheduleKind::kZeroBubbleVHalf:
+      schedule = zeroBubbleVHalfSchedule(
+          spec.ranks, spec.microBatches, spec.checkpoint);
       break;
     case ScheduleKind::kAuto:
       schedule = autoSchedule(

@@ -623,4 +623,23 @@ Schedule zeroBubbleVSchedule(int ranks, int microBatches, CheckpointMode mode) {
   return schedule;
 }
 
+Schedule zeroBubbleVHalfSchedule(
+    int ranks,
+    int microBatches,
+    CheckpointMode mode) {
+  requireCounts(ranks, microBatches, 2);
+  const std::vector<int> placement = vPlacement(ranks);
+  // P / 2 + 1 whole micro-batches: p + 2 half-stage ones.
+  const ComputeOrder order = bestGreedy(
+      ranks,
+      placement,
+      microBatches,
+      {StageCosts{}},
+      std::vector<int>(ranks, ranks + 2));
+  Schedule schedule = lower("zb-v-half", ranks, 2, microBatches, mode, order);
+  schedule.placement = placement;
+  validate(schedule);
+  return schedule;
+}
+
 } // namespace tpipe

@@ -660,7 +660,8 @@ TuneRequest requestFor(const Config& config) {
       ScheduleKind::kInterleaved,
       ScheduleKind::kZeroBubbleH1,
       ScheduleKind::kZeroBubbleH2,
-      ScheduleKind::kZeroBubbleV};
+      ScheduleKind::kZeroBubbleV,
+      ScheduleKind::kZeroBubbleVHalf};
   const auto& o = config.train.optimizer;
   request.optimizerFactor = optimizerStateFactor(o.type, o.momentum);
   request.overlapSteps = config.pipeline.overlapSteps;
