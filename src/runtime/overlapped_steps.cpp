@@ -49,6 +49,9 @@ struct PostedStep {
   bool anySpeculated = false;
   bool doomed = false; // ran on the parameters of a wrong speculation
   bool redone = false; // posted again after a doomed run
+  // A step posted before it, still running, may speculate: this one may
+  // then run on a wrong update and must be able to undo its forwards.
+  bool mayBeDoomed = false;
   Pipeline::GradientNorm norm;
   bool updated = false;
   double scale = 1.0;
@@ -204,6 +207,8 @@ void Pipeline::Impl::post(std::shared_ptr<runtime::PostedStep> step) {
     transport->begin(schedule.stages() - 1);
   else
     step->previous = posted.back();
+  for (const auto& earlier : posted)
+    step->mayBeDoomed = step->mayBeDoomed || earlier->update.checkGradients;
   state.start = std::chrono::steady_clock::now(); // until a rank begins
   posted.push_back(step);
   for (int rank : localRanks) {
@@ -220,9 +225,7 @@ void Pipeline::Impl::post(std::shared_ptr<runtime::PostedStep> step) {
 
 void Pipeline::Impl::runPostedPart(runtime::PostedStep& step, int rank) {
   const std::vector<int> rankStages = schedule.stagesOfRank(rank);
-  runtime::PostedStep* previous = step.previous.get();
-  const bool mayBeDoomed = previous && previous->update.checkGradients;
-  if (mayBeDoomed) {
+  if (step.mayBeDoomed) {
     auto& found = step.found[rank];
     for (int s : rankStages) {
       for (const auto& buffer : stages[s].buffers)
