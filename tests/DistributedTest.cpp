@@ -554,16 +554,14 @@ TEST_F(DistributedTest, ADeclaredCapacityBindsAcrossProcesses) {
       binary() + " launch --nproc 2 " + config_ +
       " --set 'pipeline.devices=[{\"name\": \"cpu:0\", \"memory\": \"16KiB\"}, \"cpu:1\"]'");
   // Every rank reaches the same verdict from the shared costs, before the
-  // first step: no rank is left to call another lost.
+  // first step: no rank is left to call another lost. The first to exit
+  // ends the others, so on a busy machine a slower rank may be ended before
+  // it prints its own copy of the verdict: one copy is what is certain.
   EXPECT_EQ(r.status, 2) << r.output;
-  for (const char* rank : {"[rank 0]", "[rank 1]"}) {
-    EXPECT_NE(
-        r.output.find(
-            std::string(rank) +
-            " tpipe: error: the plan does not fit: stage 0"),
-        std::string::npos)
-        << r.output;
-  }
+  EXPECT_NE(
+      r.output.find("] tpipe: error: the plan does not fit: stage 0"),
+      std::string::npos)
+      << r.output;
   EXPECT_NE(r.output.find("whose capacity is 16.00 KiB"), std::string::npos)
       << r.output;
   EXPECT_EQ(r.output.find("lost rank"), std::string::npos) << r.output;
