@@ -594,7 +594,7 @@ CLI::App* addSchedule(CLI::App& app, Arguments& a) {
   schedule->add_option(
       "--schedule",
       a.schedule.text,
-      "gpipe | 1f1b | interleaved-1f1b | zb-h1 | zb-h2 | auto | a file *.json");
+      "gpipe | 1f1b | interleaved-1f1b | zb-h1 | zb-h2 | zb-v | zb-v-half | dualpipev | auto | a file *.json or *.csv");
   schedule
       ->add_option(
           "--costs",
