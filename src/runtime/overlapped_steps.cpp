@@ -105,15 +105,6 @@ void dropGradients(const std::vector<at::Tensor>& parameters) {
     parameter.mutable_grad() = at::Tensor();
 }
 
-// The batch's loss as trainStep sums it: the weighted micro-batch losses in
-// order.
-at::Tensor lossTotal(const runtime::StepState& state) {
-  at::Tensor total = state.losses[0];
-  for (size_t mb = 1; mb < state.losses.size(); ++mb)
-    total = total + state.losses[mb];
-  return total;
-}
-
 } // namespace
 
 bool Pipeline::canOverlapSteps() const {
@@ -158,19 +149,7 @@ void Pipeline::postStep(
   TORCH_CHECK(
       !update.checkGradients || update.saveState,
       "postStep: checkGradients needs saveState");
-  TORCH_CHECK(
-      input.defined() && input.dim() >= 1 && target.defined() &&
-          target.dim() >= 1 && target.size(0) == input.size(0),
-      "postStep: input and target need one batch dimension of one size");
-  TORCH_CHECK(lossFn, "postStep: no loss function given");
-  const int m = impl_->schedule.microBatches;
-  TORCH_CHECK(
-      input.size(0) >= m,
-      "more micro-batches (",
-      m,
-      ") than samples (",
-      input.size(0),
-      ") in the batch");
+  impl_->checkBatch(input, target, lossFn, "postStep");
   auto step = std::make_shared<runtime::PostedStep>();
   step->input = input;
   step->target = target;
@@ -180,23 +159,10 @@ void Pipeline::postStep(
 }
 
 void Pipeline::Impl::post(std::shared_ptr<runtime::PostedStep> step) {
-  const int m = schedule.microBatches;
   runtime::StepState& state = step->state;
   splitBatch(state, step->input, step->target);
   state.lossFn = &step->lossFn;
-  state.schedule = &schedule;
-  state.stages = &stages;
-  state.transport = transport;
-  state.stash.assign(static_cast<size_t>(schedule.stages()) * m, {});
-  state.losses.assign(m, {});
-  state.outputs.assign(m, {});
-  state.record = options.record;
-  state.splitBackward = splitsBackward(schedule);
-  state.autocast = options.autocast;
-  state.copyOnReceive = !memorySlots.empty();
-  state.layerOutputShapes = &options.layerOutputShapes;
-  if (state.record)
-    state.events.assign(schedule.ranks, {});
+  prepare(state, schedule);
   step->squares.assign(schedule.stages(), 0.0);
   step->parts = static_cast<int>(localRanks.size());
   step->speculations.resize(schedule.ranks);
@@ -300,7 +266,7 @@ void Pipeline::Impl::updateAfterPart(runtime::PostedStep& step, int rank) {
   double mineSquares = 0.0;
   bool mineFinite = true;
   if (!errored) {
-    lossFinite = std::isfinite(lossTotal(step.state).item<double>());
+    lossFinite = std::isfinite(Impl::lossTotal(step.state).item<double>());
     if (checks) {
       for (int s : rankStages) {
         mine.push_back(gradientSquares(s));
@@ -449,7 +415,7 @@ Pipeline::StepOutcome Pipeline::finishStep() {
   step->state.inputs.clear();
   step->state.targets.clear();
   StepOutcome outcome;
-  outcome.loss = lossTotal(step->state);
+  outcome.loss = Impl::lossTotal(step->state);
   outcome.norm = step->norm;
   outcome.updated = step->updated;
   if (step->speculationWrong()) {

@@ -75,7 +75,17 @@ struct Pipeline::Impl {
   void checkSharedTensorsStayOnOneDevice() const;
   void placeStage(int s);
   void startWorkers();
+  // A step's state for `plan`, before its transport begins.
+  void prepare(runtime::StepState& state, const Schedule& plan);
   void run(runtime::StepState& state, const Schedule& plan);
+  // What trainStep and postStep refuse, named after `what`.
+  void checkBatch(
+      const at::Tensor& input,
+      const at::Tensor& target,
+      const LossFunction& lossFn,
+      const char* what) const;
+  // The batch's loss: the weighted micro-batch losses summed in order.
+  static at::Tensor lossTotal(const runtime::StepState& state);
   bool runsOnCaller() const {
     return placement.runsOnCaller();
   }

@@ -154,18 +154,10 @@ void Pipeline::Impl::runOn(
   latch.wait();
 }
 
-void Pipeline::Impl::run(runtime::StepState& state, const Schedule& plan) {
-  TORCH_CHECK(
-      posted.empty(),
-      "a step runs while ",
-      posted.size(),
-      " posted step(s) are unfinished (finishStep first)");
+void Pipeline::Impl::prepare(runtime::StepState& state, const Schedule& plan) {
   state.schedule = &plan;
   state.stages = &stages;
   state.transport = transport;
-  transport->begin(plan.stages() - 1);
-  if (remoteTransport)
-    expectShapes(state, plan);
   const int m = plan.microBatches;
   state.stash.assign(static_cast<size_t>(plan.stages()) * m, {});
   state.losses.assign(m, {});
@@ -176,8 +168,55 @@ void Pipeline::Impl::run(runtime::StepState& state, const Schedule& plan) {
   state.copyOnReceive = !memorySlots.empty() && !remoteTransport;
   if (state.record)
     state.events.assign(plan.ranks, {});
-  state.start = std::chrono::steady_clock::now();
   state.layerOutputShapes = &options.layerOutputShapes;
+}
+
+at::Tensor Pipeline::Impl::lossTotal(const runtime::StepState& state) {
+  at::Tensor total = state.losses[0];
+  for (size_t mb = 1; mb < state.losses.size(); ++mb)
+    total = total + state.losses[mb];
+  return total;
+}
+
+void Pipeline::Impl::checkBatch(
+    const at::Tensor& input,
+    const at::Tensor& target,
+    const LossFunction& lossFn,
+    const char* what) const {
+  TORCH_CHECK(
+      input.defined() && input.dim() >= 1,
+      what,
+      ": input must have a batch dimension");
+  TORCH_CHECK(
+      target.defined() && target.dim() >= 1 && target.size(0) == input.size(0),
+      what,
+      ": target batch (",
+      target.defined() && target.dim() ? target.size(0) : 0,
+      ") differs from input batch (",
+      input.size(0),
+      ")");
+  TORCH_CHECK(lossFn, what, ": no loss function given");
+  const int m = schedule.microBatches;
+  TORCH_CHECK(
+      input.size(0) >= m,
+      "more micro-batches (",
+      m,
+      ") than samples (",
+      input.size(0),
+      ") in the batch");
+}
+
+void Pipeline::Impl::run(runtime::StepState& state, const Schedule& plan) {
+  TORCH_CHECK(
+      posted.empty(),
+      "a step runs while ",
+      posted.size(),
+      " posted step(s) are unfinished (finishStep first)");
+  prepare(state, plan);
+  transport->begin(plan.stages() - 1);
+  if (remoteTransport)
+    expectShapes(state, plan);
+  state.start = std::chrono::steady_clock::now();
   const bool training = plan.training;
   runOn(localRanks, [&state, training](int rank) {
     at::AutoGradMode gradMode(training); // grad mode is per thread
@@ -226,26 +265,7 @@ torch::Tensor Pipeline::trainStep(
     const torch::Tensor& input,
     const torch::Tensor& target,
     const LossFunction& lossFn) {
-  TORCH_CHECK(
-      input.defined() && input.dim() >= 1,
-      "trainStep: input must have a batch dimension");
-  TORCH_CHECK(
-      target.defined() && target.dim() >= 1 && target.size(0) == input.size(0),
-      "trainStep: target batch (",
-      target.defined() && target.dim() ? target.size(0) : 0,
-      ") differs from input batch (",
-      input.size(0),
-      ")");
-  TORCH_CHECK(lossFn, "trainStep: no loss function given");
-  const int m = impl_->schedule.microBatches;
-  const int64_t batch = input.size(0);
-  TORCH_CHECK(
-      batch >= m,
-      "more micro-batches (",
-      m,
-      ") than samples (",
-      batch,
-      ") in the batch");
+  impl_->checkBatch(input, target, lossFn, "trainStep");
   runtime::StepState state;
   impl_->splitBatch(state, input, target);
   state.lossFn = &lossFn;
@@ -258,12 +278,7 @@ torch::Tensor Pipeline::trainStep(
   }
   impl_->run(state, impl_->schedule);
   const bool lastIsLocal = impl_->isLocalStage(impl_->schedule.stages() - 1);
-  at::Tensor total;
-  if (lastIsLocal) {
-    total = state.losses[0];
-    for (int mb = 1; mb < m; ++mb)
-      total = total + state.losses[mb];
-  }
+  const at::Tensor total = lastIsLocal ? Impl::lossTotal(state) : at::Tensor();
   auto isLocal = [this](int stage) { return impl_->isLocalStage(stage); };
   if (!communicator) {
     runtime::sumTiedGradients(impl_->ties, isLocal, nullptr);

@@ -76,6 +76,15 @@ void deepen(torch::optim::OptimizerParamState& state) {
 
 } // namespace
 
+RankOptimizers makeRankOptimizers(
+    const OptimizerConfig& optimizer,
+    const Pipeline& pipe) {
+  RankOptimizers perRank(pipe.schedule().ranks);
+  for (int rank : pipe.localRanks())
+    perRank[rank] = makeOptimizer(optimizer, pipe.rankParameters(rank));
+  return perRank;
+}
+
 void collectOptimizerState(
     torch::optim::Optimizer& into,
     const RankOptimizers& from) {

@@ -46,6 +46,9 @@ typename StateMap::key_type stateKeyOf(const torch::Tensor& parameter) {
 // (collect) and back after a resume or a re-plan (distribute); the two
 // then share state tensors until the ranks' optimizers next step.
 using RankOptimizers = std::vector<std::unique_ptr<torch::optim::Optimizer>>;
+RankOptimizers makeRankOptimizers(
+    const OptimizerConfig& optimizer,
+    const Pipeline& pipe);
 void collectOptimizerState(
     torch::optim::Optimizer& into,
     const RankOptimizers& from);

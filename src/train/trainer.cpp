@@ -495,11 +495,7 @@ class TrainingRun {
     overlapping_ = config_.pipeline.overlapSteps && pipe_->canOverlapSteps();
     if (!overlapping_)
       return;
-    rankOptimizers_.resize(pipe_->schedule().ranks);
-    for (int rank : pipe_->localRanks()) {
-      rankOptimizers_[rank] =
-          makeOptimizer(config_.train.optimizer, pipe_->rankParameters(rank));
-    }
+    rankOptimizers_ = makeRankOptimizers(config_.train.optimizer, *pipe_);
     distributeOptimizerState(*optimizer_, rankOptimizers_);
   }
 

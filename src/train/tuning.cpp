@@ -116,11 +116,7 @@ class PlanRun {
     pipe_ = std::make_unique<Pipeline>(model_.layers, std::move(options));
     optimizer_ = makeOptimizer(config.train.optimizer, pipe_->parameters());
     if (config.pipeline.overlapSteps && pipe_->canOverlapSteps()) {
-      rankOptimizers_.resize(pipe_->schedule().ranks);
-      for (int rank : pipe_->localRanks()) {
-        rankOptimizers_[rank] =
-            makeOptimizer(config.train.optimizer, pipe_->rankParameters(rank));
-      }
+      rankOptimizers_ = makeRankOptimizers(config.train.optimizer, *pipe_);
       update_.apply = [this](int rank) { rankOptimizers_[rank]->step(); };
     }
   }
