@@ -227,6 +227,12 @@ class Pipeline {
   // step posted after it, computed on the wrong parameters, is run again.
   // A rank whose own gradients already exceed the clip waits for the
   // decision instead.
+  //
+  // Across processes (one replica, transfers through host memory) each
+  // process runs its rank's part on the calling thread when the step is
+  // posted, and the ranks agree through small notes instead of a
+  // collective; a rank other than the last learns the loss from the last
+  // stage's rank, which tells it before its last gradient leaves.
   struct Update {
     // Steps rank `rank`'s optimizer over rankParameters(rank), whose
     // gradients are final (and clipped). Runs on the rank's worker.
@@ -239,15 +245,21 @@ class Pipeline {
     // skipping non-finite updates); without it only the loss is checked.
     bool checkGradients = false;
     double clipGradNorm = 0.0; // > 0: scale as clipGradNorm(maxNorm)
+    // Values summed over every process with the step's decision (as
+    // Communicator::rideNextSum's with trainStep): the same count on every
+    // process. StepOutcome::agreed gets the sums.
+    std::vector<double> agree;
   };
   struct StepOutcome {
     torch::Tensor loss;  // the batch's mean loss, as trainStep returns
     GradientNorm norm;   // zero without checkGradients
     bool updated = true; // false: skipped (a non-finite loss or gradient)
     bool redone = false; // ran again after a wrong speculative update
+    std::vector<double> agreed; // Update::agree summed over the processes
   };
-  // In one process with a worker per device and no tied parameters; false
-  // otherwise (then use trainStep).
+  // In one process with a worker per device, or across processes with one
+  // replica and transfers through host memory; never with tied
+  // parameters. False otherwise (then use trainStep).
   bool canOverlapSteps() const;
   // Queues a step behind those posted before; returns at once.
   void postStep(

@@ -319,6 +319,67 @@ class ProcessGroupTransport final : public Transport {
     return text.empty() ? "none (one rank)" : text;
   }
 
+  bool carriesNotes() const override {
+    return dataDevice_.is_cpu();
+  }
+
+  void sendNote(int rank, int64_t key, const std::vector<double>& values)
+      override {
+    const int peer = processOfRank(rank);
+    at::Tensor note =
+        at::empty({static_cast<int64_t>(values.size())}, at::kDouble);
+    std::copy(values.begin(), values.end(), note.data_ptr<double>());
+    const std::string what = "sending a note on the posted step";
+    if (bySocket(peer)) {
+      try {
+        return sockets_->send(peer, noteSocketKey(key), {note});
+      } catch (const std::exception& error) {
+        impl_.blame(peer, what, error);
+      }
+    }
+    std::vector<at::Tensor> tensors{note};
+    sends_.add(
+        {impl_.withPeer(
+             peer,
+             what,
+             [&] {
+               return impl_.worldGroup->send(tensors, peer, noteTag(key));
+             }),
+         peer});
+  }
+
+  std::vector<double> receiveNote(int rank, int64_t key, int count) override {
+    const int peer = processOfRank(rank);
+    const std::string what = "receiving its note on the posted step";
+    at::Tensor note;
+    if (bySocket(peer)) {
+      try {
+        note = sockets_->receive(peer, noteSocketKey(key)).at(0);
+      } catch (const StepAborted&) {
+        throw;
+      } catch (const std::exception& error) {
+        impl_.blame(peer, what, error);
+      }
+    } else {
+      std::vector<at::Tensor> tensors{at::empty({count}, at::kDouble)};
+      impl_.complete(peer, what, [&] {
+        return impl_.worldGroup->recv(tensors, peer, noteTag(key));
+      });
+      note = tensors[0];
+    }
+    TORCH_CHECK(
+        note.scalar_type() == at::kDouble && note.numel() == count,
+        "rank ",
+        peer,
+        " sent a note of ",
+        note.numel(),
+        " values where tpipe expected ",
+        count,
+        " (a different config or version on that rank?)");
+    const double* data = note.data_ptr<double>();
+    return std::vector<double>(data, data + count);
+  }
+
   void end() override {
     sends_.drain();
     if (sockets_) {
@@ -675,6 +736,20 @@ class ProcessGroupTransport final : public Transport {
     const int rank = placement_.empty() ? stage % communicator_.pipelineRanks()
                                         : placement_[stage];
     return communicator_.replica() * communicator_.pipelineRanks() + rank;
+  }
+
+  int processOfRank(int rank) const {
+    return communicator_.replica() * communicator_.pipelineRanks() + rank;
+  }
+
+  // Notes live apart from transfers: on sockets far below the keys of the
+  // communicator's sums (-1, -2, ...), over Gloo above every transfer's tag.
+  static int64_t noteSocketKey(int64_t key) {
+    return -(int64_t{1} << 40) - key;
+  }
+  int noteTag(int64_t key) const {
+    return tag(Direction::kActivation, stages_, 0, 0) +
+        static_cast<int>(key % (int64_t{1} << 20));
   }
 
   int tag(Direction direction, int boundary, int microBatch, int part) const {

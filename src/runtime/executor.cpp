@@ -205,6 +205,9 @@ class RankExecutor {
     if (isLast(op.stage)) {
       if (training) {
         state_.losses[op.microBatch] = outputs.front().detach();
+        if (++state_.lossesIn == state_.schedule->microBatches &&
+            state_.lossesKnown)
+          state_.lossesKnown();
       } else {
         state_.outputs[op.microBatch] =
             state_.autocast ? fullPrecision(outputs.front()) : outputs.front();

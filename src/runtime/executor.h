@@ -93,6 +93,11 @@ struct StepState {
   // that adds to its parameter gradients (backward or weight pass), so they
   // can be reduced while the rest of the step runs. May be empty.
   std::function<void(int stage)> gradientsFinal;
+  // Called on the last stage's worker once every micro-batch's loss is in,
+  // before the last gradient leaves it: a step posted across processes
+  // tells the other ranks the loss then. May be empty.
+  std::function<void()> lossesKnown;
+  int lossesIn = 0; // touched by the last stage's worker only
 
   bool record = false;
   // Copy received tensors, so each virtual CPU device holds (and is charged

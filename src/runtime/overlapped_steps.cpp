@@ -9,9 +9,23 @@
 // publishes its part of step k before it begins step k + 1. So a step's
 // validation is known to every rank before that rank's part of the next
 // step ends, which is where a wrong speculative update is settled.
+//
+// Across processes (one rank each, one replica) the parts are published as
+// notes through the transport, not shared memory: at the end of its part
+// each rank tells every other whether it failed, whether it speculated,
+// its stages' squared gradient norms and the values the caller wants
+// agreed (the trainer's stop flags); each rank sums them in rank order, so
+// every rank decides alike. The loss lives on the last stage's rank, which
+// tells it as soon as its last micro-batch's loss is computed: before its
+// last gradient leaves, so every other rank has it by the end of its part
+// and knows, without waiting, whether the loss is finite. A process runs
+// its rank on the calling thread, so a posted step's part runs at once,
+// there; the barrier it replaces was the step's end-of-step sum.
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
+#include <limits>
 #include <mutex>
 #include <set>
 
@@ -55,6 +69,21 @@ struct PostedStep {
   Pipeline::GradientNorm norm;
   bool updated = false;
   double scale = 1.0;
+
+  // The same on every process: which post this is (notes' keys).
+  int64_t sequence = 0;
+  // Across processes: the batch's loss total, from the last stage's rank;
+  // Update::agree summed over the processes; whether this process is
+  // receiving the other ranks' notes (the others wait for it).
+  double worldLoss = std::numeric_limits<double>::quiet_NaN();
+  std::vector<double> agreed;
+  bool collecting = false;
+  int64_t lossNoteKey() const {
+    return 2 * sequence;
+  }
+  int64_t partNoteKey() const {
+    return 2 * sequence + 1;
+  }
 
   // Per rank: what a speculative update changed, to undo it.
   struct Speculation {
@@ -108,8 +137,12 @@ void dropGradients(const std::vector<at::Tensor>& parameters) {
 } // namespace
 
 bool Pipeline::canOverlapSteps() const {
-  return !impl_->options.communicator && !impl_->runsOnCaller() &&
-      impl_->ties.empty();
+  if (!impl_->ties.empty())
+    return false;
+  if (const auto& communicator = impl_->options.communicator) {
+    return communicator->replicas() == 1 && impl_->transport->carriesNotes();
+  }
+  return !impl_->runsOnCaller();
 }
 
 int Pipeline::stepsInFlight() const {
@@ -143,8 +176,9 @@ void Pipeline::postStep(
     Update update) {
   TORCH_CHECK(
       canOverlapSteps(),
-      "postStep: steps overlap only in one process, with a worker per "
-      "device and no tied parameters (use trainStep)");
+      "postStep: steps overlap in one process with a worker per device, "
+      "or across processes with one replica and transfers through host "
+      "memory; never with tied parameters (use trainStep)");
   TORCH_CHECK(update.apply, "postStep: no update given");
   TORCH_CHECK(
       !update.checkGradients || update.saveState,
@@ -169,24 +203,143 @@ void Pipeline::Impl::post(std::shared_ptr<runtime::PostedStep> step) {
   step->found.resize(schedule.ranks);
   step->endedUs.assign(schedule.ranks, 0.0);
   step->latch = std::make_unique<runtime::Latch>(step->parts);
-  if (posted.empty())
+  step->sequence = postedCount++;
+  // A step posted again after a wrong speculation finds the transport
+  // still carrying the others' notes: it begins only after an end.
+  if (!transportOpen) {
     transport->begin(schedule.stages() - 1);
-  else
+    transportOpen = true;
+  }
+  if (!posted.empty())
     step->previous = posted.back();
   for (const auto& earlier : posted)
     step->mayBeDoomed = step->mayBeDoomed || earlier->update.checkGradients;
+  if (acrossProcesses() && isLocalStage(schedule.stages() - 1)) {
+    runtime::PostedStep* raw = step.get();
+    state.lossesKnown = [this, raw] { tellLoss(*raw); };
+  }
   state.start = std::chrono::steady_clock::now(); // until a rank begins
   posted.push_back(step);
-  for (int rank : localRanks) {
-    workers[rank]->post([this, step, rank] {
-      runPostedPart(*step, rank);
-      step->endedUs[rank] =
-          std::chrono::duration<double, std::micro>(
-              std::chrono::steady_clock::now() - step->state.start)
-              .count();
-      step->latch->countDown();
-    });
+  auto part = [this, step](int rank) {
+    runPostedPart(*step, rank);
+    step->endedUs[rank] =
+        std::chrono::duration<double, std::micro>(
+            std::chrono::steady_clock::now() - step->state.start)
+            .count();
+    step->latch->countDown();
+  };
+  if (runsOnCaller()) {
+    runOn(localRanks, part); // a process's one rank: its part runs now
+    return;
   }
+  for (int rank : localRanks)
+    workers[rank]->post([part, rank] { part(rank); });
+}
+
+void Pipeline::Impl::tellLoss(runtime::PostedStep& step) {
+  step.worldLoss = lossTotal(step.state).item<double>();
+  const int me = localRanks.front();
+  for (int rank = 0; rank < schedule.ranks; ++rank) {
+    if (rank != me)
+      transport->sendNote(rank, step.lossNoteKey(), {step.worldLoss});
+  }
+}
+
+void Pipeline::Impl::tellPart(
+    runtime::PostedStep& step,
+    int rank,
+    bool speculated,
+    const std::vector<double>& squares) {
+  std::vector<double> note{speculated ? 1.0 : 0.0};
+  note.insert(note.end(), step.update.agree.begin(), step.update.agree.end());
+  note.insert(note.end(), squares.begin(), squares.end());
+  note.resize(
+      1 + step.update.agree.size() + schedule.stagesOfRank(rank).size());
+  for (int other = 0; other < schedule.ranks; ++other) {
+    if (other != rank)
+      transport->sendNote(other, step.partNoteKey(), note);
+  }
+}
+
+// Under step.mutex, with every part in: the step's validation.
+void Pipeline::Impl::decide(runtime::PostedStep& step) {
+  double total = 0.0;
+  for (size_t s = 0; s < step.squares.size(); ++s) {
+    if (!std::isfinite(step.squares[s]) && step.norm.nonFiniteStage < 0)
+      step.norm.nonFiniteStage = static_cast<int>(s);
+    total += step.squares[s];
+  }
+  step.norm.norm = std::sqrt(total);
+  step.updated =
+      !step.failed && step.lossFinite && step.norm.nonFiniteStage < 0;
+  const double clip = step.update.clipGradNorm;
+  if (step.updated && clip > 0.0) {
+    const double scale = clip / (step.norm.norm + 1e-6);
+    if (scale < 1.0)
+      step.scale = scale;
+  }
+  step.known = true;
+  step.decided.notify_all();
+  lastStepBound = !step.updated || step.scale < 1.0;
+}
+
+void Pipeline::Impl::awaitDecision(runtime::PostedStep& step) {
+  if (!acrossProcesses())
+    return step.waitDecided();
+  {
+    std::unique_lock<std::mutex> lock(step.mutex);
+    if (step.known)
+      return;
+    if (step.collecting)
+      return step.decided.wait(lock, [&] { return step.known; });
+    step.collecting = true;
+  }
+  // Every rank told its part before it began the next step: the notes are
+  // here, or on their way, by the time this rank's part of it ends.
+  const int me = localRanks.front();
+  const size_t agree = step.update.agree.size();
+  std::vector<std::vector<double>> notes(schedule.ranks);
+  std::string failure;
+  bool aborted = false;
+  try {
+    for (int rank = 0; rank < schedule.ranks; ++rank) {
+      if (rank == me)
+        continue;
+      const int count =
+          static_cast<int>(1 + agree + schedule.stagesOfRank(rank).size());
+      notes[rank] = transport->receiveNote(rank, step.partNoteKey(), count);
+    }
+  } catch (const runtime::StepAborted&) {
+    aborted = true; // by a failure the step that met it names
+  } catch (const c10::Error& error) {
+    failure = error.what_without_backtrace();
+  } catch (const std::exception& error) {
+    failure = error.what();
+  }
+  std::lock_guard<std::mutex> lock(step.mutex);
+  step.agreed.assign(agree, 0.0);
+  for (int rank = 0; rank < schedule.ranks && failure.empty() && !aborted;
+       ++rank) {
+    if (rank == me) {
+      for (size_t i = 0; i < agree; ++i)
+        step.agreed[i] += step.update.agree[i];
+      continue;
+    }
+    const std::vector<double>& note = notes[rank];
+    step.anySpeculated = step.anySpeculated || note[0] != 0.0;
+    for (size_t i = 0; i < agree; ++i)
+      step.agreed[i] += note[1 + i];
+    size_t i = 1 + agree;
+    for (int s : schedule.stagesOfRank(rank))
+      step.squares[s] = note[i++];
+  }
+  if (!failure.empty() || aborted) {
+    step.failed = true;
+    std::lock_guard<std::mutex> errorLock(step.state.errorMutex);
+    if (step.state.error.empty())
+      step.state.error = failure;
+  }
+  decide(step);
 }
 
 void Pipeline::Impl::runPostedPart(runtime::PostedStep& step, int rank) {
@@ -234,13 +387,27 @@ void Pipeline::Impl::updateAfterPart(runtime::PostedStep& step, int rank) {
   const std::vector<int> rankStages = schedule.stagesOfRank(rank);
   runtime::PostedStep* previous = step.previous.get();
   const std::vector<at::Tensor> parameters = rankParameters(rank);
-  const bool errored = step.erroredOrAborted();
+  bool errored = step.erroredOrAborted();
+  const bool world = acrossProcesses();
+  const int lastStage = schedule.stages() - 1;
+  // The last stage's rank told the loss before its last gradient left:
+  // here by now, even in a step about to be dropped (nothing is left
+  // unreceived).
+  if (world && !errored && !isLocalStage(lastStage)) {
+    step.worldLoss = transport->receiveNote(
+        schedule.rankOfStage(lastStage), step.lossNoteKey(), 1)[0];
+  }
 
   // The step before: right, or settled here and this step runs again.
   if (previous && !errored) {
-    previous->waitDecided();
-    const bool doomed = previous->doomed || previous->speculationWrong();
-    if (doomed) {
+    awaitDecision(*previous);
+    bool doomed;
+    {
+      std::lock_guard<std::mutex> lock(previous->mutex);
+      errored = previous->failed;
+      doomed = previous->doomed || previous->speculationWrong();
+    }
+    if (!errored && doomed) {
       settle(*previous, rank);
       dropGradients(parameters);
       auto& found = step.found[rank];
@@ -256,7 +423,8 @@ void Pipeline::Impl::updateAfterPart(runtime::PostedStep& step, int rank) {
       step.decided.notify_all();
       return;
     }
-    previous->speculations[rank] = {};
+    if (!errored)
+      previous->speculations[rank] = {};
   }
 
   const Update& update = step.update;
@@ -266,7 +434,8 @@ void Pipeline::Impl::updateAfterPart(runtime::PostedStep& step, int rank) {
   double mineSquares = 0.0;
   bool mineFinite = true;
   if (!errored) {
-    lossFinite = std::isfinite(Impl::lossTotal(step.state).item<double>());
+    lossFinite = std::isfinite(
+        world ? step.worldLoss : Impl::lossTotal(step.state).item<double>());
     if (checks) {
       for (int s : rankStages) {
         mine.push_back(gradientSquares(s));
@@ -290,24 +459,10 @@ void Pipeline::Impl::updateAfterPart(runtime::PostedStep& step, int rank) {
     }
     step.failed = step.failed || errored;
     step.lossFinite = step.lossFinite && lossFinite;
-    if (++step.partsIn == step.parts && !step.known) {
-      double total = 0.0;
-      for (size_t s = 0; s < step.squares.size(); ++s) {
-        if (!std::isfinite(step.squares[s]) && step.norm.nonFiniteStage < 0)
-          step.norm.nonFiniteStage = static_cast<int>(s);
-        total += step.squares[s];
-      }
-      step.norm.norm = std::sqrt(total);
-      step.updated =
-          !step.failed && step.lossFinite && step.norm.nonFiniteStage < 0;
-      if (step.updated && clip > 0.0) {
-        const double scale = clip / (step.norm.norm + 1e-6);
-        if (scale < 1.0)
-          step.scale = scale;
-      }
-      step.known = true;
-      step.decided.notify_all();
-      lastStepBound = !step.updated || step.scale < 1.0;
+    // In one process the last part in decides; across processes the
+    // other ranks' notes are needed too.
+    if (++step.partsIn == step.parts && !step.known && !world) {
+      decide(step);
     } else if (
         checks && !errored && !skipsForSure && !clipsForSure &&
         !lastStepBound) {
@@ -317,6 +472,8 @@ void Pipeline::Impl::updateAfterPart(runtime::PostedStep& step, int rank) {
   }
   if (errored)
     return;
+  if (world)
+    tellPart(step, rank, speculate, mine);
   if (!checks) {
     if (lossFinite)
       update.apply(rank);
@@ -339,7 +496,7 @@ void Pipeline::Impl::updateAfterPart(runtime::PostedStep& step, int rank) {
     dropGradients(parameters);
     return;
   }
-  step.waitDecided();
+  awaitDecision(step);
   if (step.updated) {
     if (step.scale < 1.0) {
       for (const auto& parameter : parameters) {
@@ -390,16 +547,15 @@ Pipeline::StepOutcome Pipeline::finishStep() {
   TORCH_CHECK(!posted.empty(), "finishStep: no step is posted");
   std::shared_ptr<runtime::PostedStep> step = posted.front();
   step->latch->wait();
-  if (step->erroredOrAborted()) {
-    impl_->waitForPosted();
-    std::string error;
-    {
-      std::lock_guard<std::mutex> lock(step->state.errorMutex);
-      error = step->state.error;
-    }
-    impl_->transport->begin(impl_->schedule.stages() - 1);
-    TORCH_CHECK(false, error.empty() ? "a posted step was aborted" : error);
+  if (!step->erroredOrAborted())
+    impl_->awaitDecision(*step);
+  bool failed;
+  {
+    std::lock_guard<std::mutex> lock(step->mutex);
+    failed = step->failed;
   }
+  if (failed || step->erroredOrAborted())
+    impl_->failPosted(*step);
   posted.pop_front();
   step->previous.reset();
   ++impl_->steps;
@@ -415,7 +571,19 @@ Pipeline::StepOutcome Pipeline::finishStep() {
   step->state.inputs.clear();
   step->state.targets.clear();
   StepOutcome outcome;
-  outcome.loss = Impl::lossTotal(step->state);
+  if (impl_->acrossProcesses()) {
+    // As trainStep returns it on every process.
+    const bool lastIsLocal = impl_->isLocalStage(impl_->schedule.stages() - 1);
+    outcome.loss = torch::tensor(
+        step->worldLoss,
+        torch::TensorOptions().dtype(
+            lastIsLocal ? step->state.losses.front().scalar_type()
+                        : torch::kFloat));
+    outcome.agreed = step->agreed;
+  } else {
+    outcome.loss = Impl::lossTotal(step->state);
+    outcome.agreed = step->update.agree;
+  }
   outcome.norm = step->norm;
   outcome.updated = step->updated;
   if (step->speculationWrong()) {
@@ -439,7 +607,52 @@ Pipeline::StepOutcome Pipeline::finishStep() {
     }
   }
   outcome.redone = step->redone;
+  if (posted.empty())
+    impl_->transportOpen = false;
+  if (posted.empty() && impl_->remoteTransport) {
+    try {
+      impl_->transport->end(); // every send of the posted steps has left
+    } catch (const c10::Error& error) {
+      TORCH_CHECK(
+          false,
+          impl_->options.communicator
+              ? Impl::withAccounts(
+                    *impl_->options.communicator,
+                    error.what_without_backtrace())
+              : std::string(error.what_without_backtrace()));
+    }
+  }
   return outcome;
+}
+
+// Ends every posted step and throws what the first failure was, with
+// every process's account of it across processes; the next step begins the
+// transport again.
+void Pipeline::Impl::failPosted(runtime::PostedStep& step) {
+  // The failure may have met a later step first (a part runs ahead),
+  // aborting this one's wait.
+  std::vector<std::shared_ptr<runtime::PostedStep>> all(
+      posted.begin(), posted.end());
+  waitForPosted();
+  std::string error;
+  for (runtime::PostedStep* candidate = &step; error.empty();) {
+    {
+      std::lock_guard<std::mutex> lock(candidate->state.errorMutex);
+      error = candidate->state.error;
+    }
+    auto next = std::find_if(all.begin(), all.end(), [&](const auto& later) {
+      return later->previous.get() == candidate;
+    });
+    if (next == all.end())
+      break;
+    candidate = next->get();
+  }
+  if (error.empty())
+    error = "a posted step was aborted";
+  if (options.communicator)
+    error = withAccounts(*options.communicator, error);
+  transportOpen = false; // the next step begins it again
+  TORCH_CHECK(false, error);
 }
 
 } // namespace tpipe

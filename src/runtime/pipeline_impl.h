@@ -120,10 +120,31 @@ struct Pipeline::Impl {
   // likely are too, and waiting for their decision beats running a step
   // twice (a clip that binds every step would otherwise rerun each one).
   std::atomic<bool> lastStepBound{false};
+  int64_t postedCount = 0;    // the same on every process: notes' keys
+  bool transportOpen = false; // begun for posted steps, not yet ended
+  bool acrossProcesses() const {
+    return options.communicator != nullptr;
+  }
   void post(std::shared_ptr<runtime::PostedStep> step);
   void runPostedPart(runtime::PostedStep& step, int rank);
   void updateAfterPart(runtime::PostedStep& step, int rank);
+  void decide(runtime::PostedStep& step);
+  // Waits for the step's validation; across processes, receives the other
+  // ranks' notes first unless another thread of this process does.
+  void awaitDecision(runtime::PostedStep& step);
+  // Across processes: the last stage's rank tells the others the loss;
+  // every rank tells the others its part of the step.
+  void tellLoss(runtime::PostedStep& step);
+  void tellPart(
+      runtime::PostedStep& step,
+      int rank,
+      bool speculated,
+      const std::vector<double>& squares);
   void settle(runtime::PostedStep& step, int rank);
+  [[noreturn]] void failPosted(runtime::PostedStep& step);
+  static std::string withAccounts(
+      Communicator& world,
+      const std::string& error);
   void waitForPosted();
   c10::optional<at::ScalarType> fixedTransferDtype() const;
   std::vector<at::Tensor> split(

@@ -52,12 +52,12 @@ bool Pipeline::Impl::splitsBackward(const Schedule& schedule) {
   return false;
 }
 
-namespace {
-
 // Across processes a failed step is explained by every rank: each posts its
 // account and waits (up to the timeout) for the others'; ranks that never
 // report are the lost ones, named in the error every live rank exits with.
-std::string withAccounts(Communicator& world, const std::string& error) {
+std::string Pipeline::Impl::withAccounts(
+    Communicator& world,
+    const std::string& error) {
   const std::string mine =
       "rank " + std::to_string(world.rank()) + ": " + error;
   // The live ranks fail within moments of each other: a closed connection is
@@ -85,8 +85,6 @@ std::string withAccounts(Communicator& world, const std::string& error) {
     text += "\nthe other ranks:" + others;
   return text;
 }
-
-} // namespace
 
 // With the transfers' shapes fixed (fixedTransferDtype), the process
 // transport skips headers and posts its receives at the step's start.

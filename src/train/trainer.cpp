@@ -419,6 +419,8 @@ class TrainingRun {
     log << ", " << plan_.schedule.microBatches << " micro-batches, "
         << plan_.schedule.name << ", checkpoint "
         << checkpointModeName(plan_.checkpoint) << "\n";
+    if (overlapping_ && pipe_->schedule().ranks > 1)
+      log << "steps: without a barrier between them (pipeline.overlap_steps)\n";
     log << "plan: partition " << partitionMethodName(plan_.partition)
         << ", costs from " << plan_.costSource;
     if (plan_.simulation.makespan > 0) {
@@ -513,13 +515,18 @@ class TrainingRun {
     };
     update.checkGradients = checksGradients();
     update.clipGradNorm = config_.train.clipGradNorm;
+    // Across processes the stop flags ride with the step's notes, sampled
+    // when it is posted, as they ride with the loss sum of a step with a
+    // barrier.
+    if (world())
+      update.agree = {static_cast<double>(requestedStop.load())};
     return update;
   }
 
   void postStep(int64_t step) {
     auto [x, y] = batches_->batch(step);
     if (stepHook())
-      stepHook()(0, step, x);
+      stepHook()(world() ? world()->rank() : 0, step, x);
     pipe_->postStep(
         x, y, lossFn_, rankUpdate(learningRate(config_.train, step)));
   }
@@ -528,7 +535,10 @@ class TrainingRun {
   // the loop needs the pipeline quiet after that one (a checkpoint, an
   // evaluation, the auto schedule's calibration, recording's start, a stop).
   bool postsAhead(int64_t next) const {
-    if (next >= lastStep_ || requestedStop.load() != 0)
+    // Across processes every rank must post alike: only the agreed stop.
+    const bool stopping =
+        world() ? summary_.stopSignal != 0 : requestedStop.load() != 0;
+    if (next >= lastStep_ || stopping)
       return false;
     if (calibrating() && next <= adoptAt_)
       return false;
@@ -556,6 +566,8 @@ class TrainingRun {
       postStep(step + 1);
     const auto posted = Clock::now();
     const Pipeline::StepOutcome outcome = pipe_->finishStep();
+    if (world())
+      stopsSignalled_ = outcome.agreed;
     if (outcome.redone)
       ++summary_.rerunSteps;
     // The batch split and each rank's update run inside the pipeline's time.
@@ -724,8 +736,9 @@ class TrainingRun {
 
   // Every rank stops at the same step: across processes the ranks agree on
   // whether any of them was signalled.
-  // Within a step the stop flags rode along with the loss sum, sampled
-  // before it (a signal after it is seen a step later).
+  // Within a step the stop flags rode along with the loss sum (or a posted
+  // step's notes), sampled before it (a signal after it is seen a step
+  // later).
   int agreedStop() {
     int mine = requestedStop.load();
     if (!world())
