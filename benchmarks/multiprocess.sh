@@ -4,9 +4,11 @@
 # side by side in one run, alternating; the dispatch cost per instruction of
 # each; then the data-parallel gradient sync overlapped with the backward
 # against after it.
+# Then steps without a barrier (pipeline.overlap_steps) against steps with one,
+# across processes.
 # Usage: benchmarks/multiprocess.sh [OUT.json [CONFIG...]] (CONFIG: mlp_synthetic,
-# mid_mlp, char_transformer, fashion_mnist_cnn, fashion_2_ranks, dispatch; default all, then the
-# data-parallel table)
+# mid_mlp, char_transformer, fashion_mnist_cnn, fashion_2_ranks, dispatch, posted;
+# default all, then the data-parallel table)
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 tpipe="${TPIPE_BUILD_DIR:-$root/build}/tpipe"
@@ -64,15 +66,52 @@ cat > "$scratch/dispatch.json" <<'JSON'
  "train": {"batch_size": 32, "steps": 300, "loss": "mse", "seed": 0,
            "optimizer": {"type": "sgd", "lr": 0.01}}}
 JSON
+# Steps without a barrier: a 2-rank job of ~50 ms steps that no other
+# benchmark uses.
+cat > "$scratch/posted.json" <<'JSON'
+{"model": {"input_shape": [768], "layers": [
+   {"type": "linear", "out_features": 768}, {"type": "gelu"},
+   {"type": "linear", "out_features": 768}, {"type": "gelu"},
+   {"type": "linear", "out_features": 768}, {"type": "gelu"},
+   {"type": "linear", "out_features": 768}, {"type": "gelu"},
+   {"type": "linear", "out_features": 768}, {"type": "gelu"},
+   {"type": "linear", "out_features": 768}, {"type": "gelu"}]},
+ "data": {"dataset": "synthetic", "samples": 4096},
+ "pipeline": {"devices": ["cpu:0", "cpu:1"], "micro_batches": 8, "schedule": "1f1b",
+              "checkpoint": "never", "partition": "uniform"},
+ "train": {"batch_size": 192, "steps": 60, "loss": "mse", "seed": 0, "eval_every": 0,
+           "optimizer": {"type": "sgd", "lr": 0.01}}}
+JSON
 median() { sort -n | awk '{ v[NR] = $1 } END { print v[int((NR + 1) / 2)] }'; }
+posted_table() {
+  printf '\nacross 2 processes: steps with a barrier against steps without one (pipeline.overlap_steps),\n'
+  printf '6 x (Linear 768 + GELU), batch 192, 8 micro-batches; medians of %d rounds, alternating\n' "$rounds"
+  printf '%-10s %12s %12s %8s\n' schedule "barrier s/s" "posted s/s" gain
+  for schedule in 1f1b zb-h1 zb-h2; do
+    local barrier=() posted=()
+    for ((round = 0; round < rounds; round++)); do
+      for overlap in false true; do
+        rate=$("$tpipe" launch --nproc 2 "$scratch/posted.json" --set "pipeline.schedule=$schedule" \
+          --set "pipeline.overlap_steps=$overlap" | rate)
+        if [[ $overlap == true ]]; then posted+=("$rate"); else barrier+=("$rate"); fi
+      done
+    done
+    local b p
+    b=$(printf '%s\n' "${barrier[@]}" | median)
+    p=$(printf '%s\n' "${posted[@]}" | median)
+    printf '%-10s %12s %12s %8s\n' "$schedule" "$b" "$p" "$(awk -v a="$p" -v b="$b" 'BEGIN { printf "%.3f", a / b }')"
+    printf ',\n{"config": "posted_across_processes", "schedule": "%s", "barrier_samples_per_s": %s, "posted_samples_per_s": %s, "rounds": %s}' \
+      "$schedule" "$b" "$p" "$rounds" >> "$out"
+  done
+}
 rounds=3
 printf 'processes on one host talk over Unix sockets; TPIPE_P2P=gloo is the Gloo path (loopback TCP).\n'
 printf 'medians of %d rounds, contenders alternating; %s cores; 4 ranks on 2 cores are oversubscribed 2x\n' \
   "$rounds" "$(nproc)"
 printf '%-20s %6s %12s %12s %12s %9s %9s\n' config ranks "threads s/s" "sockets s/s" "gloo s/s" sockets gloo
 echo '[' > "$out"
-first=1
 only=("${@:2}")
+echo '{"config": "legend", "what": "samples/s, medians of alternating rounds"}' >> "$out"
 for spec in "mlp_synthetic 2 300" "mid_mlp 2 200" "char_transformer 4 40" "fashion_mnist_cnn 4 120" "fashion_2_ranks 2 120" "dispatch 2 300"; do
   set -- $spec
   [[ ${#only[@]} -eq 0 || " ${only[*]} " == *" $1 "* ]] || continue
@@ -99,8 +138,7 @@ for spec in "mlp_synthetic 2 300" "mid_mlp 2 200" "char_transformer 4 40" "fashi
   ratio_s=$(awk -v a="$s" -v b="$t" 'BEGIN { printf "%.2f", a / b }')
   ratio_g=$(awk -v a="$g" -v b="$t" 'BEGIN { printf "%.2f", a / b }')
   printf '%-20s %6s %12s %12s %12s %9s %9s\n' "$1" "$2" "$t" "$s" "$g" "$ratio_s" "$ratio_g"
-  ((first)) || echo ',' >> "$out"
-  first=0
+  echo ',' >> "$out"
   printf '{"config": "%s", "ranks": %s, "rounds": %s, "threads_samples_per_s": %s, "sockets_samples_per_s": %s, "gloo_samples_per_s": %s, "sockets_vs_threads": %s, "gloo_vs_threads": %s}' \
     "$1" "$2" "$rounds" "$t" "$s" "$g" "$ratio_s" "$ratio_g" >> "$out"
   if [[ $1 == dispatch ]]; then
@@ -134,6 +172,9 @@ print("%.1f" % (ms * 1000))
   fi
 done
 
+if [[ ${#only[@]} -eq 0 || " ${only[*]} " == *" posted "* ]]; then
+  posted_table
+fi
 if [[ ${#only[@]} -gt 0 ]]; then
   echo ']' >> "$out"
   exit 0
