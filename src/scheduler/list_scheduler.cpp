@@ -65,7 +65,7 @@ class GreedyZeroBubble {
       std::vector<StageCosts> costs,
       std::vector<int> limit,
       double weightMemory,
-      GreedyPolicy policy)
+      std::vector<GreedyPolicy> policy)
       : p_(ranks),
         stages_(static_cast<int>(placement.size())),
         m_(m),
@@ -73,7 +73,7 @@ class GreedyZeroBubble {
         costs_(std::move(costs)),
         limit_(std::move(limit)),
         weightMemory_(weightMemory),
-        policy_(policy),
+        policy_(std::move(policy)),
         free_(ranks, 0.0),
         f_(stages_, 0),
         b_(stages_, 0),
@@ -196,7 +196,7 @@ class GreedyZeroBubble {
     const int firstBackward = latestReady(r, t, true);
     const int firstForward = latestReady(r, t, false);
     const bool backward =
-        firstBackward >= 0 && (!policy_.forwardFirst || firstForward < 0);
+        firstBackward >= 0 && (!policy_[r].forwardFirst || firstForward < 0);
     if (!backward && firstForward >= 0 && backwardSoon(r, firstForward, t))
       return false;
     if (backward) {
@@ -224,12 +224,13 @@ class GreedyZeroBubble {
     return true;
   }
   bool backwardSoon(int r, int forwardStage, double t) const {
-    if (policy_.backwardLookahead <= 0)
+    const GreedyPolicy& policy = policy_[r];
+    if (policy.backwardLookahead <= 0)
       return false;
     const double horizon =
-        t + policy_.backwardLookahead * cost(forwardStage).forward;
+        t + policy.backwardLookahead * cost(forwardStage).forward;
     for (int s : stagesOf_[r]) {
-      if (policy_.waitOnlyForStarvedUpstream &&
+      if (policy.waitOnlyForStarvedUpstream &&
           (s == 0 || pendingWeight(placement_[s - 1]) >= 0))
         continue;
       if (backwardReady(s) <= horizon)
@@ -248,7 +249,7 @@ class GreedyZeroBubble {
   bool fillsGap(int r, int s, double t) const {
     const double gap = nextArrival(r, t) - t;
     return gap >= kNever / 2 ||
-        gap + kEpsilon >= policy_.fillRatio * cost(s).backwardWeight;
+        gap + kEpsilon >= policy_[r].fillRatio * cost(s).backwardWeight;
   }
 
   // Nobody could run at t: idle ranks wait for the next finish or arrival.
@@ -277,7 +278,7 @@ class GreedyZeroBubble {
   std::vector<StageCosts> costs_;
   std::vector<int> limit_; // per rank
   double weightMemory_;
-  GreedyPolicy policy_;
+  std::vector<GreedyPolicy> policy_; // per rank
   std::vector<double> free_;
   std::vector<int> f_, b_, w_; // next micro-batch of each pass, per stage
   std::vector<std::vector<double>> forwardDone_, backwardDone_;
@@ -286,6 +287,11 @@ class GreedyZeroBubble {
   std::vector<double> held_;               // per rank, as counted for limit_
   std::vector<int> weightsLeft_;           // per rank
 };
+
+// What `auto` spends on per-rank policies, in scheduled passes (about 5e5:
+// every greedy run schedules 3 p m of them); fixed, so the result does not
+// depend on the machine's speed.
+constexpr long kPerRankPolicySteps = 500000;
 
 // One stage per rank: stage s on rank s.
 std::vector<int> straightPlacement(int ranks) {
@@ -301,12 +307,17 @@ std::vector<int> straightPlacement(int ranks) {
 struct ScheduleScore {
   double makespan = 1e300;
   double spanBubble = 1.0;
+  double spanIdle = 1e300; // every rank's idle within its span, summed
   bool betterThan(const ScheduleScore& other) const {
     const double tolerance = 1e-9 * std::max(1.0, other.makespan);
     if (makespan < other.makespan - tolerance)
       return true;
-    return makespan <= other.makespan + tolerance &&
-        spanBubble < other.spanBubble - 1e-12;
+    if (makespan > other.makespan + tolerance)
+      return false;
+    if (spanBubble < other.spanBubble - 1e-12)
+      return true;
+    return spanBubble <= other.spanBubble + 1e-12 &&
+        spanIdle < other.spanIdle - tolerance;
   }
 };
 
@@ -316,7 +327,10 @@ ScheduleScore scoreOf(
   const Simulation simulation = simulate(schedule, costs);
   if (!simulation.finished)
     return {};
-  return {simulation.makespan, simulation.spanBubble};
+  double spanIdle = 0.0;
+  for (size_t rank = 0; rank < simulation.span.size(); ++rank)
+    spanIdle += simulation.span[rank] - simulation.busy[rank];
+  return {simulation.makespan, simulation.spanBubble, spanIdle};
 }
 
 ScheduleScore scoreOf(
@@ -344,7 +358,8 @@ ComputeOrder bestGreedy(
     int microBatches,
     const std::vector<StageCosts>& costs,
     const std::vector<int>& limit,
-    double weightMemory = 1.0) {
+    double weightMemory = 1.0,
+    long perRankSteps = 0) {
   ComputeOrder best;
   ScheduleScore bestScore;
   constexpr double kOnlyWhenNeeded = 1e200; // a W waits for the tail or
@@ -359,32 +374,56 @@ ComputeOrder bestGreedy(
       }
     }
   }
-  for (const GreedyPolicy& policy : policies) {
-    {
-      ComputeOrder order;
-      try {
-        order = GreedyZeroBubble(
-                    ranks,
-                    placement,
-                    microBatches,
-                    costs,
-                    limit,
-                    weightMemory,
-                    policy)
-                    .run();
-      } catch (const ScheduleError&) {
-        continue;
-      }
-      const ScheduleScore score =
-          scoreOf(order, placement, microBatches, costs);
-      if (score.betterThan(bestScore)) {
-        best = std::move(order);
-        bestScore = score;
-      }
+  // Tries one policy per rank; keeps the order when it scores better.
+  auto attempt = [&](const std::vector<GreedyPolicy>& perRank) {
+    ComputeOrder order;
+    try {
+      order = GreedyZeroBubble(
+                  ranks,
+                  placement,
+                  microBatches,
+                  costs,
+                  limit,
+                  weightMemory,
+                  perRank)
+                  .run();
+    } catch (const ScheduleError&) {
+      return false;
     }
+    const ScheduleScore score = scoreOf(order, placement, microBatches, costs);
+    if (!score.betterThan(bestScore))
+      return false;
+    best = std::move(order);
+    bestScore = score;
+    return true;
+  };
+  std::vector<GreedyPolicy> chosen;
+  for (const GreedyPolicy& policy : policies) {
+    std::vector<GreedyPolicy> uniform(ranks, policy);
+    if (attempt(uniform))
+      chosen = uniform;
   }
   if (best.empty())
     throw ScheduleError("zero-bubble scheduler: no rank can make progress");
+  // Then each rank's own policy, one rank at a time, while that improves:
+  // the first stage's input passes feed no one, the last stage's forwards
+  // wait for no one, and the best tie-break differs along the pipeline.
+  long budget = perRankSteps / std::max<long>(1, 3L * ranks * microBatches);
+  for (bool improved = true; improved && budget > 0;) {
+    improved = false;
+    for (int rank = 0; rank < ranks && budget > 0; ++rank) {
+      for (const GreedyPolicy& policy : policies) {
+        if (budget-- <= 0)
+          break;
+        std::vector<GreedyPolicy> trial = chosen;
+        trial[rank] = policy;
+        if (attempt(trial)) {
+          chosen = std::move(trial);
+          improved = true;
+        }
+      }
+    }
+  }
   return best;
 }
 
@@ -507,7 +546,13 @@ Schedule autoSchedule(
   }
   const std::vector<int> placement = straightPlacement(ranks);
   ComputeOrder order = bestGreedy(
-      ranks, placement, microBatches, costs, limit, weightPassMemory);
+      ranks,
+      placement,
+      microBatches,
+      costs,
+      limit,
+      weightPassMemory,
+      kPerRankPolicySteps);
   improveWeightPlacement(
       order, placement, microBatches, costs, limit, weightPassMemory);
   Schedule best = lower("auto", ranks, 1, microBatches, mode, order);
