@@ -742,12 +742,7 @@ TEST(ScheduleTest, AutoChoosesEachRanksPolicyAtThreeP) {
   for (int p : {4, 8}) {
     SCOPED_TRACE("p=" + std::to_string(p));
     const Schedule s = autoSchedule(
-        p,
-        3 * p,
-        CheckpointMode::kNever,
-        {c},
-        std::vector<int>(p, 2 * p),
-        0.4);
+        p, 3 * p, CheckpointMode::kNever, {c}, std::vector<int>(p, 2 * p), 0.4);
     const Simulation sim = simulate(s, {c});
     EXPECT_LT(sim.spanBubble, 0.01);
     // Never a longer step than the built-ins that fit.

@@ -350,6 +350,49 @@ TEST(TuneTest, ClusterRooflineMakesSmallMicroBatchesBandwidthBound) {
   EXPECT_NEAR(forwardAt(flat, 4096), 4096 * flops / 1e11, 1e-6);
 }
 
+// Across processes a plan of one replica posts its steps without a barrier
+// too: --cluster predicts its ZB-H2 below the barrier's step, while plans
+// with data-parallel replicas (whose gradient average is a barrier) keep
+// theirs.
+TEST(TuneTest, ClusterPlansOfOneReplicaOverlapTheirSteps) {
+  const auto tuneWith = [](bool overlap) {
+    Config config = parseConfig(nlohmann::json::parse(R"({
+      "model": {"input_shape": [1024], "layers": [
+        {"type": "linear", "out_features": 1024}, {"type": "linear", "out_features": 1024},
+        {"type": "linear", "out_features": 1024}, {"type": "linear", "out_features": 1024}]},
+      "data": {"dataset": "synthetic", "samples": 64},
+      "pipeline": {"devices": ["cpu:0"]},
+      "train": {"batch_size": 64, "steps": 1, "loss": "mse"}})"));
+    config.pipeline.overlapSteps = overlap;
+    return tuneForCluster(
+        config,
+        nlohmann::json::parse(R"({"nodes": 1, "devices_per_node": 4,
+          "device": {"peak_tflops": 100, "efficiency": 0.5, "memory": "80GiB"},
+          "intra_node": {"bandwidth_gb_s": 100}})"),
+        "test");
+  };
+  const TuneOutcome on = tuneWith(true), off = tuneWith(false);
+  int lower = 0, compared = 0;
+  for (const TuneCandidate& a : on.result.candidates) {
+    if (!a.infeasible.empty())
+      continue;
+    for (const TuneCandidate& b : off.result.candidates) {
+      if (b.label() != a.label() || b.dataParallel != a.dataParallel)
+        continue;
+      ++compared;
+      if (a.dataParallel > 1 || a.ranks == 1) {
+        EXPECT_DOUBLE_EQ(a.predictedStepMs, b.predictedStepMs) << a.label();
+      } else {
+        EXPECT_LE(a.predictedStepMs, b.predictedStepMs + 1e-9) << a.label();
+        lower += a.schedule == ScheduleKind::kZeroBubbleH2 &&
+            a.predictedStepMs < b.predictedStepMs - 1e-9;
+      }
+    }
+  }
+  EXPECT_GT(compared, 0);
+  EXPECT_GT(lower, 0);
+}
+
 // With steps that overlap, a plan of several ranks is predicted by its
 // back-to-back step: ZB-H2, whose ranks end staggered, then predicts below
 // ZB-H1 (with a barrier they tie), and one stage is predicted as before.
