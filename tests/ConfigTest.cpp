@@ -44,7 +44,8 @@ TEST(ConfigTest, ShippedConfigsParse) {
         "data_parallel_mlp",
         "torchscript_mlp",
         "skip_cnn",
-        "zero_bubble_mlp"}) {
+        "zero_bubble_mlp",
+        "auto_memory_mlp"}) {
     const std::string path =
         std::string(TPIPE_SOURCE_DIR) + "/configs/" + name + ".json";
     SCOPED_TRACE(path);

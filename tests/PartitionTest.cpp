@@ -257,6 +257,68 @@ TEST(PartitionTest, InFlightMicroBatchesFollowTheSchedule) {
 // A re-plan from measured stage times goes through the resolver: the
 // partition stays, `auto` is rebuilt for the given per-stage costs, and the
 // predicted step is theirs.
+// With every device's memory declared, `auto` holds what each device has
+// room for instead of 1F1B's p micro-batches: room for more lets the search
+// fill the bubble, and room for fewer than p gives a plan that fits where
+// 1F1B's memory would not.
+TEST(PartitionTest, AutoHoldsWhatEachDeviceHasRoomFor) {
+  PlanRequest request;
+  for (int l = 0; l < 4; ++l)
+    request.layers.push_back(
+        {"l" + std::to_string(l), 1.0, 2.0, 1000, 100, 1000});
+  // GPT-like stages (T_W ~ 0.6 T_F, transfers 3%): room beyond p pays.
+  StageCosts gpt;
+  gpt.forward = 1.0, gpt.backwardInput = 0.98, gpt.backwardWeight = 0.6;
+  gpt.backward = gpt.backwardInput + gpt.backwardWeight, gpt.transfer = 0.03;
+  request.stageCosts.assign(4, gpt);
+  request.partition = PartitionMethod::kBalance;
+  request.balance = {1, 1, 1, 1};
+  request.schedule = ScheduleKind::kAuto;
+  request.microBatches = 8;
+  request.checkpoint = CheckpointMode::kNever;
+  auto onDevices = [&](const std::vector<int64_t>& capacities) {
+    PlanRequest r = request;
+    for (size_t d = 0; d < capacities.size(); ++d) {
+      DeviceSpec device;
+      device.name = "cpu:" + std::to_string(d);
+      device.memoryBytes = capacities[d];
+      r.devices.push_back(device);
+    }
+    return resolvePlan(r);
+  };
+  const Plan unlimited = onDevices({0, 0, 0, 0});
+  ASSERT_EQ(unlimited.stages.size(), 4u);
+  auto noteWith = [](const Plan& plan, const std::string& text) {
+    for (const std::string& note : plan.notes) {
+      if (note.find(text) != std::string::npos)
+        return true;
+    }
+    return false;
+  };
+  // Room for every micro-batch: each device holds up to m = 8.
+  const int64_t ample = int64_t{1} << 30;
+  const Plan roomy = onDevices({ample, ample, ample, ample});
+  EXPECT_TRUE(noteWith(
+      roomy, "micro-batches in flight per device from its memory: 8, 8, 8, 8"));
+  EXPECT_FALSE(roomy.overCapacity());
+  EXPECT_LT(roomy.simulation.makespan, unlimited.simulation.makespan - 1e-9);
+  EXPECT_GT(roomy.stages.front().inFlight, 4);
+
+  // One byte short of what 1F1B's 4 micro-batches take on each device.
+  std::vector<int64_t> short1;
+  for (const StageReport& stage : unlimited.stages)
+    short1.push_back(stage.memoryBytes - 1);
+  const Plan tight = onDevices(short1);
+  EXPECT_TRUE(noteWith(tight, "from its memory: 3, 3, 3, 3"))
+      << tight.notes.size();
+  EXPECT_FALSE(tight.overCapacity());
+  for (const StageReport& stage : tight.stages)
+    EXPECT_LE(stage.inFlight, 3);
+  // The same devices under 1F1B's memory: over capacity.
+  request.schedule = ScheduleKind::kOneFOneB;
+  EXPECT_TRUE(onDevices(short1).overCapacity());
+}
+
 TEST(PartitionTest, MeasuredStageCostsRebuildTheAutoScheduleOfAPlan) {
   PlanRequest request;
   for (int l = 0; l < 6; ++l)

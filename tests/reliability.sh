@@ -144,6 +144,10 @@ for size in nan inf 0.1B 1e30GiB; do
 done
 "$tpipe" schedule --stages 4 --micro-batches 100000000 >"$work/s.log" 2>&1
 expect "a schedule of 10^8 micro-batches is refused at once" 2 "--micro-batches" "$work/s.log" $?
+"$tpipe" schedule --stages 4 --micro-batches 8 --schedule auto --memory-limit 8,8 >"$work/s.log" 2>&1
+expect "auto's memory limits must name every stage" 2 "--memory-limit: 2 limits for 4 stages" "$work/s.log" $?
+"$tpipe" schedule --stages 4 --micro-batches 8 --schedule auto --memory-limit 8,x,8,8 >"$work/s.log" 2>&1
+expect "auto's memory limits must be counts" 2 "--memory-limit: 'x' is not a micro-batch count" "$work/s.log" $?
 
 # ---- 7: deep nesting -----------------------------------------------------
 python3 -c "print('{\"model\": ' + '[' * 70000 + ']' * 70000 + '}')" >"$work/deep.json"

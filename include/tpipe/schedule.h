@@ -218,9 +218,12 @@ struct ScheduleSpec {
   CheckpointMode checkpoint = CheckpointMode::kExceptLast;
   // For "auto" (the list scheduler): the stages' costs (one entry: every
   // stage alike; default unit costs) and the micro-batches in flight each
-  // rank may hold (0: `ranks`, 1F1B's memory).
+  // rank may hold (0: `ranks`, 1F1B's memory), or one limit per rank
+  // (non-empty: instead of inFlightLimit; resolvePlan derives them from the
+  // devices' memory).
   std::vector<StageCosts> costs{StageCosts{}};
   int inFlightLimit = 0;
+  std::vector<int> inFlightLimits;
   double weightPassMemory = 1.0; // see autoSchedule
 };
 

@@ -270,8 +270,42 @@ struct ScheduleRequest {
   tpipe::ScheduleSpec spec;
   std::string text = "gpipe"; // a schedule name, "auto", or a file
   std::string costsPath;
-  int memoryLimit = 0; // micro-batches in flight per stage; 0: p
+  // Micro-batches in flight per stage: one count for every stage, or one
+  // per stage ("8,8,6,4"); empty: p.
+  std::string memoryLimit;
 };
+
+std::vector<int> parseMemoryLimits(const std::string& text, int ranks) {
+  std::vector<int> limits;
+  size_t start = 0;
+  while (!text.empty() && start <= text.size()) {
+    const size_t comma = std::min(text.find(',', start), text.size());
+    const std::string item = text.substr(start, comma - start);
+    size_t used = 0;
+    int value = 0;
+    try {
+      value = std::stoi(item, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used == 0 || used != item.size() || value < 1) {
+      throw tpipe::ScheduleError(
+          "--memory-limit: '" + item +
+          "' is not a micro-batch count >= 1 (give N, or one per stage: "
+          "N,N,...)");
+    }
+    limits.push_back(value);
+    start = comma + 1;
+  }
+  if (limits.size() == 1)
+    limits.assign(static_cast<size_t>(ranks), limits.front());
+  if (!limits.empty() && static_cast<int>(limits.size()) != ranks) {
+    throw tpipe::ScheduleError(
+        "--memory-limit: " + std::to_string(limits.size()) + " limits for " +
+        std::to_string(ranks) + " stages");
+  }
+  return limits;
+}
 
 int printSchedule(
     const ScheduleRequest& request,
@@ -287,7 +321,7 @@ int printSchedule(
   if (request.text == "auto") {
     spec.source = tpipe::ScheduleKind::kAuto;
     spec.costs = costs;
-    spec.inFlightLimit = request.memoryLimit;
+    spec.inFlightLimits = parseMemoryLimits(request.memoryLimit, spec.ranks);
     const auto start = std::chrono::steady_clock::now();
     schedule = tpipe::makeSchedule(spec);
     searchMs = std::chrono::duration<double, std::milli>(
@@ -601,12 +635,11 @@ CLI::App* addSchedule(CLI::App& app, Arguments& a) {
           a.schedule.costsPath,
           "per-stage costs: a report from `train --report` (\"stage_costs\")")
       ->check(CLI::ExistingFile);
-  schedule
-      ->add_option(
-          "--memory-limit",
-          a.schedule.memoryLimit,
-          "auto: micro-batches in flight per stage (default: stages, as zb-h1)")
-      ->check(CLI::Range(1, 65536));
+  schedule->add_option(
+      "--memory-limit",
+      a.schedule.memoryLimit,
+      "auto: micro-batches in flight per stage, N or one per stage "
+      "N,N,... (default: stages, as zb-h1)");
   schedule
       ->add_option(
           "--weight-memory",

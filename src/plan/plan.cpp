@@ -22,7 +22,10 @@ struct Candidate {
   double stepMs = 0.0;
 };
 
-Schedule scheduleFor(const PlanRequest& request, int stages) {
+Schedule scheduleFor(
+    const PlanRequest& request,
+    int stages,
+    std::vector<int> inFlightLimits = {}) {
   const int layers = static_cast<int>(request.layers.size());
   if (stages > layers) {
     throw PartitionError(
@@ -51,6 +54,7 @@ Schedule scheduleFor(const PlanRequest& request, int stages) {
   spec.checkpoint = request.checkpoint;
   if (!request.stageCosts.empty())
     spec.costs = request.stageCosts;
+  spec.inFlightLimits = std::move(inFlightLimits);
   return makeSchedule(spec);
 }
 
@@ -296,6 +300,75 @@ std::vector<Candidate> candidatesFor(const PlanRequest& request) {
       true)};
 }
 
+// `auto` holds 1F1B's p micro-batches per rank unless told otherwise. When
+// every device declares its memory, each rank may hold what its device has
+// room for instead: the most micro-batches whose activations fit beside its
+// parameters, gradients and optimizer state, by the partition's own memory
+// model. The schedule built so replaces the chosen one when its plan fits
+// and runs faster, or when the chosen one does not fit at all.
+void fitAutoToMemory(
+    const PlanRequest& request,
+    Candidate& chosen,
+    std::vector<std::string>& notes) {
+  const Schedule& schedule = chosen.schedule;
+  if (!request.schedule.isBuiltIn() ||
+      request.schedule.kind() != ScheduleKind::kAuto ||
+      schedule.virtualStages != 1 || schedule.ranks < 2)
+    return;
+  for (const StageReport& stage : chosen.partition.stages) {
+    if (stage.capacityBytes <= 0)
+      return;
+  }
+  const int stages = schedule.stages();
+  std::vector<int> limits(stages, 0);
+  for (int held = 1; held <= schedule.microBatches; ++held) {
+    PartitionProblem problem = chosen.problem;
+    problem.memory.stashed.assign(stages, held);
+    problem.memory.live.resize(stages);
+    for (int s = 0; s < stages; ++s)
+      problem.memory.live[s] = std::min(held, chosen.problem.memory.liveAt(s));
+    const PartitionPlan at =
+        evaluatePartition(problem, chosen.partition.boundaries);
+    bool anyFits = false;
+    for (int s = 0; s < stages; ++s) {
+      if (at.stages[s].memoryBytes <= at.stages[s].capacityBytes) {
+        limits[s] = held;
+        anyFits = true;
+      }
+    }
+    if (!anyFits)
+      break; // memory only grows with what is held
+  }
+  if (std::find(limits.begin(), limits.end(), 0) != limits.end())
+    return; // a device without room for one micro-batch: nothing helps
+  if (limits == std::vector<int>(schedule.ranks, schedule.ranks))
+    return;
+  Candidate fitted;
+  try {
+    const Schedule rebuilt = scheduleFor(request, schedule.stages(), limits);
+    fitted = evaluate(
+        request,
+        rebuilt,
+        evaluatePartition(
+            problemFor(request, rebuilt), chosen.partition.boundaries),
+        chosen.what,
+        chosen.simple);
+  } catch (const UserError&) {
+    return;
+  }
+  if (!fits(fitted.partition) ||
+      (fits(chosen.partition) && fitted.stepMs >= chosen.stepMs - 1e-12))
+    return;
+  std::string text;
+  for (int limit : limits)
+    text += (text.empty() ? "" : ", ") + std::to_string(limit);
+  notes.push_back(
+      "auto: micro-batches in flight per device from its memory: " + text +
+      " (1F1B holds " + std::to_string(schedule.ranks) + "); predicts " +
+      msText(fitted.stepMs) + " per step against " + msText(chosen.stepMs));
+  chosen = std::move(fitted);
+}
+
 } // namespace
 
 PartitionMethod parsePartitionMethod(const std::string& name) {
@@ -386,8 +459,9 @@ Plan resolvePlan(const PlanRequest& request) {
   checkRequest(request);
   Plan plan;
   const std::vector<Candidate> candidates = candidatesFor(request);
-  const Candidate& chosen =
+  Candidate chosen =
       candidates[chooseWithinNoise(request, candidates, plan.notes)];
+  fitAutoToMemory(request, chosen, plan.notes);
   plan.partition = request.partition;
   plan.boundaries = chosen.partition.boundaries;
   plan.schedule = chosen.schedule;

@@ -659,9 +659,11 @@ Schedule makeSchedule(const ScheduleSpec& spec) {
           spec.microBatches,
           spec.checkpoint,
           spec.costs,
-          std::vector<int>(
-              spec.ranks,
-              spec.inFlightLimit > 0 ? spec.inFlightLimit : spec.ranks),
+          !spec.inFlightLimits.empty()
+              ? spec.inFlightLimits
+              : std::vector<int>(
+                    spec.ranks,
+                    spec.inFlightLimit > 0 ? spec.inFlightLimit : spec.ranks),
           spec.weightPassMemory);
       break;
   }
