@@ -229,7 +229,8 @@ TEST_F(DistributedTest, SocketsAndGlooCarryTheSameRun) {
 // some steps (speculative updates undone, the step after run again),
 // batch norm and dropout on the ranks (restored for the rerun) and Adam,
 // the run equals the run with a barrier bit for bit: losses and saved
-// parameters, over Unix sockets and over Gloo, on 2 and 4 processes.
+// parameters, over Unix sockets and over Gloo, on 2 and 4 processes, and
+// with data-parallel replicas.
 TEST_F(DistributedTest, PostedStepsAcrossProcessesEqualStepsWithABarrier) {
   const std::string normed = path("normed.json");
   std::ofstream(normed) << R"({
@@ -294,6 +295,13 @@ TEST_F(DistributedTest, PostedStepsAcrossProcessesEqualStepsWithABarrier) {
       losses(path("four-barrier.jsonl")),
       losses(path("four-posted.jsonl")),
       0.0);
+  // 2 replicas x 2 ranks: each stage's gradients averaged across the
+  // replicas before its update, the losses and norms summed over all four.
+  const std::string replicas = normed + " --set pipeline.data_parallel=2";
+  launch("", "4", replicas, "dp-posted");
+  launch("", "4", replicas + barrier, "dp-barrier");
+  expectSameLosses(
+      losses(path("dp-barrier.jsonl")), losses(path("dp-posted.jsonl")), 0.0);
   expectNoOrphans();
 }
 

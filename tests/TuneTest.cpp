@@ -350,11 +350,11 @@ TEST(TuneTest, ClusterRooflineMakesSmallMicroBatchesBandwidthBound) {
   EXPECT_NEAR(forwardAt(flat, 4096), 4096 * flops / 1e11, 1e-6);
 }
 
-// Across processes a plan of one replica posts its steps without a barrier
-// too: --cluster predicts its ZB-H2 below the barrier's step, while plans
-// with data-parallel replicas (whose gradient average is a barrier) keep
-// theirs.
-TEST(TuneTest, ClusterPlansOfOneReplicaOverlapTheirSteps) {
+// Across processes steps are posted without a barrier too: --cluster
+// predicts a plan of several ranks by its back-to-back step (ZB-H2 below
+// the barrier's step), with or without data-parallel replicas, and one
+// stage as before.
+TEST(TuneTest, ClusterPlansOverlapTheirSteps) {
   const auto tuneWith = [](bool overlap) {
     Config config = parseConfig(nlohmann::json::parse(R"({
       "model": {"input_shape": [1024], "layers": [
@@ -372,7 +372,7 @@ TEST(TuneTest, ClusterPlansOfOneReplicaOverlapTheirSteps) {
         "test");
   };
   const TuneOutcome on = tuneWith(true), off = tuneWith(false);
-  int lower = 0, compared = 0;
+  int lower = 0, replicated = 0, compared = 0;
   for (const TuneCandidate& a : on.result.candidates) {
     if (!a.infeasible.empty())
       continue;
@@ -380,17 +380,20 @@ TEST(TuneTest, ClusterPlansOfOneReplicaOverlapTheirSteps) {
       if (b.label() != a.label() || b.dataParallel != a.dataParallel)
         continue;
       ++compared;
-      if (a.dataParallel > 1 || a.ranks == 1) {
+      if (a.ranks == 1) {
         EXPECT_DOUBLE_EQ(a.predictedStepMs, b.predictedStepMs) << a.label();
       } else {
         EXPECT_LE(a.predictedStepMs, b.predictedStepMs + 1e-9) << a.label();
         lower += a.schedule == ScheduleKind::kZeroBubbleH2 &&
             a.predictedStepMs < b.predictedStepMs - 1e-9;
+        replicated +=
+            a.dataParallel > 1 && a.predictedStepMs < b.predictedStepMs - 1e-9;
       }
     }
   }
   EXPECT_GT(compared, 0);
   EXPECT_GT(lower, 0);
+  EXPECT_GT(replicated, 0);
 }
 
 // With steps that overlap, a plan of several ranks is predicted by its

@@ -228,7 +228,7 @@ class Pipeline {
   // A rank whose own gradients already exceed the clip waits for the
   // decision instead.
   //
-  // Across processes (one replica, transfers through host memory) each
+  // Across processes (transfers through host memory) each
   // process runs its rank's part on the calling thread when the step is
   // posted, and the ranks agree through small notes instead of a
   // collective; a rank other than the last learns the loss from the last
@@ -257,9 +257,10 @@ class Pipeline {
     bool redone = false; // ran again after a wrong speculative update
     std::vector<double> agreed; // Update::agree summed over the processes
   };
-  // In one process with a worker per device, or across processes with one
-  // replica and transfers through host memory; never with tied
-  // parameters. False otherwise (then use trainStep).
+  // In one process with a worker per device, or across processes with
+  // transfers through host memory (data-parallel replicas average each
+  // stage's gradients before its update); never with tied parameters.
+  // False otherwise (then use trainStep).
   bool canOverlapSteps() const;
   // Queues a step behind those posted before; returns at once.
   void postStep(

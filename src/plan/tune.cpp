@@ -402,8 +402,7 @@ TuneCandidate evaluate(
   c.bubble = simulation.bubbleFraction;
   c.allReduceMs = allReduceMs(
       request, planRequest.layers, plan.boundaries, s.ranks, s.replicas);
-  const bool overlapped =
-      request.overlapSteps && s.ranks > 1 && s.replicas == 1;
+  const bool overlapped = request.overlapSteps && s.ranks > 1;
   const double pipelineMs = overlapped
       ? steadyStepTime(run.schedule, costed.stageCosts)
       : simulation.makespan;

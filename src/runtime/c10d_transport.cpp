@@ -323,9 +323,8 @@ class ProcessGroupTransport final : public Transport {
     return dataDevice_.is_cpu();
   }
 
-  void sendNote(int rank, int64_t key, const std::vector<double>& values)
+  void sendNote(int peer, int64_t key, const std::vector<double>& values)
       override {
-    const int peer = processOfRank(rank);
     at::Tensor note =
         at::empty({static_cast<int64_t>(values.size())}, at::kDouble);
     std::copy(values.begin(), values.end(), note.data_ptr<double>());
@@ -348,8 +347,7 @@ class ProcessGroupTransport final : public Transport {
          peer});
   }
 
-  std::vector<double> receiveNote(int rank, int64_t key, int count) override {
-    const int peer = processOfRank(rank);
+  std::vector<double> receiveNote(int peer, int64_t key, int count) override {
     const std::string what = "receiving its note on the posted step";
     at::Tensor note;
     if (bySocket(peer)) {
@@ -735,10 +733,6 @@ class ProcessGroupTransport final : public Transport {
   int processOf(int stage) const {
     const int rank = placement_.empty() ? stage % communicator_.pipelineRanks()
                                         : placement_[stage];
-    return communicator_.replica() * communicator_.pipelineRanks() + rank;
-  }
-
-  int processOfRank(int rank) const {
     return communicator_.replica() * communicator_.pipelineRanks() + rank;
   }
 

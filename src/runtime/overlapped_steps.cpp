@@ -10,7 +10,7 @@
 // validation is known to every rank before that rank's part of the next
 // step ends, which is where a wrong speculative update is settled.
 //
-// Across processes (one rank each, one replica) the parts are published as
+// Across processes (one rank each) the parts are published as
 // notes through the transport, not shared memory: at the end of its part
 // each rank tells every other whether it failed, whether it speculated,
 // its stages' squared gradient norms and the values the caller wants
@@ -75,6 +75,7 @@ struct PostedStep {
   // Across processes: the batch's loss total, from the last stage's rank;
   // Update::agree summed over the processes; whether this process is
   // receiving the other ranks' notes (the others wait for it).
+  double replicaLoss = std::numeric_limits<double>::quiet_NaN();
   double worldLoss = std::numeric_limits<double>::quiet_NaN();
   std::vector<double> agreed;
   bool collecting = false;
@@ -139,9 +140,8 @@ void dropGradients(const std::vector<at::Tensor>& parameters) {
 bool Pipeline::canOverlapSteps() const {
   if (!impl_->ties.empty())
     return false;
-  if (const auto& communicator = impl_->options.communicator) {
-    return communicator->replicas() == 1 && impl_->transport->carriesNotes();
-  }
+  if (impl_->options.communicator)
+    return impl_->transport->carriesNotes();
   return !impl_->runsOnCaller();
 }
 
@@ -177,7 +177,7 @@ void Pipeline::postStep(
   TORCH_CHECK(
       canOverlapSteps(),
       "postStep: steps overlap in one process with a worker per device, "
-      "or across processes with one replica and transfers through host "
+      "or across processes with transfers through host "
       "memory; never with tied parameters (use trainStep)");
   TORCH_CHECK(update.apply, "postStep: no update given");
   TORCH_CHECK(
@@ -218,6 +218,14 @@ void Pipeline::Impl::post(std::shared_ptr<runtime::PostedStep> step) {
     runtime::PostedStep* raw = step.get();
     state.lossesKnown = [this, raw] { tellLoss(*raw); };
   }
+  // Replicas average each stage's gradients as its last backward ends.
+  Communicator* communicator = options.communicator.get();
+  if (communicator && communicator->replicas() > 1 &&
+      options.overlapGradientSync) {
+    state.gradientsFinal = [this, communicator](int stage) {
+      communicator->startAveraging(gradientsOf(stage));
+    };
+  }
   state.start = std::chrono::steady_clock::now(); // until a rank begins
   posted.push_back(step);
   auto part = [this, step](int rank) {
@@ -237,12 +245,30 @@ void Pipeline::Impl::post(std::shared_ptr<runtime::PostedStep> step) {
 }
 
 void Pipeline::Impl::tellLoss(runtime::PostedStep& step) {
-  step.worldLoss = lossTotal(step.state).item<double>();
-  const int me = localRanks.front();
-  for (int rank = 0; rank < schedule.ranks; ++rank) {
-    if (rank != me)
-      transport->sendNote(rank, step.lossNoteKey(), {step.worldLoss});
+  step.replicaLoss = lossTotal(step.state).item<double>();
+  const Communicator& world = *options.communicator;
+  for (int process = 0; process < world.worldSize(); ++process) {
+    if (process != world.rank())
+      transport->sendNote(process, step.lossNoteKey(), {step.replicaLoss});
   }
+}
+
+// Every replica's loss, summed in process order and averaged, as the sum
+// of a step with a barrier adds them. The last stage's processes told them
+// before their last gradients left, and this process's gradient average
+// waited for its peers of every replica: here by now.
+double Pipeline::Impl::worldLoss(runtime::PostedStep& step) {
+  const Communicator& world = *options.communicator;
+  const int lastRank = schedule.rankOfStage(schedule.stages() - 1);
+  double total = 0.0;
+  for (int process = 0; process < world.worldSize(); ++process) {
+    if (process % world.pipelineRanks() != lastRank)
+      continue;
+    total += process == world.rank()
+        ? step.replicaLoss
+        : transport->receiveNote(process, step.lossNoteKey(), 1)[0];
+  }
+  return total / world.replicas();
 }
 
 void Pipeline::Impl::tellPart(
@@ -255,9 +281,10 @@ void Pipeline::Impl::tellPart(
   note.insert(note.end(), squares.begin(), squares.end());
   note.resize(
       1 + step.update.agree.size() + schedule.stagesOfRank(rank).size());
-  for (int other = 0; other < schedule.ranks; ++other) {
-    if (other != rank)
-      transport->sendNote(other, step.partNoteKey(), note);
+  const Communicator& world = *options.communicator;
+  for (int process = 0; process < world.worldSize(); ++process) {
+    if (process != world.rank())
+      transport->sendNote(process, step.partNoteKey(), note);
   }
 }
 
@@ -296,18 +323,20 @@ void Pipeline::Impl::awaitDecision(runtime::PostedStep& step) {
   }
   // Every rank told its part before it began the next step: the notes are
   // here, or on their way, by the time this rank's part of it ends.
-  const int me = localRanks.front();
+  const Communicator& world = *options.communicator;
+  const int me = world.rank(), ranks = world.pipelineRanks();
   const size_t agree = step.update.agree.size();
-  std::vector<std::vector<double>> notes(schedule.ranks);
+  std::vector<std::vector<double>> notes(world.worldSize());
   std::string failure;
   bool aborted = false;
   try {
-    for (int rank = 0; rank < schedule.ranks; ++rank) {
-      if (rank == me)
+    for (int process = 0; process < world.worldSize(); ++process) {
+      if (process == me)
         continue;
-      const int count =
-          static_cast<int>(1 + agree + schedule.stagesOfRank(rank).size());
-      notes[rank] = transport->receiveNote(rank, step.partNoteKey(), count);
+      const int count = static_cast<int>(
+          1 + agree + schedule.stagesOfRank(process % ranks).size());
+      notes[process] =
+          transport->receiveNote(process, step.partNoteKey(), count);
     }
   } catch (const runtime::StepAborted&) {
     aborted = true; // by a failure the step that met it names
@@ -317,22 +346,31 @@ void Pipeline::Impl::awaitDecision(runtime::PostedStep& step) {
     failure = error.what();
   }
   std::lock_guard<std::mutex> lock(step.mutex);
+  // Summed in process order, then over the replicas (which hold the same
+  // averaged gradients), as the norm of a step with a barrier is.
+  std::vector<double> squares(step.squares.size(), 0.0);
   step.agreed.assign(agree, 0.0);
-  for (int rank = 0; rank < schedule.ranks && failure.empty() && !aborted;
-       ++rank) {
-    if (rank == me) {
+  for (int process = 0;
+       process < world.worldSize() && failure.empty() && !aborted;
+       ++process) {
+    const std::vector<int> stages = schedule.stagesOfRank(process % ranks);
+    if (process == me) {
       for (size_t i = 0; i < agree; ++i)
         step.agreed[i] += step.update.agree[i];
+      for (int s : stages)
+        squares[s] += step.squares[s];
       continue;
     }
-    const std::vector<double>& note = notes[rank];
+    const std::vector<double>& note = notes[process];
     step.anySpeculated = step.anySpeculated || note[0] != 0.0;
     for (size_t i = 0; i < agree; ++i)
       step.agreed[i] += note[1 + i];
     size_t i = 1 + agree;
-    for (int s : schedule.stagesOfRank(rank))
-      step.squares[s] = note[i++];
+    for (int s : stages)
+      squares[s] += note[i++];
   }
+  for (size_t s = 0; s < squares.size(); ++s)
+    step.squares[s] = squares[s] / world.replicas();
   if (!failure.empty() || aborted) {
     step.failed = true;
     std::lock_guard<std::mutex> errorLock(step.state.errorMutex);
@@ -389,14 +427,21 @@ void Pipeline::Impl::updateAfterPart(runtime::PostedStep& step, int rank) {
   const std::vector<at::Tensor> parameters = rankParameters(rank);
   bool errored = step.erroredOrAborted();
   const bool world = acrossProcesses();
-  const int lastStage = schedule.stages() - 1;
-  // The last stage's rank told the loss before its last gradient left:
+  // The replicas' gradient average, which every replica runs alike
+  // (a step about to be dropped too).
+  Communicator* communicator = options.communicator.get();
+  if (world && !errored && communicator->replicas() > 1) {
+    if (!step.state.gradientsFinal) {
+      for (int s : rankStages)
+        communicator->startAveraging(gradientsOf(s));
+    }
+    communicator->finishAveraging();
+  }
+  // The last stage's ranks told the loss before their last gradients left:
   // here by now, even in a step about to be dropped (nothing is left
   // unreceived).
-  if (world && !errored && !isLocalStage(lastStage)) {
-    step.worldLoss = transport->receiveNote(
-        schedule.rankOfStage(lastStage), step.lossNoteKey(), 1)[0];
-  }
+  if (world && !errored)
+    step.worldLoss = worldLoss(step);
 
   // The step before: right, or settled here and this step runs again.
   if (previous && !errored) {

@@ -135,6 +135,7 @@ struct Pipeline::Impl {
   // Across processes: the last stage's rank tells the others the loss;
   // every rank tells the others its part of the step.
   void tellLoss(runtime::PostedStep& step);
+  double worldLoss(runtime::PostedStep& step);
   void tellPart(
       runtime::PostedStep& step,
       int rank,

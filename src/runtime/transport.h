@@ -96,20 +96,20 @@ class Transport {
   virtual std::string describe() const {
     return "within this process";
   }
-  // Across processes: a few values to pipeline rank `rank` (of this
-  // replica), kept apart from the transfers, under `key` (>= 0, one message
-  // each): what ranks tell each other to agree on a posted step.
+  // Across processes: a few values to process `process` of the world,
+  // kept apart from the transfers, under `key` (>= 0, one message each):
+  // what ranks tell each other to agree on a posted step.
   virtual bool carriesNotes() const {
     return false;
   }
   virtual void sendNote(
-      int rank,
+      int process,
       int64_t key,
       const std::vector<double>& values) {
     throw std::logic_error("this transport carries no notes");
   }
-  // Blocks until rank `rank`'s note `key` of `count` values arrives.
-  virtual std::vector<double> receiveNote(int rank, int64_t key, int count) {
+  // Blocks until process `process`'s note `key` of `count` values arrives.
+  virtual std::vector<double> receiveNote(int process, int64_t key, int count) {
     throw std::logic_error("this transport carries no notes");
   }
 };

@@ -223,8 +223,8 @@ TuneOutcome tuneForCluster(
   request.devices.assign(static_cast<size_t>(cluster.devices), cluster.device);
   request.topology = cluster.topology;
   request.replicate = true;
-  // Across processes a plan of one replica posts its steps without a
-  // barrier, as threads do; with replicas the gradient average is one.
+  // Across processes steps are posted without a barrier, as threads post
+  // them: each stage's update waits only for its own replicas' average.
   request.overlapSteps = config.pipeline.overlapSteps;
   const auto& o = config.train.optimizer;
   request.optimizerFactor = cluster.optimizerBytesPerParameter >= 0

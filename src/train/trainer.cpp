@@ -501,6 +501,15 @@ class TrainingRun {
     distributeOptimizerState(*optimizer_, rankOptimizers_);
   }
 
+  // Each replica trains on its share of the global batch.
+  void narrowToReplica(torch::Tensor& x, torch::Tensor& y) const {
+    if (!world() || world()->replicas() == 1)
+      return;
+    const int64_t share = config_.train.batchSize / world()->replicas();
+    x = x.narrow(0, world()->replica() * share, share);
+    y = y.narrow(0, world()->replica() * share, share);
+  }
+
   // What a posted step does on each rank once its part is done.
   Pipeline::Update rankUpdate(double lr) {
     Pipeline::Update update;
@@ -525,6 +534,7 @@ class TrainingRun {
 
   void postStep(int64_t step) {
     auto [x, y] = batches_->batch(step);
+    narrowToReplica(x, y);
     if (stepHook())
       stepHook()(world() ? world()->rank() : 0, step, x);
     pipe_->postStep(
@@ -584,11 +594,7 @@ class TrainingRun {
     for (auto& group : optimizer_->param_groups())
       group.options().set_lr(lr);
     auto [x, y] = batches_->batch(step);
-    if (world() && world()->replicas() > 1) {
-      const int64_t share = config_.train.batchSize / world()->replicas();
-      x = x.narrow(0, world()->replica() * share, share);
-      y = y.narrow(0, world()->replica() * share, share);
-    }
+    narrowToReplica(x, y);
     if (stepHook())
       stepHook()(world() ? world()->rank() : 0, step, x);
     if (world())
