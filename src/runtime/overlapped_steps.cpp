@@ -10,17 +10,19 @@
 // validation is known to every rank before that rank's part of the next
 // step ends, which is where a wrong speculative update is settled.
 //
-// Across processes (one rank each) the parts are published as
-// notes through the transport, not shared memory: at the end of its part
-// each rank tells every other whether it failed, whether it speculated,
-// its stages' squared gradient norms and the values the caller wants
-// agreed (the trainer's stop flags); each rank sums them in rank order, so
-// every rank decides alike. The loss lives on the last stage's rank, which
-// tells it as soon as its last micro-batch's loss is computed: before its
-// last gradient leaves, so every other rank has it by the end of its part
-// and knows, without waiting, whether the loss is finite. A process runs
-// its rank on the calling thread, so a posted step's part runs at once,
-// there; the barrier it replaces was the step's end-of-step sum.
+// Across processes (one rank each) the parts are published as notes
+// through the transport, not shared memory: at the end of its part each
+// rank tells every other process whether it speculated, its stages'
+// squared gradient norms and the values the caller wants agreed (the
+// trainer's stop flags); each sums them in process order, so every rank
+// decides alike. The loss lives on the last stage's rank of each replica,
+// which tells it as soon as its last micro-batch's loss is computed:
+// before its last gradient leaves, so every rank has it by the end of its
+// part and knows, without waiting, whether the loss is finite. With
+// replicas a rank first waits for its own stage's gradient average, the
+// one wait data parallelism needs. A process runs its rank on the calling
+// thread, so a posted step's part runs at once, there; the barrier it
+// replaces was the step's end-of-step sum.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -72,9 +74,10 @@ struct PostedStep {
 
   // The same on every process: which post this is (notes' keys).
   int64_t sequence = 0;
-  // Across processes: the batch's loss total, from the last stage's rank;
-  // Update::agree summed over the processes; whether this process is
-  // receiving the other ranks' notes (the others wait for it).
+  // Across processes: this replica's loss total (on its last stage's rank),
+  // the mean over the replicas; Update::agree summed over the processes;
+  // whether a thread of this process is receiving the other ranks' notes
+  // (the others wait for it).
   double replicaLoss = std::numeric_limits<double>::quiet_NaN();
   double worldLoss = std::numeric_limits<double>::quiet_NaN();
   std::vector<double> agreed;
