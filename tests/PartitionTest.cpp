@@ -357,6 +357,15 @@ TEST(PartitionTest, MeasuredStageCostsRebuildTheAutoScheduleOfAPlan) {
   // The slow stage bounds the step: 8 micro-batches of 3 + 6 ms.
   EXPECT_GE(replanned.simulation.makespan, 8 * 9.0);
 
+  // A recorded run of fused backwards times no input or weight pass (and
+  // one without checkpoints no recompute): those are derived, not free.
+  std::vector<StageCosts> fused = measured;
+  for (StageCosts& c : fused)
+    c.backwardInput = c.backwardWeight = c.recompute = 0.0;
+  const Plan fromFused = resolvePlan(pinnedRequest(request, unit, fused));
+  EXPECT_DOUBLE_EQ(
+      fromFused.simulation.makespan, replanned.simulation.makespan);
+
   // Per-stage costs fix the partition, so a searching method is refused.
   request.stageCosts = measured;
   try {

@@ -113,7 +113,9 @@ Plan resolvePlan(const PlanRequest& request);
 // The request for `plan`'s own partition (an explicit balance) under these
 // per-stage costs: resolving it keeps the layout and rebuilds a schedule
 // `auto` for them. The trainer's re-plan from measured stage times and the
-// tuner's `auto` candidates both ask this.
+// tuner's `auto` candidates both ask this. Passes the costs do not time (a
+// recorded run of fused backwards times no input or weight pass) are
+// derived from those they do, with the request's splitBackward.
 PlanRequest pinnedRequest(
     PlanRequest request,
     const Plan& plan,

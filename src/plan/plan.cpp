@@ -484,6 +484,18 @@ PlanRequest pinnedRequest(
   request.partition = PartitionMethod::kBalance;
   request.balance = balanceOf(plan.boundaries);
   request.stages = plan.stageCount();
+  // A pass a recorded run never ran has no time of its own: `auto` would
+  // take it as free.
+  const double split = request.splitBackward > 0 ? request.splitBackward : 1.0;
+  for (StageCosts& c : stageCosts) {
+    const double halves = c.backwardInput + c.backwardWeight;
+    if (halves <= 0.0 && c.backward > 0.0)
+      c.backwardInput = c.backwardWeight = c.backward * split / 2.0;
+    else if (c.backward <= 0.0 && halves > 0.0)
+      c.backward = halves / split;
+    if (c.recompute <= 0.0)
+      c.recompute = c.forward;
+  }
   request.stageCosts = std::move(stageCosts);
   return request;
 }

@@ -785,7 +785,7 @@ class TrainingRun {
     const double h1 = simulate(
                           zeroBubbleH1Schedule(
                               p, plan.schedule.microBatches, plan.checkpoint),
-                          report.measuredCosts)
+                          request.stageCosts)
                           .makespan;
     const std::vector<torch::Tensor> generators = pipe_->generatorStates();
     if (overlapping_)
