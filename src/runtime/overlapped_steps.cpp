@@ -240,7 +240,12 @@ void Pipeline::Impl::post(std::shared_ptr<runtime::PostedStep> step) {
     step->latch->countDown();
   };
   if (runsOnCaller()) {
-    runOn(localRanks, part); // a process's one rank: its part runs now
+    // A process's one rank: its part runs now, so the part before it has
+    // received everything, and this step's receives may be posted ahead
+    // (known shapes: no headers).
+    if (remoteTransport)
+      expectShapes(state, schedule);
+    runOn(localRanks, part);
     return;
   }
   for (int rank : localRanks)
