@@ -221,14 +221,7 @@ void Pipeline::Impl::post(std::shared_ptr<runtime::PostedStep> step) {
     runtime::PostedStep* raw = step.get();
     state.lossesKnown = [this, raw] { tellLoss(*raw); };
   }
-  // Replicas average each stage's gradients as its last backward ends.
-  Communicator* communicator = options.communicator.get();
-  if (communicator && communicator->replicas() > 1 &&
-      options.overlapGradientSync) {
-    state.gradientsFinal = [this, communicator](int stage) {
-      communicator->startAveraging(gradientsOf(stage));
-    };
-  }
+  armGradientAveraging(state);
   state.start = std::chrono::steady_clock::now(); // until a rank begins
   posted.push_back(step);
   auto part = [this, step](int rank) {
@@ -437,14 +430,8 @@ void Pipeline::Impl::updateAfterPart(runtime::PostedStep& step, int rank) {
   const bool world = acrossProcesses();
   // The replicas' gradient average, which every replica runs alike
   // (a step about to be dropped too).
-  Communicator* communicator = options.communicator.get();
-  if (world && !errored && communicator->replicas() > 1) {
-    if (!step.state.gradientsFinal) {
-      for (int s : rankStages)
-        communicator->startAveraging(gradientsOf(s));
-    }
-    communicator->finishAveraging();
-  }
+  if (world && !errored)
+    finishGradientAveraging(step.state);
   // The last stage's ranks told the loss before their last gradients left:
   // here by now, even in a step about to be dropped (nothing is left
   // unreceived).
@@ -626,12 +613,7 @@ Pipeline::StepOutcome Pipeline::finishStep() {
   StepOutcome outcome;
   if (impl_->acrossProcesses()) {
     // As trainStep returns it on every process.
-    const bool lastIsLocal = impl_->isLocalStage(impl_->schedule.stages() - 1);
-    outcome.loss = torch::tensor(
-        step->worldLoss,
-        torch::TensorOptions().dtype(
-            lastIsLocal ? step->state.losses.front().scalar_type()
-                        : torch::kFloat));
+    outcome.loss = impl_->worldLossTensor(step->worldLoss, step->state);
     outcome.agreed = step->agreed;
   } else {
     outcome.loss = Impl::lossTotal(step->state);

@@ -110,6 +110,15 @@ struct Pipeline::Impl {
     return static_cast<int>(most);
   }
   void keepTrace(runtime::StepState& state, double wallUs);
+  // Replicas average each stage's gradients: armed, as its last backward
+  // ends (options.overlapGradientSync); finished after the part, starting
+  // those not armed. A no-op with one replica.
+  void armGradientAveraging(runtime::StepState& state);
+  void finishGradientAveraging(const runtime::StepState& state);
+  // The step's loss as every process returns it: the mean over the
+  // replicas, in the last stage's dtype where it runs here.
+  at::Tensor worldLossTensor(double value, const runtime::StepState& state)
+      const;
   // The squared L2 norm of a stage's gradients, in double, one device
   // sync: what clipGradNorm and a posted step's validation add up.
   double gradientSquares(int stage) const;

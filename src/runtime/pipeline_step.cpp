@@ -259,6 +259,37 @@ void Pipeline::Impl::keepTrace(runtime::StepState& state, double wallUs) {
   }
 }
 
+void Pipeline::Impl::armGradientAveraging(runtime::StepState& state) {
+  Communicator* communicator = options.communicator.get();
+  if (!communicator || communicator->replicas() == 1 ||
+      !options.overlapGradientSync)
+    return;
+  state.gradientsFinal = [this, communicator](int stage) {
+    communicator->startAveraging(gradientsOf(stage));
+  };
+}
+
+void Pipeline::Impl::finishGradientAveraging(const runtime::StepState& state) {
+  Communicator& communicator = *options.communicator;
+  if (!state.gradientsFinal) {
+    for (const auto& stage : stages) {
+      if (isLocalStage(stage.index))
+        communicator.startAveraging(gradientsOf(stage.index));
+    }
+  }
+  communicator.finishAveraging();
+}
+
+at::Tensor Pipeline::Impl::worldLossTensor(
+    double value,
+    const runtime::StepState& state) const {
+  const bool lastIsLocal = isLocalStage(schedule.stages() - 1);
+  return torch::tensor(
+      value,
+      torch::TensorOptions().dtype(
+          lastIsLocal ? state.losses.front().scalar_type() : torch::kFloat));
+}
+
 torch::Tensor Pipeline::trainStep(
     const torch::Tensor& input,
     const torch::Tensor& target,
@@ -267,17 +298,12 @@ torch::Tensor Pipeline::trainStep(
   runtime::StepState state;
   impl_->splitBatch(state, input, target);
   state.lossFn = &lossFn;
-  auto* communicator = impl_->options.communicator.get();
-  if (communicator && communicator->replicas() > 1 &&
-      impl_->options.overlapGradientSync) {
-    state.gradientsFinal = [this, communicator](int stage) {
-      communicator->startAveraging(impl_->gradientsOf(stage));
-    };
-  }
+  impl_->armGradientAveraging(state);
   impl_->run(state, impl_->schedule);
   const bool lastIsLocal = impl_->isLocalStage(impl_->schedule.stages() - 1);
   const at::Tensor total = lastIsLocal ? Impl::lossTotal(state) : at::Tensor();
   auto isLocal = [this](int stage) { return impl_->isLocalStage(stage); };
+  Communicator* communicator = impl_->options.communicator.get();
   if (!communicator) {
     runtime::sumTiedGradients(impl_->ties, isLocal, nullptr);
     return total;
@@ -286,18 +312,9 @@ torch::Tensor Pipeline::trainStep(
   // reductions started as each stage's backward ended, or now.
   const double local = lastIsLocal ? total.item<double>() : 0.0;
   const double mean = communicator->sum({local})[0] / communicator->replicas();
-  if (!state.gradientsFinal) {
-    for (const auto& stage : impl_->stages) {
-      if (impl_->isLocalStage(stage.index))
-        communicator->startAveraging(impl_->gradientsOf(stage.index));
-    }
-  }
-  communicator->finishAveraging();
+  impl_->finishGradientAveraging(state);
   runtime::sumTiedGradients(impl_->ties, isLocal, communicator);
-  return torch::tensor(
-      mean,
-      torch::TensorOptions().dtype(
-          lastIsLocal ? total.scalar_type() : torch::kFloat));
+  return impl_->worldLossTensor(mean, state);
 }
 
 void Pipeline::runOnWorker(const std::function<void()>& task) {
