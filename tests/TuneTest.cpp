@@ -350,6 +350,116 @@ TEST(TuneTest, ClusterRooflineMakesSmallMicroBatchesBandwidthBound) {
   EXPECT_NEAR(forwardAt(flat, 4096), 4096 * flops / 1e11, 1e-6);
 }
 
+// A block's norms, softmax and dropout run as kernels of their own: with a
+// bandwidth, their traffic (19 s h + 6.5 a s^2 elements forward, twice
+// backward) adds to the products' time instead of hiding under it, so a
+// narrow block with many heads costs more than its FLOPs say.
+TEST(TuneTest, ClusterBlocksPayTheirMemoryBoundKernels) {
+  const Config config = parseConfig(nlohmann::json::parse(R"({
+    "model": {"input_shape": [1024, 2048],
+              "layers": [{"type": "transformer_block", "heads": 32}]},
+    "data": {"dataset": "synthetic", "samples": 8},
+    "pipeline": {"devices": ["cpu:0"]},
+    "train": {"batch_size": 8, "steps": 1, "loss": "mse"}})"));
+  nlohmann::json cluster = nlohmann::json::parse(R"({"nodes": 1,
+    "devices_per_node": 1,
+    "device": {"peak_tflops": 100, "efficiency": 1, "memory": "80GiB",
+               "memory_gb_s": 1000},
+    "intra_node": {"bandwidth_gb_s": 100}})");
+  const TuneOutcome outcome = clusterCostModel(config, cluster, "test");
+  EXPECT_TRUE(outcome.result.candidates.empty()); // nothing searched
+  const double s = 1024, h = 2048, a = 32;
+  const double flops = 2 * s * h * h * 12 + 4 * s * s * h;
+  const double moved = 2.0 * (19 * s * h + 6.5 * a * s * s); // bytes
+  const LayerModel& block = outcome.model.layers.at(0);
+  // Compute-bound at 8 samples: FLOPs at 100 TFLOP/s, plus the traffic at
+  // 1 TB/s.
+  EXPECT_NEAR(
+      block.forward.at(0).at(8), 8 * (flops / 1e11 + moved / 1e9), 1e-3);
+  EXPECT_NEAR(
+      block.backward.at(0).at(8),
+      8 * (2 * flops / 1e11 + 2 * moved / 1e9),
+      1e-3);
+  // FlashAttention keeps the scores on chip: 6.5 a s^2 fewer elements
+  // moved, 1.25 a s^2 fewer kept for the backward.
+  cluster["flash_attention"] = true;
+  const LayerModel flash =
+      clusterCostModel(config, cluster, "test").model.layers.at(0);
+  EXPECT_NEAR(
+      flash.forward.at(0).at(8),
+      8 * (flops / 1e11 + 2.0 * 19 * s * h / 1e9),
+      1e-3);
+  EXPECT_NEAR(
+      block.stashBytesPerSample - flash.stashBytesPerSample,
+      2.0 * 1.25 * a * s * s,
+      1.0);
+  cluster["flash_attention"] = "yes";
+  EXPECT_THROW(clusterCostModel(config, cluster, "test"), ConfigError);
+}
+
+// predictCandidate predicts the plan asked for: a pinned partition, the
+// interleaved schedule's chunks per rank and auto's micro-batches in
+// flight, which wins over what the devices' memory would allow.
+TEST(TuneTest, PredictsAPinnedPlan) {
+  const Config config = parseConfig(nlohmann::json::parse(R"({
+    "model": {"input_shape": [256], "layers": [
+      {"type": "linear", "out_features": 256}, {"type": "linear", "out_features": 256},
+      {"type": "linear", "out_features": 256}, {"type": "linear", "out_features": 256},
+      {"type": "linear", "out_features": 256}, {"type": "linear", "out_features": 256},
+      {"type": "linear", "out_features": 256}, {"type": "linear", "out_features": 256}]},
+    "data": {"dataset": "synthetic", "samples": 64},
+    "pipeline": {"devices": ["cpu:0"]},
+    "train": {"batch_size": 64, "steps": 1, "loss": "mse"}})"));
+  const TuneOutcome outcome = clusterCostModel(
+      config,
+      nlohmann::json::parse(R"({"nodes": 1, "devices_per_node": 2,
+        "device": {"peak_tflops": 1, "efficiency": 1, "memory": "80GiB"},
+        "intra_node": {"bandwidth_gb_s": 100}})"),
+      "test");
+  TuneCandidate shape;
+  shape.ranks = 2;
+  shape.threadsPerStage = outcome.model.threads.front();
+  shape.microBatches = 16;
+  shape.schedule = ScheduleKind::kOneFOneB;
+  shape.checkpoint = CheckpointMode::kNever;
+  shape.boundaries = {0, 2, 8};
+  const TuneCandidate uneven =
+      predictCandidate(outcome.model, outcome.request, shape);
+  ASSERT_TRUE(uneven.infeasible.empty()) << uneven.infeasible;
+  EXPECT_EQ(uneven.boundaries, shape.boundaries);
+  shape.boundaries.clear();
+  const TuneCandidate balanced =
+      predictCandidate(outcome.model, outcome.request, shape);
+  EXPECT_EQ(balanced.boundaries, (std::vector<int>{0, 4, 8}));
+  // 6 of 8 equal layers on one rank: about 6/4 of the balanced step.
+  EXPECT_GT(uneven.predictedStepMs, 1.3 * balanced.predictedStepMs);
+  EXPECT_LT(uneven.predictedStepMs, 1.6 * balanced.predictedStepMs);
+
+  shape.schedule = ScheduleKind::kInterleaved;
+  shape.virtualStages = 4;
+  const TuneCandidate chunks =
+      predictCandidate(outcome.model, outcome.request, shape);
+  ASSERT_TRUE(chunks.infeasible.empty()) << chunks.infeasible;
+  EXPECT_EQ(chunks.virtualStages, 4);
+  EXPECT_EQ(chunks.stages, 8);
+  EXPECT_EQ(chunks.boundaries.size(), 9u);
+
+  // auto: 2p in flight holds more than p, though 80 GiB would fit all 16.
+  shape.schedule = ScheduleKind::kAuto;
+  shape.virtualStages = 1;
+  shape.inFlightLimit = 2;
+  const TuneCandidate p =
+      predictCandidate(outcome.model, outcome.request, shape);
+  shape.inFlightLimit = 4;
+  const TuneCandidate twoP =
+      predictCandidate(outcome.model, outcome.request, shape);
+  ASSERT_TRUE(p.infeasible.empty() && twoP.infeasible.empty());
+  EXPECT_EQ(twoP.inFlightLimit, 4);
+  EXPECT_LT(p.peakActivationBytes, twoP.peakActivationBytes);
+  EXPECT_LE(twoP.peakActivationBytes, 2 * p.peakActivationBytes);
+  EXPECT_EQ(tuneCandidateToJson(twoP).at("in_flight_limit"), 4);
+}
+
 // Across processes steps are posted without a barrier too: --cluster
 // predicts a plan of several ranks by its back-to-back step (ZB-H2 below
 // the barrier's step), with or without data-parallel replicas, and one

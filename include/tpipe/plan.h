@@ -71,6 +71,10 @@ struct PlanRequest {
   int microBatches = 1;
   int virtualStages = 1;
   CheckpointMode checkpoint = CheckpointMode::kExceptLast;
+  // For `auto`: the micro-batches in flight each rank may hold; 0: the
+  // ranks (1F1B's memory), or as many as fit where every device declares
+  // its memory.
+  int inFlightLimit = 0;
   double optimizerFactor = 0.0;
   // The runtime's own costs, where calibrated (tpipe/tune.h): per compute
   // instruction, and the split backward's (input + weight) over the fused.

@@ -120,6 +120,9 @@ struct TuneCandidate {
   int ranks = 1;  // devices per replica
   int virtualStages = 1;
   int microBatches = 1;
+  // `auto`: micro-batches each rank may hold in flight; 0: its ranks (1F1B's
+  // memory). The search leaves it 0.
+  int inFlightLimit = 0;
   int threadsPerStage = 1;
   int dataParallel = 1;
   ScheduleKind schedule = ScheduleKind::kGpipe;
@@ -150,8 +153,10 @@ struct TuneResult {
 TuneResult tunePlans(const CostModel& model, const TuneRequest& request);
 
 // One candidate's prediction: `shape` gives ranks, dataParallel,
-// threadsPerStage, microBatches, schedule and checkpoint; the rest is filled
-// in (infeasible set when it cannot run).
+// threadsPerStage, microBatches, schedule, checkpoint and inFlightLimit, and
+// may pin virtualStages (interleaved schedules; else the search's) and
+// boundaries (non-empty: this partition instead of the time-optimal one);
+// the rest is filled in (infeasible set when it cannot run).
 TuneCandidate predictCandidate(
     const CostModel& model,
     const TuneRequest& request,

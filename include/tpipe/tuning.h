@@ -53,6 +53,14 @@ TuneOutcome tuneForCluster(
     const nlohmann::json& cluster,
     const std::string& source);
 
+// tuneForCluster's cost model and request without the search (result left
+// empty): to predict chosen plans with predictCandidate, as
+// `benchmarks/run cluster` does for published runs.
+TuneOutcome clusterCostModel(
+    const Config& config,
+    const nlohmann::json& cluster,
+    const std::string& source);
+
 // Runs each candidate (one process, threads) from the same initial weights:
 // each built once and given 2 warm-up steps, then `rounds` rounds in which
 // each takes `steps` steps in turn. The lower quartile of each one's ms per

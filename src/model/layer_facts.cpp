@@ -181,7 +181,11 @@ LayerFacts embedding(const LayerInput& in) {
 // mix, projection and the MLP are 2 s h^2 (4 + 2r) + 4 s^2 h FLOPs; the
 // saved activations follow Korthikanti et al. (2022): about (9 + 2r) s h
 // inputs of the matrix products and norms, and the softmax output plus its
-// dropout mask, 1.25 a s^2.
+// dropout mask, 1.25 a s^2. What runs bound by memory, per token: two norms
+// (2h each in and out), the activation over the r h hidden (2 r h), two
+// dropout-and-residual adds (3.5h each); and on the a s scores per token:
+// written by one product and read by the other (2), softmax in and out (2),
+// dropout in, out and its byte mask (2.5).
 LayerFacts transformerBlock(const LayerInput& in) {
   in.require(
       in.shape.size() == 2,
@@ -200,8 +204,11 @@ LayerFacts transformerBlock(const LayerInput& in) {
   f.output = in.shape;
   f.parameters = (4 + 2 * ratio) * dim * dim + (9 + ratio) * dim;
   f.forwardFlops = 2.0 * s * h * h * (4.0 + 2.0 * r) + 4.0 * s * s * h;
-  f.savedElements =
-      (9.0 + 2.0 * r) * s * h + 1.25 * static_cast<double>(heads) * s * s;
+  const double scores = static_cast<double>(heads) * s * s;
+  f.attentionSavedElements = 1.25 * scores;
+  f.attentionMovedElements = 6.5 * scores;
+  f.savedElements = (9.0 + 2.0 * r) * s * h + f.attentionSavedElements;
+  f.movedElements = (11.0 + 2.0 * r) * s * h + f.attentionMovedElements;
   return f;
 }
 

@@ -50,6 +50,16 @@ struct LayerFacts {
   int64_t parameters = 0;     // elements
   double forwardFlops = 0.0;  // the backward is about twice this
   double savedElements = 0.0; // kept by the forward for the backward
+  // Elements the forward's memory-bound operations read and write beyond
+  // the layer's input and output (norms, softmax, dropout, activations
+  // inside a block); the backward moves about twice as many. The cluster
+  // model's roofline adds their time to the matrix products'.
+  double movedElements = 0.0;
+  // Of the moved and saved elements, those of attention scores: an
+  // attention that keeps its scores on chip (FlashAttention) neither writes
+  // nor keeps them.
+  double attentionMovedElements = 0.0;
+  double attentionSavedElements = 0.0;
   // The skips alive after the layer (mergeSkipShapes): a stage ending here
   // sends them along with the output.
   double skipElements = 0.0;

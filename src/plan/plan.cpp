@@ -54,6 +54,7 @@ Schedule scheduleFor(
   spec.checkpoint = request.checkpoint;
   if (!request.stageCosts.empty())
     spec.costs = request.stageCosts;
+  spec.inFlightLimit = request.inFlightLimit;
   spec.inFlightLimits = std::move(inFlightLimits);
   return makeSchedule(spec);
 }
@@ -313,7 +314,8 @@ void fitAutoToMemory(
   const Schedule& schedule = chosen.schedule;
   if (!request.schedule.isBuiltIn() ||
       request.schedule.kind() != ScheduleKind::kAuto ||
-      schedule.virtualStages != 1 || schedule.ranks < 2)
+      schedule.virtualStages != 1 || schedule.ranks < 2 ||
+      request.inFlightLimit > 0) // a limit asked for wins over the memory's
     return;
   for (const StageReport& stage : chosen.partition.stages) {
     if (stage.capacityBytes <= 0)

@@ -125,7 +125,8 @@ const std::vector<ScheduleKind>& allSchedules() {
       ScheduleKind::kZeroBubbleH2,
       ScheduleKind::kZeroBubbleV,
       ScheduleKind::kZeroBubbleVHalf,
-      ScheduleKind::kAuto};
+      ScheduleKind::kAuto,
+      ScheduleKind::kDualPipeV};
   return kinds;
 }
 
@@ -257,7 +258,15 @@ struct Setting {
   int64_t batch; // per replica
   ScheduleKind schedule;
   CheckpointMode checkpoint;
+  // Pinned by predictCandidate; the search leaves the defaults.
+  int virtualStages = 0;       // 0: virtualStagesOf(schedule)
+  int inFlightLimit = 0;       // auto's; 0: the ranks
+  std::vector<int> boundaries; // empty: the time-optimal partition
 };
+
+int virtualStagesIn(const Setting& s) {
+  return s.virtualStages > 0 ? s.virtualStages : virtualStagesOf(s.schedule);
+}
 
 PlanRequest planRequestFor(
     const CostModel& model,
@@ -288,9 +297,14 @@ PlanRequest planRequestFor(
     device.linkLatencyMs = link.latencyMs;
     plan.devices.push_back(device);
   }
-  plan.virtualStages = virtualStagesOf(s.schedule);
+  plan.virtualStages = virtualStagesIn(s);
   plan.stages = s.ranks * plan.virtualStages;
   plan.partition = PartitionMethod::kTime;
+  if (!s.boundaries.empty()) {
+    plan.partition = PartitionMethod::kBalance;
+    plan.balance = balanceOf(s.boundaries);
+  }
+  plan.inFlightLimit = s.inFlightLimit;
   plan.schedule = s.schedule;
   plan.microBatches = s.microBatches;
   plan.checkpoint = s.checkpoint;
@@ -358,7 +372,7 @@ Setting settingOf(
     const CostModel& model,
     const TuneRequest& request,
     const TuneCandidate& c) {
-  return {
+  Setting s{
       c.ranks,
       c.dataParallel,
       request.cores > 0 ? c.threadsPerStage : model.threads.front(),
@@ -366,6 +380,11 @@ Setting settingOf(
       request.batchSize / c.dataParallel,
       c.schedule,
       c.checkpoint};
+  if (c.schedule == ScheduleKind::kInterleaved && c.virtualStages > 1)
+    s.virtualStages = c.virtualStages;
+  s.inFlightLimit = c.inFlightLimit;
+  s.boundaries = c.boundaries;
+  return s;
 }
 
 TuneCandidate evaluate(
@@ -379,7 +398,8 @@ TuneCandidate evaluate(
   c.microBatches = s.microBatches;
   c.schedule = s.schedule;
   c.checkpoint = s.checkpoint;
-  c.virtualStages = virtualStagesOf(s.schedule);
+  c.virtualStages = virtualStagesIn(s);
+  c.inFlightLimit = s.inFlightLimit;
   c.stages = s.ranks * c.virtualStages;
   // Uneven splits differ by one sample: the mean size stands for them.
   const double size = static_cast<double>(s.batch) / s.microBatches;
@@ -631,6 +651,8 @@ nlohmann::json tuneCandidateToJson(const TuneCandidate& c) {
       {"threads_per_stage", c.threadsPerStage},
       {"data_parallel", c.dataParallel},
       {"boundaries", c.boundaries}};
+  if (c.inFlightLimit > 0)
+    json["in_flight_limit"] = c.inFlightLimit;
   if (!c.infeasible.empty()) {
     json["infeasible"] = c.infeasible;
     return json;

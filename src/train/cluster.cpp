@@ -91,6 +91,9 @@ struct Cluster {
   double bytesPerValue = 2.0;
   double optimizerBytesPerParameter = -1.0; // < 0: from the config
   double instructionMs = 0.0;
+  // Attention keeps its scores on chip (FlashAttention): they are neither
+  // written to memory nor kept for the backward.
+  bool flashAttention = false;
 };
 
 Cluster parseCluster(const Json& root) {
@@ -106,7 +109,8 @@ Cluster parseCluster(const Json& root) {
        "inter_node",
        "bytes_per_value",
        "optimizer_bytes_per_parameter",
-       "instruction_us"});
+       "instruction_us",
+       "flash_attention"});
   Cluster c;
   const double nodes = numberAt(root, "cluster", "nodes", NAN, 1, 1 << 20);
   const double perNode =
@@ -136,6 +140,13 @@ Cluster parseCluster(const Json& root) {
       root, "cluster", "optimizer_bytes_per_parameter", -1.0, 0.0, 64.0);
   c.instructionMs =
       numberAt(root, "cluster", "instruction_us", 0.0, 0.0, 1e6) / 1000.0;
+  if (root.contains("flash_attention")) {
+    if (!root["flash_attention"].is_boolean()) {
+      bad("cluster.flash_attention",
+          "expected true or false, got " + root["flash_attention"].dump());
+    }
+    c.flashAttention = root["flash_attention"].get<bool>();
+  }
   return c;
 }
 
@@ -144,20 +155,27 @@ Cluster parseCluster(const Json& root) {
 // are read once per micro-batch and the activations once per sample. Small
 // micro-batches of a large layer are bound by reading its weights, so time
 // stops falling with n below the ridge: what one efficiency for all shapes
-// misses. Without a bandwidth: proportional to n.
+// misses. The memory-bound operations inside a layer (a block's norms,
+// softmax, dropout) run as kernels of their own between the products, so
+// their traffic adds to the time rather than hiding under it: a narrower
+// block with more heads spends more of its time there. Without a bandwidth:
+// proportional to n, FLOPs only.
 SizeCurve rooflineCurve(
     const Cluster& cluster,
     double flopsPerSample,
     double fixedBytes,
-    double bytesPerSample) {
+    double bytesPerSample,
+    double memoryBoundBytesPerSample) {
   if (cluster.memoryBytesPerMs <= 0.0)
     return SizeCurve::proportional(1.0, flopsPerSample / cluster.flopsPerMs);
   SizeCurve curve;
   for (double n = 1.0; n <= 65536.0; n *= 2.0) {
     curve.sizes.push_back(n);
-    curve.ms.push_back(std::max(
-        n * flopsPerSample / cluster.flopsPerMs,
-        (fixedBytes + n * bytesPerSample) / cluster.memoryBytesPerMs));
+    curve.ms.push_back(
+        std::max(
+            n * flopsPerSample / cluster.flopsPerMs,
+            (fixedBytes + n * bytesPerSample) / cluster.memoryBytesPerMs) +
+        n * memoryBoundBytesPerSample / cluster.memoryBytesPerMs);
   }
   return curve;
 }
@@ -185,11 +203,16 @@ CostModel analyticModel(const Config& config, const Cluster& cluster) {
     double output = cluster.bytesPerValue;
     for (int64_t d : f.output)
       output *= static_cast<double>(d);
+    const double moved =
+        (f.movedElements -
+         (cluster.flashAttention ? f.attentionMovedElements : 0.0)) *
+        cluster.bytesPerValue;
     layer.forward = {rooflineCurve(
         cluster,
         f.forwardFlops,
         static_cast<double>(layer.paramBytes),
-        input + output)};
+        input + output,
+        moved)};
     // The backward: twice the FLOPs; reads the weights and writes their
     // gradients, reads the output's gradient and the input, writes the
     // input's gradient.
@@ -197,12 +220,16 @@ CostModel analyticModel(const Config& config, const Cluster& cluster) {
         cluster,
         2.0 * f.forwardFlops,
         2.0 * static_cast<double>(layer.paramBytes),
-        2.0 * input + output)};
+        2.0 * input + output,
+        2.0 * moved)};
     input = output;
     // A stage ending here also sends the skips alive across its end.
     layer.activationBytesPerSample =
         output + f.skipElements * cluster.bytesPerValue;
-    layer.stashBytesPerSample = f.savedElements * cluster.bytesPerValue;
+    layer.stashBytesPerSample =
+        (f.savedElements -
+         (cluster.flashAttention ? f.attentionSavedElements : 0.0)) *
+        cluster.bytesPerValue;
     model.layers.push_back(layer);
   }
   return model;
@@ -211,6 +238,15 @@ CostModel analyticModel(const Config& config, const Cluster& cluster) {
 } // namespace
 
 TuneOutcome tuneForCluster(
+    const Config& config,
+    const nlohmann::json& json,
+    const std::string& source) {
+  TuneOutcome outcome = clusterCostModel(config, json, source);
+  outcome.result = tunePlans(outcome.model, outcome.request);
+  return outcome;
+}
+
+TuneOutcome clusterCostModel(
     const Config& config,
     const nlohmann::json& json,
     const std::string& source) {
@@ -235,7 +271,6 @@ TuneOutcome tuneForCluster(
       std::to_string(cluster.topology.devicesPerNode) + " per node), " +
       formatBytes(cluster.device.memoryBytes) + " each, " +
       std::to_string(cluster.flopsPerMs / 1e9) + " effective TFLOP/s");
-  outcome.result = tunePlans(outcome.model, request);
   outcome.request = std::move(request);
   return outcome;
 }
