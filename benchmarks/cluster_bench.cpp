@@ -290,28 +290,22 @@ int main(int argc, char** argv) {
             {"published", c.published},
             {"published_memory_gb", c.publishedGb},
             {"fit", i == fit}};
-        if (!c.infeasible.empty()) {
-          std::printf(
-              "%-6s %4d %3d %4d %-7s %10.2f  infeasible: %s\n",
-              c.model.c_str(),
-              c.gpus,
-              c.microBatchSize,
-              c.microBatches,
-              c.schedule.c_str(),
-              c.published,
-              c.infeasible.c_str());
-          row["infeasible"] = c.infeasible;
-          rows.push_back(row);
-          continue;
-        }
         std::printf(
-            "%-6s %4d %3d %4d %-7s %10.2f %10.2f %+6.1f%% %6.1f%% %9.0f %9.1f%s\n",
+            "%-6s %4d %3d %4d %-7s %10.2f",
             c.model.c_str(),
             c.gpus,
             c.microBatchSize,
             c.microBatches,
             c.schedule.c_str(),
-            c.published,
+            c.published);
+        if (!c.infeasible.empty()) {
+          std::printf("  infeasible: %s\n", c.infeasible.c_str());
+          row["infeasible"] = c.infeasible;
+          rows.push_back(row);
+          continue;
+        }
+        std::printf(
+            " %10.2f %+6.1f%% %6.1f%% %9.0f %9.1f%s\n",
             c.predicted,
             100.0 * c.error(),
             100.0 * c.bubble,
