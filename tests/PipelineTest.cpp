@@ -1568,6 +1568,108 @@ TEST(PipelineTest, PostedStepsTrainAsSynchronousSteps) {
   }
 }
 
+// Tied copies on different ranks: where the parts holding them end, the
+// last sums their gradients for all, each rank steps its own copy, and the
+// steps train bit for bit as synchronous ones, clip and reruns included,
+// with the copies equal. One tensor on two ranks keeps the barrier: both
+// ranks' updates would step it.
+TEST(PipelineTest, PostedStepsWithTiedCopiesTrainAsSynchronousSteps) {
+  struct Case {
+    const char* schedule;
+    int ranks, virtualStages;
+    double clipFactor; // of the first step's norm; 0: no clip
+  };
+  for (const Case& c :
+       {Case{"zb-h2", 3, 1, 0.0},
+        Case{"zb-h2", 3, 1, 0.9},
+        Case{"1f1b", 2, 1, 0.9},
+        Case{"zb-v", 2, 2, 0.9}}) {
+    SCOPED_TRACE(
+        std::string(c.schedule) + " clip x" + std::to_string(c.clipFactor));
+    auto makeModel = [] {
+      torch::nn::Sequential net = tiedTrunk(6);
+      net->push_back(torch::nn::Linear(
+          torch::nn::LinearOptions(kDim, kVocab).bias(false)));
+      return net;
+    };
+    torch::nn::Sequential syncNet = makeModel(), postedNet = makeModel();
+    PipelineOptions options;
+    options.devices = cpuDevices(c.ranks);
+    options.virtualStages = c.virtualStages;
+    options.microBatches = 4;
+    options.schedule = c.schedule;
+    options.checkpoint = CheckpointMode::kNever;
+    options.tiedParameters = {{"0.weight", "5.weight"}};
+    Pipeline syncPipe(layersOf(syncNet), options);
+    Pipeline postedPipe(layersOf(postedNet), options);
+    ASSERT_TRUE(postedPipe.canOverlapSteps());
+    torch::optim::SGD syncOptimizer(
+        syncPipe.parameters(), torch::optim::SGDOptions(0.3).momentum(0.9));
+    RankOptimizers rankOptimizers(postedPipe, 0.3);
+
+    torch::manual_seed(23);
+    const int steps = 6;
+    std::vector<torch::Tensor> xs, ys;
+    for (int k = 0; k < steps; ++k) {
+      xs.push_back(torch::randint(0, kVocab, {8, 3}));
+      ys.push_back(torch::randint(0, kVocab, {8, 3}));
+    }
+    const bool checks = c.clipFactor > 0.0;
+    double clip = 0.0;
+    if (checks) {
+      torch::nn::Sequential probeNet = makeModel();
+      Pipeline probe(layersOf(probeNet), options);
+      probe.trainStep(xs[0], ys[0], tokenLoss);
+      clip = c.clipFactor * probe.clipGradNorm().norm;
+    }
+    postedPipe.postStep(
+        xs[0], ys[0], tokenLoss, rankOptimizers.update(checks, clip));
+    int redone = 0;
+    for (int k = 0; k < steps; ++k) {
+      if (k + 1 < steps) {
+        postedPipe.postStep(
+            xs[k + 1],
+            ys[k + 1],
+            tokenLoss,
+            rankOptimizers.update(checks, clip));
+      }
+      const Pipeline::StepOutcome outcome = postedPipe.finishStep();
+      redone += outcome.redone ? 1 : 0;
+      syncOptimizer.zero_grad();
+      const torch::Tensor loss = syncPipe.trainStep(xs[k], ys[k], tokenLoss);
+      Pipeline::GradientNorm norm;
+      if (checks)
+        norm = syncPipe.clipGradNorm(clip);
+      syncOptimizer.step();
+      EXPECT_TRUE(outcome.updated) << "step " << k;
+      EXPECT_TRUE(torch::equal(outcome.loss, loss)) << "step " << k;
+      if (checks) {
+        EXPECT_EQ(outcome.norm.norm, norm.norm) << "step " << k;
+      }
+    }
+    if (checks) {
+      EXPECT_GT(redone, 0) << "no speculation was wrong: the clip never bound";
+    }
+    const auto want = syncNet->named_parameters();
+    const auto got = postedNet->named_parameters();
+    for (size_t i = 0; i < want.size(); ++i) {
+      EXPECT_TRUE(torch::equal(got[i].value(), want[i].value()))
+          << want[i].key();
+    }
+    EXPECT_TRUE(torch::equal(
+        postedNet[0]->as<torch::nn::Embedding>()->weight,
+        postedNet[5]->as<torch::nn::Linear>()->weight));
+  }
+  torch::nn::Sequential shared = tiedTrunk(7);
+  shared->push_back(TiedHead(shared[0]->as<torch::nn::Embedding>()->weight));
+  PipelineOptions options;
+  options.devices = cpuDevices(2);
+  options.microBatches = 2;
+  options.schedule = "1f1b";
+  Pipeline oneTensor(layersOf(shared), options);
+  EXPECT_FALSE(oneTensor.canOverlapSteps());
+}
+
 TEST(PipelineTest, PostedStepsRefuseWhatTheyCannotRun) {
   torch::nn::Sequential net = makeNet(torch::kFloat, 1);
   PipelineOptions options;

@@ -524,6 +524,31 @@ TEST(TrainTest, TiedGptMatchesTheSequentialModel) {
   expectEveryScheduleMatches(tiedGptConfig(), sequential, 1e-4);
 }
 
+// The tied GPT overlaps its steps too (in one process the copies' gradients
+// are summed where the parts holding them end): its losses equal those of
+// steps with a barrier, bit for bit, with AdamW, a clip that binds on some
+// steps (so speculations run again) and skipping non-finite steps.
+TEST(TrainTest, TiedGptOverlapsItsStepsAsStepsWithABarrier) {
+  for (const char* schedule : {"zb-h2", "1f1b"}) {
+    SCOPED_TRACE(schedule);
+    const std::vector<std::string> overrides{
+        std::string("pipeline.schedule=") + schedule,
+        "train.clip_grad_norm=3.0",
+        "train.on_nonfinite=skip",
+        "train.steps=8"};
+    const TrainSummary overlapped =
+        quietTrain(withOverrides(tiedGptConfig(), overrides));
+    auto withBarrier = overrides;
+    withBarrier.push_back("pipeline.overlap_steps=false");
+    const TrainSummary barrier =
+        quietTrain(withOverrides(tiedGptConfig(), withBarrier));
+    ASSERT_EQ(overlapped.losses.size(), 8u);
+    EXPECT_EQ(overlapped.losses, barrier.losses);
+    EXPECT_GT(overlapped.rerunSteps, 0) << "the steps did not overlap";
+    EXPECT_EQ(barrier.rerunSteps, 0);
+  }
+}
+
 // The checkpoint holds the tied weight once, under both names, and PyTorch
 // loads it into the equivalent tied nn.Module.
 TEST(TrainTest, TiedCheckpointLoadsIntoATiedTorchModule) {

@@ -216,7 +216,7 @@ class Pipeline {
   // worker as soon as its part of a step is done, and its part of the next
   // posted step follows at once, while later ranks still finish this one.
   // The results equal trainStep + clipGradNorm + a skipped or applied
-  // update of one optimizer, bit for bit: see docs/schedules.md.
+  // update of one optimizer, bit for bit: README, "Steps without a barrier".
   //
   // The global decisions (a non-finite loss or gradient skips the update;
   // the clip factor of the global norm) need every rank's part. With
@@ -259,8 +259,11 @@ class Pipeline {
   };
   // In one process with a worker per device, or across processes with
   // transfers through host memory (data-parallel replicas average each
-  // stage's gradients before its update); never with tied parameters.
-  // False otherwise (then use trainStep).
+  // stage's gradients before its update). Tied copies only in one process:
+  // the last part holding one sums their gradients for all, and each rank
+  // steps its own copy (rankParameters lists it); across processes that
+  // sum is a collective, and one tensor on two ranks would be stepped by
+  // both. False otherwise (then use trainStep).
   bool canOverlapSteps() const;
   // Queues a step behind those posted before; returns at once.
   void postStep(
@@ -274,7 +277,8 @@ class Pipeline {
   // restored from a checkpoint).
   StepOutcome finishStep();
   int stepsInFlight() const;
-  // The parameters whose gradients rank `rank` computes (each tensor once).
+  // The parameters whose gradients rank `rank` computes, its tied copies
+  // included (each tensor once).
   std::vector<torch::Tensor> rankParameters(int rank) const;
   // The pipeline ranks this process runs.
   const std::vector<int>& localRanks() const;

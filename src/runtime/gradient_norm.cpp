@@ -20,6 +20,18 @@ double Pipeline::Impl::gradientSquares(int stage) const {
   return norms.empty() ? 0.0 : at::stack(norms).pow(2).sum().item<double>();
 }
 
+double Pipeline::Impl::stageSquares(int stage) const {
+  double squares = gradientSquares(stage);
+  for (const auto& group : ties) {
+    const at::Tensor& gradient = group.tensors.front().grad();
+    if (group.stages.front() == stage && gradient.defined()) {
+      const double norm = gradient.norm().item<double>();
+      squares += norm * norm;
+    }
+  }
+  return squares;
+}
+
 Pipeline::GradientNorm Pipeline::clipGradNorm(double maxNorm) {
   TORCH_CHECK(
       impl_->posted.empty(), "clipGradNorm: steps are posted (finishStep)");
@@ -27,16 +39,7 @@ Pipeline::GradientNorm Pipeline::clipGradNorm(double maxNorm) {
   std::vector<double> squares(stages, 0.0);
   for (const auto& stage : impl_->stages) {
     if (impl_->isLocalStage(stage.index))
-      squares[stage.index] = impl_->gradientSquares(stage.index);
-  }
-  // A tied group's copies hold one (summed) gradient: counted once, where
-  // its first use lives.
-  for (const auto& group : impl_->ties) {
-    const at::Tensor& gradient = group.tensors.front().grad();
-    if (impl_->isLocalStage(group.stages.front()) && gradient.defined()) {
-      const double norm = gradient.norm().item<double>();
-      squares[group.stages.front()] += norm * norm;
-    }
+      squares[stage.index] = impl_->stageSquares(stage.index);
   }
   if (auto* communicator = impl_->options.communicator.get()) {
     // Replicas hold the same (averaged) gradients: count one of them.

@@ -56,6 +56,12 @@ struct PostedStep {
 
   std::mutex mutex;
   std::condition_variable decided;
+  // Tied copies: the local parts holding one that have ended; the last of
+  // them sums the copies' gradients for all, before any counts or steps
+  // them.
+  int tiedPartsIn = 0;
+  bool tiesSummed = false;
+  std::condition_variable tiesReady;
   std::vector<double> squares; // per stage
   int partsIn = 0, parts = 0;
   bool failed = false; // a rank's part failed (state.error, or an earlier
@@ -141,7 +147,11 @@ void dropGradients(const std::vector<at::Tensor>& parameters) {
 } // namespace
 
 bool Pipeline::canOverlapSteps() const {
-  if (!impl_->ties.empty())
+  // Tied copies sum their gradients where the parts holding them end: in
+  // one process between the workers; across processes that sum is a
+  // collective inside the step, which keeps the barrier.
+  if (!impl_->ties.empty() &&
+      (impl_->options.communicator || impl_->tiedTensorOnTwoRanks()))
     return false;
   if (impl_->options.communicator)
     return impl_->transport->carriesNotes();
@@ -169,7 +179,41 @@ std::vector<at::Tensor> Pipeline::Impl::rankParameters(int rank) const {
         all.push_back(parameter);
     }
   }
+  // The rank's tied copies: each rank steps its own, with the summed
+  // gradient, so the copies stay equal.
+  for (const auto& group : ties) {
+    for (size_t i = 0; i < group.tensors.size(); ++i) {
+      if (schedule.rankOfStage(group.stages[i]) == rank &&
+          seen.insert(group.tensors[i].unsafeGetTensorImpl()).second)
+        all.push_back(group.tensors[i]);
+    }
+  }
   return all;
+}
+
+bool Pipeline::Impl::holdsTiedCopy(int rank) const {
+  for (const auto& group : ties) {
+    for (int stage : group.stages) {
+      if (schedule.rankOfStage(stage) == rank)
+        return true;
+    }
+  }
+  return false;
+}
+
+bool Pipeline::Impl::tiedTensorOnTwoRanks() const {
+  for (const auto& group : ties) {
+    for (size_t i = 0; i < group.tensors.size(); ++i) {
+      for (size_t j = i + 1; j < group.tensors.size(); ++j) {
+        if (group.tensors[i].unsafeGetTensorImpl() ==
+                group.tensors[j].unsafeGetTensorImpl() &&
+            schedule.rankOfStage(group.stages[i]) !=
+                schedule.rankOfStage(group.stages[j]))
+          return true;
+      }
+    }
+  }
+  return false;
 }
 
 void Pipeline::postStep(
@@ -181,7 +225,8 @@ void Pipeline::postStep(
       canOverlapSteps(),
       "postStep: steps overlap in one process with a worker per device, "
       "or across processes with transfers through host "
-      "memory; never with tied parameters (use trainStep)");
+      "memory; never with tied parameters across processes or one tied "
+      "tensor on two ranks (use trainStep)");
   TORCH_CHECK(update.apply, "postStep: no update given");
   TORCH_CHECK(
       !update.checkGradients || update.saveState,
@@ -405,6 +450,8 @@ void Pipeline::Impl::runPostedPart(runtime::PostedStep& step, int rank) {
   // the worker: a failure fails the step, and wakes whoever waits on it.
   try {
     memory::DeviceScope unattributed(memory::kUnattributed);
+    if (holdsTiedCopy(rank))
+      sumTiesOnceAllIn(step);
     updateAfterPart(step, rank);
   } catch (const std::exception& error) {
     {
@@ -420,6 +467,29 @@ void Pipeline::Impl::runPostedPart(runtime::PostedStep& step, int rank) {
     step.known = true;
     step.decided.notify_all();
   }
+}
+
+// Every local part holding a tied copy has ended its backward: the last of
+// them sums the groups' gradients into every copy (as trainStep does after
+// its flush), and the others wait for it. A failure to sum still wakes them.
+void Pipeline::Impl::sumTiesOnceAllIn(runtime::PostedStep& step) {
+  int holders = 0;
+  for (int r : localRanks)
+    holders += holdsTiedCopy(r) ? 1 : 0;
+  std::unique_lock<std::mutex> lock(step.mutex);
+  if (++step.tiedPartsIn < holders) {
+    step.tiesReady.wait(lock, [&] { return step.tiesSummed; });
+    return;
+  }
+  struct Wake {
+    runtime::PostedStep& step;
+    ~Wake() {
+      step.tiesSummed = true;
+      step.tiesReady.notify_all();
+    }
+  } wake{step};
+  runtime::sumTiedGradients(
+      ties, [this](int stage) { return isLocalStage(stage); }, nullptr);
 }
 
 void Pipeline::Impl::updateAfterPart(runtime::PostedStep& step, int rank) {
@@ -478,7 +548,7 @@ void Pipeline::Impl::updateAfterPart(runtime::PostedStep& step, int rank) {
         world ? step.worldLoss : Impl::lossTotal(step.state).item<double>());
     if (checks) {
       for (int s : rankStages) {
-        mine.push_back(gradientSquares(s));
+        mine.push_back(stageSquares(s));
         mineSquares += mine.back();
         mineFinite = mineFinite && std::isfinite(mine.back());
       }

@@ -122,6 +122,15 @@ struct Pipeline::Impl {
   // The squared L2 norm of a stage's gradients, in double, one device
   // sync: what clipGradNorm and a posted step's validation add up.
   double gradientSquares(int stage) const;
+  // gradientSquares plus each tied group whose first use is on the stage:
+  // the copies hold one summed gradient, counted once. Per stage, what
+  // clipGradNorm adds and a posted step's validation adds alike.
+  double stageSquares(int stage) const;
+  // Whether rank `rank` holds a copy of a tied parameter.
+  bool holdsTiedCopy(int rank) const;
+  // One tensor of a tied group used on two ranks: both ranks' updates would
+  // step it, so such a pipeline keeps the barrier between steps.
+  bool tiedTensorOnTwoRanks() const;
 
   // Steps posted without a barrier (overlapped_steps.cpp), oldest first.
   std::deque<std::shared_ptr<runtime::PostedStep>> posted;
@@ -137,6 +146,7 @@ struct Pipeline::Impl {
   void post(std::shared_ptr<runtime::PostedStep> step);
   void runPostedPart(runtime::PostedStep& step, int rank);
   void updateAfterPart(runtime::PostedStep& step, int rank);
+  void sumTiesOnceAllIn(runtime::PostedStep& step);
   void decide(runtime::PostedStep& step);
   // Waits for the step's validation; across processes, receives the other
   // ranks' notes first unless another thread of this process does.
