@@ -1,6 +1,7 @@
 // The layer list run plainly (runLayer, runSequential, the skips
 // checked) and described without running (names, parameter counts, costs).
 #include "layers/skips.h"
+#include "layers/parts.h"
 
 #include <algorithm>
 
@@ -150,6 +151,11 @@ std::vector<int64_t> parameterCounts(const LayerList& layers) {
     counts.push_back(count);
   }
   return counts;
+}
+
+std::vector<PartUse>*& partSink() {
+  thread_local std::vector<PartUse>* sink = nullptr;
+  return sink;
 }
 
 } // namespace tpipe

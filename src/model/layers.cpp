@@ -13,6 +13,7 @@
 #include <torch/types.h>
 #include <torch/utils.h>
 
+#include "layers/parts.h"
 #include "model/layer_types.h"
 #include "tpipe/model.h"
 
@@ -48,10 +49,13 @@ class TransformerBlockImpl : public torch::nn::Module {
         fc2(register_module("fc2", torch::nn::Linear(mlpRatio * dim, dim))),
         drop(register_module("drop", torch::nn::Dropout(dropout))) {}
 
+  // Each part with parameters is reported (layers/parts.h): a split
+  // backward's weight pass then needs none of the attention's graph.
   torch::Tensor forward(const torch::Tensor& x) {
     const int64_t batch = x.size(0), time = x.size(1), dim = x.size(2);
     const int64_t headDim = dim / heads_;
-    auto parts = qkv(ln1(x))
+    const torch::Tensor normed = reportPart(*ln1, x, ln1(x));
+    auto parts = reportPart(*qkv, normed, qkv(normed))
                      .view({batch, time, 3, heads_, headDim})
                      .permute({2, 0, 3, 1, 4});
     torch::Tensor q = parts[0], k = parts[1], v = parts[2];
@@ -67,8 +71,11 @@ class TransformerBlockImpl : public torch::nn::Module {
     torch::Tensor attention = drop(torch::softmax(scores, -1));
     torch::Tensor mixed =
         torch::matmul(attention, v).transpose(1, 2).reshape({batch, time, dim});
-    torch::Tensor h = x + drop(proj(mixed));
-    return h + drop(fc2(torch::nn::functional::gelu(fc1(ln2(h)))));
+    torch::Tensor h = x + drop(reportPart(*proj, mixed, proj(mixed)));
+    const torch::Tensor normed2 = reportPart(*ln2, h, ln2(h));
+    const torch::Tensor hidden =
+        torch::nn::functional::gelu(reportPart(*fc1, normed2, fc1(normed2)));
+    return h + drop(reportPart(*fc2, hidden, fc2(hidden)));
   }
 
  private:

@@ -15,11 +15,33 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/version.h>
 
+#include "layers/parts.h"
 #include "layers/skips.h"
 #include "overloaded.h"
 
 namespace tpipe {
 namespace runtime {
+namespace {
+
+// Points this thread's part sink (layers/parts.h) at `parts` while a layer
+// runs, and back at what it was.
+class PartSinkScope {
+ public:
+  explicit PartSinkScope(std::vector<PartUse>* parts) : previous_(partSink()) {
+    partSink() = parts;
+  }
+  ~PartSinkScope() {
+    partSink() = previous_;
+  }
+  PartSinkScope(const PartSinkScope&) = delete;
+  PartSinkScope& operator=(const PartSinkScope&) = delete;
+
+ private:
+  std::vector<PartUse>* previous_;
+};
+
+} // namespace
+
 namespace {
 
 thread_local bool recomputing = false;
@@ -265,8 +287,8 @@ class RankExecutor {
         wantedSlots.push_back(i);
       }
     }
-    wanted.insert(
-        wanted.end(), stash.weightOutputs.begin(), stash.weightOutputs.end());
+    for (const auto& part : stash.weightParts)
+      wanted.push_back(part.output);
     std::vector<at::Tensor> found(wanted.size());
     if (!roots.empty() && !wanted.empty()) {
       found = torch::autograd::grad(
@@ -280,36 +302,32 @@ class RankExecutor {
     stash.inputGrads.assign(stash.inputs.size(), at::Tensor());
     for (size_t k = 0; k < wantedSlots.size(); ++k)
       stash.inputGrads[wantedSlots[k]] = found[k];
-    stash.weightOutputGrads.assign(
-        found.begin() + static_cast<std::ptrdiff_t>(wantedSlots.size()),
-        found.end());
+    for (size_t k = 0; k < stash.weightParts.size(); ++k)
+      stash.weightParts[k].outputGrad = found[wantedSlots.size() + k];
     if (op.stage > 0)
       stash.inputGrads = inputGradients(stage, stash);
   }
 
-  // The weight pass: each layer's parameter gradients from the gradient at
+  // The weight pass: each part's parameter gradients from the gradient at
   // its output. A plain Linear's are two products of the kept input and
   // that gradient, computed here as Megatron's delayed weight-gradient pass
-  // does; any other layer's walk only that layer's part of the graph.
+  // does; any other part's walk only that part's own graph.
   void operator()(const BackwardWeight& op) {
-    StageRuntime& stage = stageAt(op.stage);
     Stash& stash = state_.at(op.stage, op.microBatch);
     at::AutoGradMode gradMode(true);
-    for (size_t i = 0; i < stash.weightOutputs.size(); ++i) {
-      const at::Tensor& grad = stash.weightOutputGrads.at(i);
-      if (!grad.defined())
-        continue; // the loss does not depend on this layer
-      if (stash.weightInputs.at(i).defined()) {
-        linearWeightGradients(
-            stage.layers[stash.weightLayers[i]], stash.weightInputs[i], grad);
+    for (const auto& part : stash.weightParts) {
+      if (!part.outputGrad.defined())
+        continue; // the loss does not depend on this part
+      if (part.linear) {
+        linearWeightGradients(*part.linear, part.input, part.outputGrad);
         continue;
       }
       torch::autograd::backward(
-          {stash.weightOutputs[i]},
-          {grad},
+          {part.output},
+          {part.outputGrad},
           /*retain_graph=*/false,
           /*create_graph=*/false,
-          stage.layerParameters[stash.weightLayers[i]]);
+          part.parameters);
     }
     release(stash);
   }
@@ -529,24 +547,21 @@ class RankExecutor {
       const std::vector<at::Tensor>& inputs,
       Stash* record = nullptr) {
     AutocastScope autocast(stage.device.type(), state_.autocast);
-    if (record) {
-      record->weightOutputs.clear();
-      record->weightLayers.clear();
-      record->weightInputs.clear();
-    }
+    if (record)
+      record->weightParts.clear();
     SkipStore live;
     for (size_t k = 0; k < stage.skipsIn.size(); ++k)
       live.put(stage.skipsIn[k], inputs.at(k + 1));
     at::Tensor x = inputs.front();
     for (size_t l = 0; l < stage.layers.size(); ++l) {
       const at::Tensor input = record ? x : at::Tensor();
-      x = runLayer(stage.layers[l], x, live);
-      if (record && !stage.layerParameters[l].empty() && x.requires_grad()) {
-        record->weightOutputs.push_back(x);
-        record->weightLayers.push_back(static_cast<int>(l));
-        record->weightInputs.push_back(
-            directWeightPass(stage.layers[l]) ? input : at::Tensor());
+      std::vector<PartUse> parts;
+      {
+        PartSinkScope sink(record ? &parts : nullptr);
+        x = runLayer(stage.layers[l], x, live);
       }
+      if (record && !stage.layerParameters[l].empty() && x.requires_grad())
+        recordWeightParts(stage, l, input, x, parts, *record);
     }
     std::vector<at::Tensor> outputs{x};
     for (const auto& name : stage.skipsOut)
@@ -606,21 +621,72 @@ class RankExecutor {
     return grads;
   }
 
-  // Where the weight pass computes the gradients itself: a LibTorch Linear
-  // that merges no skip into its output, in full precision (under autocast
-  // autograd's pass keeps autocast's dtypes).
-  bool directWeightPass(const NamedLayer& layer) const {
-    return !state_.autocast && layer.pop.empty() &&
-        layer.module.ptr()->as<torch::nn::LinearImpl>() != nullptr;
+  // The layer's reported parts where they hold every one of its
+  // parameters, else the layer as one part. The weight pass computes a
+  // LibTorch Linear's gradients itself, where the part's output is the
+  // product alone (a layer merging no skip into it) and in full precision
+  // (under autocast autograd's pass keeps autocast's dtypes).
+  void recordWeightParts(
+      const StageRuntime& stage,
+      size_t l,
+      const at::Tensor& input,
+      const at::Tensor& output,
+      const std::vector<PartUse>& parts,
+      Stash& stash) const {
+    const bool direct = !state_.autocast;
+    if (coversParameters(parts, stage.layerParameters[l])) {
+      for (const PartUse& use : parts) {
+        if (!use.output.requires_grad())
+          continue;
+        Stash::WeightPart part;
+        part.output = use.output;
+        for (const auto& parameter : use.part->parameters()) {
+          if (parameter.requires_grad())
+            part.parameters.push_back(parameter);
+        }
+        part.linear = direct ? use.part->as<torch::nn::LinearImpl>() : nullptr;
+        part.input = part.linear ? use.input : at::Tensor();
+        stash.weightParts.push_back(std::move(part));
+      }
+      return;
+    }
+    const NamedLayer& layer = stage.layers[l];
+    Stash::WeightPart part;
+    part.output = output;
+    part.parameters = stage.layerParameters[l];
+    part.linear = direct && layer.pop.empty()
+        ? layer.module.ptr()->as<torch::nn::LinearImpl>()
+        : nullptr;
+    part.input = part.linear ? input : at::Tensor();
+    stash.weightParts.push_back(std::move(part));
+  }
+
+  static bool coversParameters(
+      const std::vector<PartUse>& parts,
+      const std::vector<at::Tensor>& parameters) {
+    if (parts.empty())
+      return false;
+    std::vector<const c10::TensorImpl*> reported;
+    for (const PartUse& use : parts) {
+      for (const auto& parameter : use.part->parameters())
+        reported.push_back(parameter.unsafeGetTensorImpl());
+    }
+    return std::all_of(
+        parameters.begin(), parameters.end(), [&](const at::Tensor& p) {
+          return std::find(
+                     reported.begin(),
+                     reported.end(),
+                     p.unsafeGetTensorImpl()) != reported.end();
+        });
   }
 
   // dW += g^T x and db += sum(g) over every leading dimension, accumulated
   // as autograd accumulates (the first gradient is taken as it is).
   static void linearWeightGradients(
-      const NamedLayer& layer,
+      torch::nn::LinearImpl& layer,
       const at::Tensor& input,
       const at::Tensor& grad) {
-    auto* linear = layer.module.ptr()->as<torch::nn::LinearImpl>();
+    auto* linear = &layer;
     at::NoGradGuard noGrad;
     const at::Tensor g = grad.reshape({-1, grad.size(-1)});
     auto accumulate = [](at::Tensor& parameter, at::Tensor update) {
@@ -641,10 +707,7 @@ class RankExecutor {
     stash.outputs.clear();
     stash.gradOutputs.clear();
     stash.rngState = at::Tensor();
-    stash.weightOutputs.clear();
-    stash.weightOutputGrads.clear();
-    stash.weightLayers.clear();
-    stash.weightInputs.clear();
+    stash.weightParts.clear();
   }
 
   StepState& state_;

@@ -20,6 +20,12 @@
 #include "tpipe/pipeline.h"
 #include "tpipe/schedule.h"
 
+namespace torch {
+namespace nn {
+class LinearImpl;
+} // namespace nn
+} // namespace torch
+
 namespace tpipe {
 namespace runtime {
 
@@ -59,14 +65,19 @@ struct Stash {
   std::vector<at::Tensor> inputGrads;  // to send to the previous stage
   at::Tensor rngState; // generator state at the forward, for recompute
   bool checkpointed = false;
-  // Split backward: the outputs of the stage's layers that own parameters
-  // (recorded at the forward or recompute), and the gradients the input pass
-  // found for them, which the weight pass starts from.
-  std::vector<at::Tensor> weightOutputs, weightOutputGrads;
-  std::vector<int> weightLayers; // index in StageRuntime::layers
-  // Per weight layer: its input where the weight pass computes the
-  // gradients itself (a plain Linear), else undefined (autograd's pass).
-  std::vector<at::Tensor> weightInputs;
+  // Split backward: per part that owns parameters (a layer, or a part a
+  // layer reported: layers/parts.h), its output as recorded at the forward
+  // or recompute, and the gradient the input pass found there, where the
+  // weight pass starts. A plain Linear keeps its input too: the weight
+  // pass computes its gradients itself; any other part's pass walks its
+  // own graph to its parameters.
+  struct WeightPart {
+    at::Tensor output, outputGrad;
+    at::Tensor input;                        // with linear
+    torch::nn::LinearImpl* linear = nullptr; // computed directly
+    std::vector<at::Tensor> parameters;
+  };
+  std::vector<WeightPart> weightParts;
 };
 
 // The state of one step, shared by all ranks' workers.
