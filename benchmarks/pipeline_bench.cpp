@@ -16,6 +16,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "tpipe/config.h"
+#include "tpipe/model.h"
 #include "tpipe/pipeline.h"
 #include "tpipe/planning.h"
 #include "tpipe/trainer.h"
@@ -462,8 +464,13 @@ nlohmann::json memoryBySchedule() {
       tpipe::PipelineOptions options = benchOptions(ranks, m, schedule, mode);
       options.virtualStages = v ? 2 : 1;
       const Measured r = timePipeline(layers, options, x, y, 1, 2);
-      const tpipe::Schedule plan =
-          tpipe::makeSchedule({schedule, ranks, m, v ? 2 : 1, mode});
+      tpipe::ScheduleSpec spec;
+      spec.source = schedule;
+      spec.ranks = ranks;
+      spec.microBatches = m;
+      spec.virtualStages = v ? 2 : 1;
+      spec.checkpoint = mode;
+      const tpipe::Schedule plan = tpipe::makeSchedule(spec);
       const tpipe::MemoryModel model = tpipe::memoryModelOf(plan, 0, 0);
       std::string measured, theory;
       std::vector<double> units;
@@ -580,7 +587,7 @@ std::map<std::string, double> meanOpMs(const tpipe::Trace& trace) {
 // backward (input + weight pass) against the fused one per micro-batch.
 nlohmann::json zeroBubbleOn(
     const std::string& what,
-    torch::nn::Sequential net,
+    const tpipe::LayerList& layers,
     const torch::Tensor& x,
     const torch::Tensor& y) {
   const int p = 2, m = 8;
@@ -597,16 +604,15 @@ nlohmann::json zeroBubbleOn(
     for (const char* schedule : {"1f1b", "zb-h1"}) {
       tpipe::PipelineOptions options =
           benchOptions(p, m, schedule, CheckpointMode::kNever);
-      const Measured r =
-          timePipeline(tpipe::layersOf(net), options, x, y, 1, 3, false);
+      const Measured r = timePipeline(layers, options, x, y, 1, 3, false);
       steps[schedule].push_back(r.stepMs);
       options.record = true;
-      tpipe::Pipeline recorded(tpipe::layersOf(net), options);
+      tpipe::Pipeline recorded(layers, options);
       for (int s = 0; s < 3; ++s)
         recorded.trainStep(x, y, crossEntropy);
       for (const auto& [op, ms] : meanOpMs(recorded.trace()))
         ops[schedule][op] += ms / 5.0;
-      for (auto& q : net->parameters())
+      for (auto& q : recorded.parameters())
         q.mutable_grad() = torch::Tensor();
     }
   }
@@ -647,7 +653,7 @@ nlohmann::json zeroBubble() {
   }
   rows.push_back(zeroBubbleOn(
       "4 x (Linear 1024 + ReLU)",
-      linear,
+      tpipe::layersOf(linear),
       torch::randn({256, 1024}),
       torch::randint(0, 1024, {256}, torch::kLong)));
   torch::nn::Sequential conv;
@@ -660,9 +666,27 @@ nlohmann::json zeroBubble() {
   conv->push_back(torch::nn::Linear(32 * 16 * 16, 10));
   rows.push_back(zeroBubbleOn(
       "4 x (Conv2d 32->32 3x3 + ReLU) on 16 x 16",
-      conv,
+      tpipe::layersOf(conv),
       torch::randn({64, 32, 16, 16}),
       torch::randint(0, 10, {64}, torch::kLong)));
+  // The registry's pre-LN GPT block: its products sit inside one module, so
+  // its weight pass is autograd's.
+  const tpipe::ModelConfig blocks =
+      tpipe::parseConfig(nlohmann::json::parse(R"({
+    "model": {"input_shape": [64, 256], "layers": [
+      {"type": "transformer_block", "heads": 4}, {"type": "transformer_block", "heads": 4},
+      {"type": "transformer_block", "heads": 4}, {"type": "transformer_block", "heads": 4},
+      {"type": "flatten"}, {"type": "linear", "out_features": 10}]},
+    "data": {"dataset": "synthetic", "samples": 32},
+    "pipeline": {"devices": ["cpu:0"]},
+    "train": {"batch_size": 32, "steps": 1, "loss": "cross_entropy"}})"))
+          .model;
+  torch::manual_seed(3);
+  rows.push_back(zeroBubbleOn(
+      "2 x transformer_block (64 x 256, 4 heads)",
+      tpipe::buildModel(blocks, 3).layers,
+      torch::randn({32, 64, 256}),
+      torch::randint(0, 10, {32}, torch::kLong)));
   return rows;
 }
 
