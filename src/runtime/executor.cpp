@@ -322,6 +322,8 @@ class RankExecutor {
         linearWeightGradients(*part.linear, part.input, part.outputGrad);
         continue;
       }
+      // One walk per part: given the parameters of several, a walk would
+      // reach the earlier ones through the whole graph between them.
       torch::autograd::backward(
           {part.output},
           {part.outputGrad},
