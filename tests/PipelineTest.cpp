@@ -1421,6 +1421,24 @@ struct RankOptimizers {
   }
 };
 
+// One model trained with a barrier (trainStep, one SGD) beside its twin
+// trained by posted steps (one SGD per rank), from the same options.
+struct PostedBesideSynchronous {
+  Pipeline sync, posted;
+  torch::optim::SGD syncOptimizer;
+  RankOptimizers rankOptimizers;
+  PostedBesideSynchronous(
+      torch::nn::Sequential& syncNet,
+      torch::nn::Sequential& postedNet,
+      const PipelineOptions& options)
+      : sync(layersOf(syncNet), options),
+        posted(layersOf(postedNet), options),
+        syncOptimizer(
+            sync.parameters(),
+            torch::optim::SGDOptions(0.3).momentum(0.9)),
+        rankOptimizers(posted, 0.3) {}
+};
+
 // Steps posted back to back, each rank updating as soon as its part ends
 // (optimizer post-validation), train bit for bit as synchronous steps with
 // one optimizer do: the losses, the skipped non-finite step, a clip that
@@ -1476,12 +1494,8 @@ TEST(PipelineTest, PostedStepsTrainAsSynchronousSteps) {
       options.schedule = layout.schedule;
       options.checkpoint = CheckpointMode::kExceptLast;
       options.seed = 5;
-      Pipeline syncPipe(layersOf(syncNet), options);
-      Pipeline postedPipe(layersOf(postedNet), options);
-      ASSERT_TRUE(postedPipe.canOverlapSteps());
-      torch::optim::SGD syncOptimizer(
-          syncPipe.parameters(), torch::optim::SGDOptions(0.3).momentum(0.9));
-      RankOptimizers rankOptimizers(postedPipe, 0.3);
+      PostedBesideSynchronous pair(syncNet, postedNet, options);
+      ASSERT_TRUE(pair.posted.canOverlapSteps());
 
       torch::manual_seed(22);
       std::vector<torch::Tensor> xs, ys;
@@ -1509,27 +1523,28 @@ TEST(PipelineTest, PostedStepsTrainAsSynchronousSteps) {
       }
 
       auto updateAt = [&](int k) {
-        return rankOptimizers.update(checksAt(k), checksAt(k) ? clip : 0.0);
+        return pair.rankOptimizers.update(
+            checksAt(k), checksAt(k) ? clip : 0.0);
       };
-      postedPipe.postStep(xs[0], ys[0], crossEntropy, updateAt(0));
+      pair.posted.postStep(xs[0], ys[0], crossEntropy, updateAt(0));
       int redone = 0;
       for (int k = 0; k < steps; ++k) {
         if (k + 1 < steps)
-          postedPipe.postStep(
+          pair.posted.postStep(
               xs[k + 1], ys[k + 1], crossEntropy, updateAt(k + 1));
-        const Pipeline::StepOutcome outcome = postedPipe.finishStep();
+        const Pipeline::StepOutcome outcome = pair.posted.finishStep();
         redone += outcome.redone ? 1 : 0;
 
-        syncOptimizer.zero_grad();
+        pair.syncOptimizer.zero_grad();
         const torch::Tensor loss =
-            syncPipe.trainStep(xs[k], ys[k], crossEntropy);
+            pair.sync.trainStep(xs[k], ys[k], crossEntropy);
         Pipeline::GradientNorm norm;
         if (checksAt(k))
-          norm = syncPipe.clipGradNorm(clip);
+          norm = pair.sync.clipGradNorm(clip);
         const bool finite =
             std::isfinite(loss.item<double>()) && norm.nonFiniteStage < 0;
         if (finite)
-          syncOptimizer.step();
+          pair.syncOptimizer.step();
 
         EXPECT_EQ(outcome.updated, finite) << "step " << k;
         EXPECT_EQ(outcome.updated, k != poisoned) << "step " << k;
@@ -1540,7 +1555,7 @@ TEST(PipelineTest, PostedStepsTrainAsSynchronousSteps) {
           EXPECT_EQ(outcome.norm.norm, norm.norm) << "step " << k;
         }
       }
-      EXPECT_EQ(postedPipe.stepsInFlight(), 0);
+      EXPECT_EQ(pair.posted.stepsInFlight(), 0);
       if (mode.expectRedo) {
         EXPECT_GT(redone, 0)
             << "no speculation was wrong: the clip never bound";
@@ -1600,12 +1615,8 @@ TEST(PipelineTest, PostedStepsWithTiedCopiesTrainAsSynchronousSteps) {
     options.schedule = c.schedule;
     options.checkpoint = CheckpointMode::kNever;
     options.tiedParameters = {{"0.weight", "5.weight"}};
-    Pipeline syncPipe(layersOf(syncNet), options);
-    Pipeline postedPipe(layersOf(postedNet), options);
-    ASSERT_TRUE(postedPipe.canOverlapSteps());
-    torch::optim::SGD syncOptimizer(
-        syncPipe.parameters(), torch::optim::SGDOptions(0.3).momentum(0.9));
-    RankOptimizers rankOptimizers(postedPipe, 0.3);
+    PostedBesideSynchronous pair(syncNet, postedNet, options);
+    ASSERT_TRUE(pair.posted.canOverlapSteps());
 
     torch::manual_seed(23);
     const int steps = 6;
@@ -1622,25 +1633,25 @@ TEST(PipelineTest, PostedStepsWithTiedCopiesTrainAsSynchronousSteps) {
       probe.trainStep(xs[0], ys[0], tokenLoss);
       clip = c.clipFactor * probe.clipGradNorm().norm;
     }
-    postedPipe.postStep(
-        xs[0], ys[0], tokenLoss, rankOptimizers.update(checks, clip));
+    pair.posted.postStep(
+        xs[0], ys[0], tokenLoss, pair.rankOptimizers.update(checks, clip));
     int redone = 0;
     for (int k = 0; k < steps; ++k) {
       if (k + 1 < steps) {
-        postedPipe.postStep(
+        pair.posted.postStep(
             xs[k + 1],
             ys[k + 1],
             tokenLoss,
-            rankOptimizers.update(checks, clip));
+            pair.rankOptimizers.update(checks, clip));
       }
-      const Pipeline::StepOutcome outcome = postedPipe.finishStep();
+      const Pipeline::StepOutcome outcome = pair.posted.finishStep();
       redone += outcome.redone ? 1 : 0;
-      syncOptimizer.zero_grad();
-      const torch::Tensor loss = syncPipe.trainStep(xs[k], ys[k], tokenLoss);
+      pair.syncOptimizer.zero_grad();
+      const torch::Tensor loss = pair.sync.trainStep(xs[k], ys[k], tokenLoss);
       Pipeline::GradientNorm norm;
       if (checks)
-        norm = syncPipe.clipGradNorm(clip);
-      syncOptimizer.step();
+        norm = pair.sync.clipGradNorm(clip);
+      pair.syncOptimizer.step();
       EXPECT_TRUE(outcome.updated) << "step " << k;
       EXPECT_TRUE(torch::equal(outcome.loss, loss)) << "step " << k;
       if (checks) {
