@@ -559,7 +559,9 @@ class RankExecutor {
       const at::Tensor input = record ? x : at::Tensor();
       std::vector<PartUse> parts;
       {
-        PartSinkScope sink(record ? &parts : nullptr);
+        c10::optional<PartSinkScope> sink;
+        if (record)
+          sink.emplace(&parts);
         x = runLayer(stage.layers[l], x, live);
       }
       if (record && !stage.layerParameters[l].empty() && x.requires_grad())
@@ -636,26 +638,39 @@ class RankExecutor {
       const std::vector<PartUse>& parts,
       Stash& stash) const {
     const bool direct = !state_.autocast;
-    if (coversParameters(parts, stage.layerParameters[l])) {
-      for (const PartUse& use : parts) {
-        if (!use.output.requires_grad())
+    std::vector<Stash::WeightPart> reported;
+    std::vector<const c10::TensorImpl*> covered;
+    for (const PartUse& use : parts) {
+      Stash::WeightPart part;
+      for (const auto& parameter : use.part->parameters()) {
+        if (!parameter.requires_grad())
           continue;
-        Stash::WeightPart part;
-        part.output = use.output;
-        for (const auto& parameter : use.part->parameters()) {
-          if (parameter.requires_grad())
-            part.parameters.push_back(parameter);
-        }
-        part.linear = direct ? use.part->as<torch::nn::LinearImpl>() : nullptr;
-        part.input = part.linear ? use.input : at::Tensor();
-        stash.weightParts.push_back(std::move(part));
+        part.parameters.push_back(parameter);
+        covered.push_back(parameter.unsafeGetTensorImpl());
       }
+      if (!use.output.requires_grad())
+        continue;
+      part.output = use.output;
+      part.linear = direct ? use.part->as<torch::nn::LinearImpl>() : nullptr;
+      part.input = part.linear ? use.input : at::Tensor();
+      reported.push_back(std::move(part));
+    }
+    const auto& own = stage.layerParameters[l];
+    const bool coversLayer = !parts.empty() &&
+        std::all_of(own.begin(), own.end(), [&](const at::Tensor& p) {
+          return std::find(
+                     covered.begin(), covered.end(), p.unsafeGetTensorImpl()) !=
+              covered.end();
+        });
+    if (coversLayer) {
+      for (auto& part : reported)
+        stash.weightParts.push_back(std::move(part));
       return;
     }
     const NamedLayer& layer = stage.layers[l];
     Stash::WeightPart part;
     part.output = output;
-    part.parameters = stage.layerParameters[l];
+    part.parameters = own;
     part.linear = direct && layer.pop.empty()
         ? layer.module.ptr()->as<torch::nn::LinearImpl>()
         : nullptr;
@@ -663,32 +678,12 @@ class RankExecutor {
     stash.weightParts.push_back(std::move(part));
   }
 
-  static bool coversParameters(
-      const std::vector<PartUse>& parts,
-      const std::vector<at::Tensor>& parameters) {
-    if (parts.empty())
-      return false;
-    std::vector<const c10::TensorImpl*> reported;
-    for (const PartUse& use : parts) {
-      for (const auto& parameter : use.part->parameters())
-        reported.push_back(parameter.unsafeGetTensorImpl());
-    }
-    return std::all_of(
-        parameters.begin(), parameters.end(), [&](const at::Tensor& p) {
-          return std::find(
-                     reported.begin(),
-                     reported.end(),
-                     p.unsafeGetTensorImpl()) != reported.end();
-        });
-  }
-
   // dW += g^T x and db += sum(g) over every leading dimension, accumulated
   // as autograd accumulates (the first gradient is taken as it is).
   static void linearWeightGradients(
-      torch::nn::LinearImpl& layer,
+      torch::nn::LinearImpl& linear,
       const at::Tensor& input,
       const at::Tensor& grad) {
-    auto* linear = &layer;
     at::NoGradGuard noGrad;
     const at::Tensor g = grad.reshape({-1, grad.size(-1)});
     auto accumulate = [](at::Tensor& parameter, at::Tensor update) {
@@ -701,8 +696,8 @@ class RankExecutor {
         current = std::move(update);
     };
     accumulate(
-        linear->weight, g.t().mm(input.reshape({-1, input.size(-1)}).detach()));
-    accumulate(linear->bias, g.sum(0));
+        linear.weight, g.t().mm(input.reshape({-1, input.size(-1)}).detach()));
+    accumulate(linear.bias, g.sum(0));
   }
 
   static void release(Stash& stash) {
