@@ -716,11 +716,13 @@ nlohmann::json scheduleTableFor(int p) {
   for (int m : {4, 8, 16}) {
     std::map<std::string, std::vector<double>> steps, ratio, bubble;
     const char* schedules[] = {
-        "1f1b", "zb-h1", "zb-h2", "zb-v", "auto", "dualpipev"};
+        "1f1b", "zb-h1", "zb-h2", "zb-v", "auto", "dualpipev", "dualpipe"};
     for (int round = 0; round < 3; ++round) {
       for (const char* schedule : schedules) {
         if (std::string(schedule) == "dualpipev" && m < 2 * p)
           continue; // it needs as many micro-batches as stages
+        if (std::string(schedule) == "dualpipe" && (m < 2 * p || p % 2))
+          continue; // two mirrored halves of the ranks, two chains
         tpipe::PipelineOptions options =
             benchOptions(p, m, schedule, CheckpointMode::kNever);
         if (std::string(schedule) == "zb-v" ||

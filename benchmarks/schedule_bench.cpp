@@ -74,9 +74,10 @@ int main(int argc, char** argv) {
   std::printf(
       "simulated schedules; span bubble = the Zero Bubble paper's measure; step = with a barrier "
       "(as tpipe runs today), steady = back-to-back without one, both / m (F+B+W);\n"
-      "held = peak micro-batches on a rank (zb-v, dualpipev: half-stages, 2p = 1F1B's p);\n"
+      "held = peak micro-batches on a rank (zb-v, dualpipev: half-stages, 2p = 1F1B's p;\n"
+      "       dualpipe: whole stages of both chains, parameters doubled);\n"
       "auto-2p/.4: a 2p limit where a micro-batch waiting for its weight pass counts 0.4 (the paper's M_W / M_B)\n"
-      "dualpipev's pairs run one part after the other (overlap 0, as on CPU)\n");
+      "dualpipe(v)'s pairs run one part after the other (overlap 0, as on CPU)\n");
   for (const CostCase& costs : costCases()) {
     std::printf("\n== %s costs\n", costs.name);
     std::printf(
@@ -108,6 +109,7 @@ int main(int argc, char** argv) {
         if (m >= 2 * p) {
           entries.push_back(
               {"dualpipev", tpipe::dualPipeVSchedule(p, m, mode)});
+          entries.push_back({"dualpipe", tpipe::dualPipeSchedule(p, m, mode)});
         }
         struct AutoCase {
           const char* name;
@@ -133,7 +135,9 @@ int main(int argc, char** argv) {
         }
         for (const Entry& e : entries) {
           const std::vector<StageCosts> stageCosts{
-              e.schedule.virtualStages == 2 ? halved(c) : c};
+              e.schedule.virtualStages == 2 && e.schedule.chains == 1
+                  ? halved(c)
+                  : c};
           const tpipe::Simulation sim = tpipe::simulate(e.schedule, stageCosts);
           const double steady = tpipe::steadyStepTime(e.schedule, stageCosts);
           const int held = peakHeld(e.schedule);

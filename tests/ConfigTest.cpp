@@ -45,7 +45,8 @@ TEST(ConfigTest, ShippedConfigsParse) {
         "torchscript_mlp",
         "skip_cnn",
         "zero_bubble_mlp",
-        "auto_memory_mlp"}) {
+        "auto_memory_mlp",
+        "dualpipe_mlp"}) {
     const std::string path =
         std::string(TPIPE_SOURCE_DIR) + "/configs/" + name + ".json";
     SCOPED_TRACE(path);
@@ -68,7 +69,7 @@ TEST(ConfigTest, EveryBadConfigNamesItsPath) {
        "pipeline.mirco_batches: unknown key 'mirco_batches' (did you mean 'micro_batches'?)"},
       {{"trian={}"}, "trian: unknown key 'trian' (did you mean 'train'?)"},
       {{"pipeline.schedule=zigzag"},
-       "pipeline.schedule: unknown value 'zigzag'; expected one of gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-h2, zb-v, zb-v-half, auto, dualpipev, a schedule file (*.json, *.csv)"},
+       "pipeline.schedule: unknown value 'zigzag'; expected one of gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-h2, zb-v, zb-v-half, auto, dualpipev, dualpipe, a schedule file (*.json, *.csv)"},
       {{"pipeline.checkpoint=sometimes"},
        "pipeline.checkpoint: unknown value 'sometimes'"},
       {{"pipeline.devices=[]"}, "pipeline.devices: expected a non-empty list"},

@@ -307,9 +307,11 @@ TEST_F(DistributedTest, PostedStepsAcrossProcessesEqualStepsWithABarrier) {
 
 // ZB-V and DualPipeV place two stages on each rank in a V: the transport
 // follows the placement (and DualPipeV's overlapped pairs), and the losses
-// equal the threaded run's.
+// equal the threaded run's. DualPipe lays its two chains on the same V:
+// each process holds a stage and the copy of another, their gradients
+// summed across the processes, its losses ending on both.
 TEST_F(DistributedTest, AVShapedScheduleMatchesTheThreadedRun) {
-  for (const std::string schedule : {"zb-v", "dualpipev"}) {
+  for (const std::string schedule : {"zb-v", "dualpipev", "dualpipe"}) {
     const std::string v = " --set pipeline.schedule=" + schedule;
     ASSERT_EQ(trainThreaded(v, schedule + "-threaded.jsonl"), 0);
     const Result r = shell(

@@ -184,6 +184,78 @@ TEST(PipelineTest, PyTorchsScheduleFilesAndDualPipeVAreTransparent) {
   }
 }
 
+// DeepSeek's DualPipe: micro-batches enter from both ends, through two
+// chains of stages, the second holding copies of the layers. The loss and
+// the originals' gradients equal the unpartitioned model's; each copy's
+// gradient equals its original's, so an optimizer over parameters() keeps
+// them equal, and inference runs both chains.
+TEST(PipelineTest, DualPipeIsTransparent) {
+  for (int ranks : {2, 4}) {
+    for (int m : {2 * ranks, 2 * ranks + 2}) {
+      for (auto mode :
+           {CheckpointMode::kAlways,
+            CheckpointMode::kExceptLast,
+            CheckpointMode::kNever}) {
+        SCOPED_TRACE(
+            "ranks=" + std::to_string(ranks) + " m=" + std::to_string(m) + " " +
+            checkpointModeName(mode));
+        torch::nn::Sequential reference = makeNet(torch::kDouble, 1);
+        torch::nn::Sequential piped = makeNet(torch::kDouble, 1);
+        torch::manual_seed(2);
+        const torch::Tensor x = torch::randn({13, 6}, torch::kDouble);
+        const torch::Tensor y = torch::randint(0, 3, {13}, torch::kLong);
+        PipelineOptions options;
+        options.devices = cpuDevices(ranks);
+        options.microBatches = m;
+        options.schedule = "dualpipe";
+        options.checkpoint = mode;
+        Pipeline pipe(layersOf(piped), options);
+        ASSERT_EQ(pipe.schedule().stages(), 2 * ranks);
+        ASSERT_EQ(pipe.schedule().chains, 2);
+        const torch::Tensor expected = crossEntropy(reference->forward(x), y);
+        expected.backward();
+        const torch::Tensor loss = pipe.trainStep(x, y, crossEntropy);
+        EXPECT_LE(relativeError(loss, expected.detach()), 1e-12);
+        const auto want = reference->parameters();
+        const auto all = pipe.parameters();
+        ASSERT_EQ(all.size(), 2 * want.size()); // the originals, the copies
+        for (size_t i = 0; i < want.size(); ++i) {
+          ASSERT_TRUE(all[i].grad().defined()) << "parameter " << i;
+          EXPECT_LE(relativeError(all[i].grad(), want[i].grad()), 1e-12)
+              << "parameter " << i;
+          EXPECT_TRUE(torch::equal(all[i].grad(), all[want.size() + i].grad()))
+              << "copy of parameter " << i;
+        }
+        torch::optim::Adam adam(all, 0.01);
+        adam.step();
+        for (size_t i = 0; i < want.size(); ++i)
+          EXPECT_TRUE(torch::equal(all[i], all[want.size() + i]));
+        reference->eval();
+        piped->eval();
+        EXPECT_LE(relativeError(pipe.forward(x), piped->forward(x)), 1e-14);
+      }
+    }
+  }
+  // Copies of running statistics would drift apart: refused, named.
+  torch::nn::Sequential normed(
+      torch::nn::Linear(6, 4),
+      torch::nn::BatchNorm1d(4),
+      torch::nn::Linear(4, 3));
+  PipelineOptions options;
+  options.devices = cpuDevices(2);
+  options.microBatches = 4;
+  options.schedule = "dualpipe";
+  try {
+    Pipeline pipe(layersOf(normed), options);
+    ADD_FAILURE() << "built";
+  } catch (const c10::Error& error) {
+    EXPECT_NE(
+        std::string(error.what()).find("layer '1' keeps running statistics"),
+        std::string::npos)
+        << error.what();
+  }
+}
+
 TEST(PipelineTest, SeveralOptimizerStepsTrackSequentialTraining) {
   torch::nn::Sequential reference = makeNet(torch::kDouble, 3);
   torch::nn::Sequential piped = makeNet(torch::kDouble, 3);
@@ -699,6 +771,7 @@ TEST(PipelineTest, TiedWeightsAcrossStagesAreTransparent) {
         TiedCase{"zb-h1", 3, 1},
         TiedCase{"interleaved-1f1b", 2, 2},
         TiedCase{"zb-v", 2, 2},
+        TiedCase{"dualpipe", 2, 1},
         TiedCase{"1f1b", 1, 1}}) {
     for (auto mode : {CheckpointMode::kAlways, CheckpointMode::kNever}) {
       SCOPED_TRACE(
@@ -717,7 +790,8 @@ TEST(PipelineTest, TiedWeightsAcrossStagesAreTransparent) {
       PipelineOptions options;
       options.devices = cpuDevices(c.ranks);
       options.virtualStages = c.virtualStages;
-      options.microBatches = 2;
+      const bool dualPipe = std::string(c.schedule) == "dualpipe";
+      options.microBatches = dualPipe ? 4 : 2;
       options.schedule = c.schedule;
       options.checkpoint = mode;
       options.tiedParameters = {{"0.weight", "5.weight"}};
@@ -730,10 +804,11 @@ TEST(PipelineTest, TiedWeightsAcrossStagesAreTransparent) {
       EXPECT_LE(relativeError(loss, tokenLoss(reference->forward(x), y)), 1e-5);
       EXPECT_LE(relativeError(embedding.grad(), shared.grad()), 1e-5);
       EXPECT_TRUE(torch::equal(embedding.grad(), head.grad()));
-      // Each tensor once: the two copies, not the shared one twice.
+      // Each tensor once: the two copies, not the shared one twice (and
+      // under dualpipe, each again in the second chain).
       EXPECT_EQ(
           pipe.parameters().size(),
-          distinct(reference->parameters()).size() + 1);
+          (distinct(reference->parameters()).size() + 1) * (dualPipe ? 2 : 1));
       torch::optim::Adam adam(pipe.parameters(), 0.01);
       adam.step();
       EXPECT_TRUE(torch::equal(embedding, head));
@@ -906,9 +981,13 @@ TEST(PipelineTest, SkipConnectionsAcrossStagesAreTransparent) {
       cases.push_back({"zb-v", ranks, 2});
     if (ranks == 2)
       cases.push_back({"interleaved-1f1b", ranks, 2});
+    if (ranks == 2) // m >= 2p micro-batches of 7 samples
+      cases.push_back({"dualpipe", ranks, 1});
   }
   for (const SkipCase& c : cases) {
-    for (int m : {1, 2, 4}) {
+    const bool dualPipe = std::string(c.schedule) == "dualpipe";
+    for (int m : dualPipe ? std::vector<int>{2 * c.ranks, 2 * c.ranks + 2}
+                          : std::vector<int>{1, 2, 4}) {
       for (auto mode :
            {CheckpointMode::kAlways,
             CheckpointMode::kExceptLast,
@@ -1598,7 +1677,8 @@ TEST(PipelineTest, PostedStepsWithTiedCopiesTrainAsSynchronousSteps) {
        {Case{"zb-h2", 3, 1, 0.0},
         Case{"zb-h2", 3, 1, 0.9},
         Case{"1f1b", 2, 1, 0.9},
-        Case{"zb-v", 2, 2, 0.9}}) {
+        Case{"zb-v", 2, 2, 0.9},
+        Case{"dualpipe", 2, 1, 0.9}}) {
     SCOPED_TRACE(
         std::string(c.schedule) + " clip x" + std::to_string(c.clipFactor));
     auto makeModel = [] {

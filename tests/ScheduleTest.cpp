@@ -126,6 +126,8 @@ TEST(ScheduleTest, EveryGeneratorValidatesAcrossShapes) {
               continue; // the V schedules: two stages per rank, always
             if (name == "dualpipev" && m < 2 * p)
               continue; // it needs as many micro-batches as stages
+            if (name == "dualpipe" && (p % 2 || m % 2 || m < 2 * p))
+              continue; // two mirrored halves, m even and >= its stages
             if (interleaved && v > 1 && m % p != 0)
               continue;
             SCOPED_TRACE(
@@ -848,6 +850,77 @@ TEST(ScheduleTest, OverlappedPairsAreCheckedAndCosted) {
     EXPECT_LE(
         idle, (p - 1) * (paired + c.backward - 3 * c.backwardWeight) + 1e-9)
         << "p=" << p << " m=" << m;
+  }
+}
+
+// DeepSeek's DualPipe: two chains of the model's stages on the V
+// placement, micro-batches entering from both ends. Its bubble stays within
+// the published (PP/2 - 1)(F&B + B - 3W) with PP = p ranks, under the
+// costs where DualPipeV's does (above); a rank holds at most PP + 1
+// micro-batches' stage activations (DeepSeek's table; 1F1B holds PP).
+TEST(ScheduleTest, DualPipeRunsTwoChainsWithinItsPublishedBubble) {
+  const Schedule s = dualPipeSchedule(4, 8, CheckpointMode::kNever);
+  EXPECT_EQ(s.chains, 2);
+  EXPECT_EQ(s.stages(), 8);
+  EXPECT_EQ(s.chainLength(), 4);
+  EXPECT_EQ(s.stagesOfRank(0), (std::vector<int>{0, 7}));
+  EXPECT_EQ(s.stagesOfRank(3), (std::vector<int>{3, 4}));
+  // Even micro-batches enter at rank 0, odd ones at rank 3, each once.
+  EXPECT_EQ(computeOrder(s, 0).substr(0, 20), "F0@0 F2@0 F4@0 F1@7 ");
+  EXPECT_EQ(computeOrder(s, 3).substr(0, 20), "F1@4 F3@4 F5@4 F0@3 ");
+  EXPECT_EQ(s.firstStageOf(5), 4);
+  EXPECT_EQ(s.lastStageOf(5), 7);
+  EXPECT_EQ(transferOrderMismatch(s), "");
+  // JSON keeps the chains; PyTorch's CSV has no place for them.
+  const Schedule back = scheduleFromJson(scheduleToJson(s));
+  EXPECT_EQ(back.chains, 2);
+  EXPECT_NO_THROW(validate(back));
+  EXPECT_THROW(scheduleToCsv(s), ScheduleError);
+  // A micro-batch on the other chain's stage is named.
+  Schedule wrong = s;
+  for (auto& instruction : wrong.perRank[0]) {
+    if (auto* f = std::get_if<Forward>(&instruction)) {
+      f->microBatch = 1;
+      break;
+    }
+  }
+  try {
+    validate(wrong);
+    ADD_FAILURE() << "validated";
+  } catch (const ScheduleError& error) {
+    EXPECT_NE(std::string(error.what()).find("runs chain 1"), std::string::npos)
+        << error.what();
+  }
+  EXPECT_THROW(dualPipeSchedule(3, 12, CheckpointMode::kNever), ScheduleError);
+  EXPECT_THROW(dualPipeSchedule(4, 6, CheckpointMode::kNever), ScheduleError);
+  EXPECT_THROW(dualPipeSchedule(4, 9, CheckpointMode::kNever), ScheduleError);
+
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<double> time(0.5, 2.0);
+  for (int trial = 0; trial < 40; ++trial) {
+    const int p = 2 * (1 + trial % 4), m = 2 * p + 2 * (trial % 5);
+    StageCosts c;
+    c.forward = c.backwardInput = time(rng);
+    c.backwardWeight =
+        c.forward * std::uniform_real_distribution<>(0.3, 1)(rng);
+    c.backward = c.backwardInput + c.backwardWeight;
+    const Schedule dual = dualPipeSchedule(p, m, CheckpointMode::kNever);
+    const Simulation sim = simulate(dual, {c});
+    ASSERT_TRUE(sim.finished);
+    const double paired =
+        c.forward + c.backward - c.overlap * std::min(c.forward, c.backward);
+    double idle = 0.0;
+    for (int r = 0; r < p; ++r)
+      idle = std::max(idle, sim.span[r] - sim.busy[r]);
+    EXPECT_LE(
+        idle, (p / 2 - 1) * (paired + c.backward - 3 * c.backwardWeight) + 1e-9)
+        << "p=" << p << " m=" << m;
+    for (int r = 0; r < p; ++r) {
+      int held = 0;
+      for (int stage : dual.stagesOfRank(r))
+        held += sim.peakStashed[stage];
+      EXPECT_LE(held, p + 1) << "p=" << p << " m=" << m << " rank " << r;
+    }
   }
 }
 

@@ -599,6 +599,55 @@ TEST(TrainTest, TiedGptOverlapsItsStepsAsStepsWithABarrier) {
   }
 }
 
+// DeepSeek's DualPipe through the trainer: its losses follow one stage's
+// (without dropout: each chain's stages draw their own masks), the tied
+// GPT's too (its blocks copied), and a run stopped and resumed from its
+// checkpoint repeats the uninterrupted losses bit for bit, dropout on (the
+// copies refreshed from the checkpoint, their optimizer state and
+// generators restored).
+TEST(TrainTest, DualPipeTrainsAsOneStageAndResumesExactly) {
+  Json json = smokeConfig();
+  json["model"]["layers"][2]["p"] = 0.0;
+  json["pipeline"]["devices"] = {"cpu:0", "cpu:1"};
+  json["pipeline"]["micro_batches"] = 4;
+  const TrainSummary one =
+      quietTrain(withOverrides(json, {"pipeline.devices=[\"cpu:0\"]"}));
+  json["pipeline"]["schedule"] = "dualpipe";
+  const TrainSummary dual = quietTrain(parseConfig(json));
+  ASSERT_EQ(dual.losses.size(), one.losses.size());
+  for (size_t i = 0; i < dual.losses.size(); ++i)
+    EXPECT_NEAR(dual.losses[i], one.losses[i], 1e-5) << "step " << i + 1;
+
+  const TrainSummary sequential = quietTrain(withOverrides(
+      tiedGptConfig(),
+      {"pipeline.devices=[\"cpu:0\"]", "pipeline.micro_batches=4"}));
+  const TrainSummary tied = quietTrain(withOverrides(
+      tiedGptConfig(),
+      {"pipeline.devices=[\"cpu:0\", \"cpu:1\"]",
+       "pipeline.micro_batches=4",
+       "pipeline.schedule=dualpipe"}));
+  ASSERT_EQ(tied.losses.size(), sequential.losses.size());
+  for (size_t i = 0; i < tied.losses.size(); ++i)
+    EXPECT_NEAR(tied.losses[i], sequential.losses[i], 1e-4) << "step " << i;
+
+  json["model"]["layers"][2]["p"] = 0.2;
+  json["train"]["steps"] = 10;
+  const TrainSummary whole = quietTrain(parseConfig(json));
+  const fs::path dir = scratch("dualpipe-resume");
+  TrainOptions save;
+  save.saveDir = (dir / "ckpt").string();
+  save.stopAfter = 4;
+  quietTrain(parseConfig(json), save);
+  TrainOptions resume = save;
+  resume.stopAfter = 0;
+  resume.resumeDir = save.saveDir;
+  const TrainSummary rest = quietTrain(parseConfig(json), resume);
+  ASSERT_EQ(rest.losses.size(), 6u);
+  for (size_t i = 0; i < rest.losses.size(); ++i)
+    EXPECT_EQ(rest.losses[i], whole.losses[i + 4]) << "step " << i + 5;
+  fs::remove_all(dir);
+}
+
 // The checkpoint holds the tied weight once, under both names, and PyTorch
 // loads it into the equivalent tied nn.Module.
 TEST(TrainTest, TiedCheckpointLoadsIntoATiedTorchModule) {

@@ -458,6 +458,29 @@ TEST(TuneTest, PredictsAPinnedPlan) {
   EXPECT_LT(p.peakActivationBytes, twoP.peakActivationBytes);
   EXPECT_LE(twoP.peakActivationBytes, 2 * p.peakActivationBytes);
   EXPECT_EQ(tuneCandidateToJson(twoP).at("in_flight_limit"), 4);
+
+  // dualpipe: one chain's partition, each stage's parameters (with their
+  // gradients) held twice; an odd micro-batch count cannot split in two.
+  shape.inFlightLimit = 0;
+  shape.schedule = ScheduleKind::kOneFOneB;
+  const TuneCandidate single =
+      predictCandidate(outcome.model, outcome.request, shape);
+  shape.schedule = ScheduleKind::kDualPipe;
+  const TuneCandidate dual =
+      predictCandidate(outcome.model, outcome.request, shape);
+  ASSERT_TRUE(single.infeasible.empty() && dual.infeasible.empty())
+      << dual.infeasible;
+  EXPECT_EQ(dual.boundaries, (std::vector<int>{0, 4, 8}));
+  const double fixedSingle =
+      static_cast<double>(single.peakBytes[0] - single.peakActivationBytes);
+  const double fixedDual =
+      static_cast<double>(dual.peakBytes[0] - dual.peakActivationBytes);
+  EXPECT_NEAR(fixedDual, 2 * fixedSingle, 0.01 * fixedSingle);
+  shape.microBatches = 15;
+  EXPECT_NE(
+      predictCandidate(outcome.model, outcome.request, shape)
+          .infeasible.find("even number of micro-batches"),
+      std::string::npos);
 }
 
 // Across processes steps are posted without a barrier too: --cluster

@@ -50,6 +50,10 @@ struct MemoryModel {
   std::vector<int> live;
   double optimizerFactor = 0.0; // sgd 0, sgd+momentum 1, adam 2
   int64_t inputBytes = 0;       // the model input per micro-batch
+  // How many copies of each stage's parameters (with their gradients and
+  // optimizer state) the devices hold: 2 under a bidirectional schedule
+  // (dualpipe), charged to the stage.
+  int parameterCopies = 1;
 
   int stashedAt(int stage) const;
   int liveAt(int stage) const;

@@ -283,9 +283,18 @@ class Pipeline {
   // The pipeline ranks this process runs.
   const std::vector<int>& localRanks() const;
 
+  // Every tensor an optimizer steps. Under a bidirectional schedule
+  // (dualpipe) the second chain's copies of the layers follow the
+  // originals: their gradients are summed with the originals' after each
+  // step, so an optimizer over them keeps them equal, bit for bit.
   std::vector<torch::Tensor> parameters() const;
-  // Named as nn.Sequential.state_dict() names them: "1.weight".
+  // Named as nn.Sequential.state_dict() names them: "1.weight". The
+  // originals only.
   std::vector<std::pair<std::string, torch::Tensor>> namedParameters() const;
+  // After the originals' parameters or buffers were written outside a step
+  // (a checkpoint loaded into layers()), makes the second chain's copies
+  // equal to them again. A no-op with one chain. In one process only.
+  void refreshChainCopies();
 
   const LayerList& layers() const;
   const std::vector<int>& boundaries() const; // stages + 1 layer indices

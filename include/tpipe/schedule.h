@@ -131,8 +131,43 @@ struct Schedule {
   // stage per rank, or interleaved). ZB-V lays stages in a V instead.
   std::vector<int> placement;
 
+  // Bidirectional schedules (DualPipe) run the model's stages twice over:
+  // `chains` copies of them, each a chain of chainLength() stages. Micro-
+  // batch mb enters chain mb % chains at its first stage and leaves it at
+  // its last; stage s of chain c (stage c * chainLength() + s) holds a copy
+  // of stage s's layers, whose gradients the runtime sums with the
+  // original's. One chain (every other schedule): stage s passes to s + 1.
+  int chains = 1;
+
   int stages() const {
     return ranks * virtualStages;
+  }
+  int chainLength() const {
+    return stages() / chains;
+  }
+  int chainOf(int microBatch) const {
+    return microBatch % chains;
+  }
+  // The stage of the model (a layer range of the partition) `stage` runs.
+  int modelStage(int stage) const {
+    return stage % chainLength();
+  }
+  bool runs(int stage, int microBatch) const {
+    return stage / chainLength() == chainOf(microBatch);
+  }
+  int firstStageOf(int microBatch) const {
+    return chainOf(microBatch) * chainLength();
+  }
+  int lastStageOf(int microBatch) const {
+    return firstStageOf(microBatch) + chainLength() - 1;
+  }
+  // Whether `stage` receives activations from, and sends gradients to, the
+  // stage before it; whether it sends activations to the stage after it.
+  bool hasPrevious(int stage) const {
+    return modelStage(stage) > 0;
+  }
+  bool hasNext(int stage) const {
+    return modelStage(stage) + 1 < chainLength();
   }
   int rankOfStage(int stage) const {
     return placement.empty() ? stage % ranks : placement[stage];
@@ -162,6 +197,9 @@ enum class ScheduleKind {
                  // micro-batch's forward overlapped with another's backward
   kZeroBubbleVHalf, // "zb-v-half": the V of zb-v holding about half of
                     // 1F1B's activations (V-Half's bound, Qi et al. 2024)
+  kDualPipe,        // "dualpipe": DeepSeek's bidirectional DualPipe, two
+                    // chains of the model's stages (parameters doubled),
+                    // micro-batches entering from both ends
 };
 const char* scheduleKindName(ScheduleKind kind);
 // Whether the kind lays two stages on each rank in a V (zb-v, dualpipev):
@@ -291,13 +329,22 @@ Schedule zeroBubbleVHalfSchedule(
 // micro-batches (as many as stages). Equals torch.distributed.pipelining's
 // ScheduleDualPipeV action for action.
 Schedule dualPipeVSchedule(int ranks, int microBatches, CheckpointMode mode);
+// DeepSeek's DualPipe on p ranks (p even): micro-batches enter from both
+// ends, the even ones at rank 0, the odd ones at rank p - 1. Rank r holds
+// stage r of the first chain and, as the second chain's stage p - 1 - r, a
+// copy of the model's stage p - 1 - r (2 chains, 2 stages per rank, placed
+// in a V). The order is DualPipeV's eight phases with each half of the
+// ranks as one arm of the V. Needs an even m >= 2p.
+Schedule dualPipeSchedule(int ranks, int microBatches, CheckpointMode mode);
 // Inference: every rank forwards its stages' micro-batches in order, with
-// the stages placed as `placement` says (empty: s % ranks).
+// the stages placed as `placement` says (empty: s % ranks) and each
+// micro-batch running its chain.
 Schedule forwardOnlySchedule(
     int ranks,
     int virtualStages,
     int microBatches,
-    const std::vector<int>& placement = {});
+    const std::vector<int>& placement = {},
+    int chains = 1);
 // Dispatches on spec.source and validates the result. A schedule file must
 // match the spec's ranks, virtual stages and micro-batches.
 Schedule makeSchedule(const ScheduleSpec& spec);
@@ -350,8 +397,9 @@ struct Simulation {
 };
 
 // Runs the schedule's instruction lists against the costs (one entry per
-// stage, or one entry for all). Receives wait for their send; sends never
-// block. Never throws on a stall: see Simulation::finished.
+// stage, one per stage of a chain, or one entry for all). Receives wait for
+// their send; sends never block. Never throws on a stall: see
+// Simulation::finished.
 Simulation simulate(
     const Schedule& schedule,
     const std::vector<StageCosts>& costs);

@@ -28,26 +28,32 @@ namespace {
 using Shape = std::vector<int64_t>;
 
 // Pre-LayerNorm GPT block: x + attn(ln1(x)), then x + mlp(ln2(x)), with a
-// causal mask. Input and output [batch, time, dim].
-class TransformerBlockImpl : public torch::nn::Module {
+// causal mask. Input and output [batch, time, dim]. Cloneable, so a
+// bidirectional schedule (dualpipe) can copy it.
+class TransformerBlockImpl : public torch::nn::Cloneable<TransformerBlockImpl> {
  public:
   TransformerBlockImpl(
       int64_t dim,
       int64_t heads,
       int64_t mlpRatio,
       double dropout)
-      : heads_(heads),
-        ln1(register_module(
-            "ln1",
-            torch::nn::LayerNorm(torch::nn::LayerNormOptions({dim})))),
-        qkv(register_module("qkv", torch::nn::Linear(dim, 3 * dim))),
-        proj(register_module("proj", torch::nn::Linear(dim, dim))),
-        ln2(register_module(
-            "ln2",
-            torch::nn::LayerNorm(torch::nn::LayerNormOptions({dim})))),
-        fc1(register_module("fc1", torch::nn::Linear(dim, mlpRatio * dim))),
-        fc2(register_module("fc2", torch::nn::Linear(mlpRatio * dim, dim))),
-        drop(register_module("drop", torch::nn::Dropout(dropout))) {}
+      : dim_(dim), heads_(heads), mlpRatio_(mlpRatio), dropout_(dropout) {
+    reset();
+  }
+
+  // Builds the parts (the constructor, and clone() before it copies the
+  // values over).
+  void reset() override {
+    ln1 = register_module(
+        "ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({dim_})));
+    qkv = register_module("qkv", torch::nn::Linear(dim_, 3 * dim_));
+    proj = register_module("proj", torch::nn::Linear(dim_, dim_));
+    ln2 = register_module(
+        "ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({dim_})));
+    fc1 = register_module("fc1", torch::nn::Linear(dim_, mlpRatio_ * dim_));
+    fc2 = register_module("fc2", torch::nn::Linear(mlpRatio_ * dim_, dim_));
+    drop = register_module("drop", torch::nn::Dropout(dropout_));
+  }
 
   // Each part with parameters is reported (layers/parts.h): a split
   // backward's weight pass then needs none of the attention's graph.
@@ -79,26 +85,33 @@ class TransformerBlockImpl : public torch::nn::Module {
   }
 
  private:
-  int64_t heads_;
-  torch::nn::LayerNorm ln1;
-  torch::nn::Linear qkv, proj;
-  torch::nn::LayerNorm ln2;
-  torch::nn::Linear fc1, fc2;
-  torch::nn::Dropout drop;
+  int64_t dim_, heads_, mlpRatio_;
+  double dropout_;
+  torch::nn::LayerNorm ln1{nullptr};
+  torch::nn::Linear qkv{nullptr}, proj{nullptr};
+  torch::nn::LayerNorm ln2{nullptr};
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+  torch::nn::Dropout drop{nullptr};
 };
 TORCH_MODULE(TransformerBlock);
 
 // GPT-2's learned position embedding (wpe), added to the token embedding:
 // one vector per position of the input's [..., seq, dim].
-class PositionEmbeddingImpl : public torch::nn::Module {
+class PositionEmbeddingImpl
+    : public torch::nn::Cloneable<PositionEmbeddingImpl> {
  public:
-  PositionEmbeddingImpl(int64_t positions, int64_t dim) {
+  PositionEmbeddingImpl(int64_t positions, int64_t dim)
+      : positions_(positions), dim_(dim) {
+    reset();
+  }
+  void reset() override {
     weight =
-        register_parameter("weight", torch::randn({positions, dim}) * 0.02);
+        register_parameter("weight", torch::randn({positions_, dim_}) * 0.02);
   }
   torch::Tensor forward(const torch::Tensor& x) {
     return x + weight;
   }
+  int64_t positions_, dim_;
   torch::Tensor weight;
 };
 TORCH_MODULE(PositionEmbedding);

@@ -245,8 +245,9 @@ class Costs {
   }
 
   int64_t memory(int first, int end, int stage) const {
-    const double factor =
-        2.0 + problem_.memory.optimizerFactor; // weights, grads, state
+    const double factor = // weights, grads, state
+        (2.0 + problem_.memory.optimizerFactor) *
+        problem_.memory.parameterCopies;
     const int64_t params = prefix_.params[end] - prefix_.params[first];
     return static_cast<int64_t>(
                std::llround(factor * static_cast<double>(params))) +

@@ -64,9 +64,11 @@ PartitionProblem problemFor(
     const Schedule& schedule) {
   PartitionProblem problem;
   problem.layers = request.layers;
-  problem.stages = schedule.stages();
-  // With virtual stages, stage k runs on rank k % ranks.
-  for (int k = 0; k < schedule.stages(); ++k)
+  // With virtual stages, stage k runs on rank k % ranks. A bidirectional
+  // schedule partitions the model into one chain's stages; memoryModelOf
+  // charges each the copies of the others.
+  problem.stages = schedule.chainLength();
+  for (int k = 0; k < problem.stages; ++k)
     problem.devices.push_back(request.devices[schedule.rankOfStage(k)]);
   problem.memory =
       memoryModelOf(schedule, request.optimizerFactor, request.inputBytes);
@@ -452,6 +454,17 @@ MemoryModel memoryModelOf(
   MemoryModel memory;
   memory.stashed = unit.peakStashed;
   memory.live = unit.peakLive;
+  if (schedule.chains > 1) {
+    // Per stage of the model: what its copies on every chain hold.
+    const int length = schedule.chainLength();
+    memory.stashed.assign(length, 0);
+    memory.live.assign(length, 0);
+    for (int s = 0; s < schedule.stages(); ++s) {
+      memory.stashed[schedule.modelStage(s)] += unit.peakStashed[s];
+      memory.live[schedule.modelStage(s)] += unit.peakLive[s];
+    }
+    memory.parameterCopies = schedule.chains;
+  }
   memory.optimizerFactor = optimizerFactor;
   memory.inputBytes = inputBytes;
   return memory;

@@ -126,7 +126,8 @@ const std::vector<ScheduleKind>& allSchedules() {
       ScheduleKind::kZeroBubbleV,
       ScheduleKind::kZeroBubbleVHalf,
       ScheduleKind::kAuto,
-      ScheduleKind::kDualPipeV};
+      ScheduleKind::kDualPipeV,
+      ScheduleKind::kDualPipe};
   return kinds;
 }
 

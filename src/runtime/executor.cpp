@@ -203,7 +203,7 @@ class RankExecutor {
   void operator()(const Forward& op) {
     StageRuntime& stage = stageAt(op.stage);
     Stash& stash = state_.at(op.stage, op.microBatch);
-    if (op.stage == 0)
+    if (!state_.schedule->hasPrevious(op.stage))
       stash.inputs = {state_.inputs[op.microBatch]};
     TORCH_CHECK(
         !stash.inputs.empty() && stash.inputs.front().defined(),
@@ -265,7 +265,7 @@ class RankExecutor {
     differentiable(stage, stash, roots, grads);
     if (!roots.empty())
       torch::autograd::backward(roots, grads);
-    if (op.stage > 0)
+    if (state_.schedule->hasPrevious(op.stage))
       stash.inputGrads = inputGradients(stage, stash);
     release(stash);
   }
@@ -281,7 +281,8 @@ class RankExecutor {
     std::vector<at::Tensor> roots, grads, wanted;
     differentiable(stage, stash, roots, grads);
     std::vector<size_t> wantedSlots;
-    for (size_t i = 0; op.stage > 0 && i < stash.inputs.size(); ++i) {
+    const bool hasPrevious = state_.schedule->hasPrevious(op.stage);
+    for (size_t i = 0; hasPrevious && i < stash.inputs.size(); ++i) {
       if (stash.inputs[i].requires_grad() && !passesThrough(stage, i)) {
         wanted.push_back(stash.inputs[i]);
         wantedSlots.push_back(i);
@@ -304,7 +305,7 @@ class RankExecutor {
       stash.inputGrads[wantedSlots[k]] = found[k];
     for (size_t k = 0; k < stash.weightParts.size(); ++k)
       stash.weightParts[k].outputGrad = found[wantedSlots.size() + k];
-    if (op.stage > 0)
+    if (state_.schedule->hasPrevious(op.stage))
       stash.inputGrads = inputGradients(stage, stash);
   }
 
@@ -399,8 +400,9 @@ class RankExecutor {
   StageRuntime& stageAt(int stage) {
     return (*state_.stages)[stage];
   }
+  // Where the micro-batches of the stage's chain end (compute the loss).
   bool isLast(int stage) const {
-    return stage == state_.schedule->stages() - 1;
+    return !state_.schedule->hasNext(stage);
   }
   static bool passesThrough(const StageRuntime& stage, size_t inputSlot) {
     return std::find(

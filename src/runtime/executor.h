@@ -108,7 +108,7 @@ struct StepState {
   // before the last gradient leaves it: a step posted across processes
   // tells the other ranks the loss then. May be empty.
   std::function<void()> lossesKnown;
-  int lossesIn = 0; // touched by the last stage's worker only
+  std::atomic<int> lossesIn{0}; // by the workers of the stages where chains end
 
   bool record = false;
   // Copy received tensors, so each virtual CPU device holds (and is charged

@@ -205,9 +205,9 @@ void Pipeline::Impl::resolve() {
       " layers");
   const int ranks = plan.schedule.ranks;
   TORCH_CHECK(
-      plan.schedule.stages() == plan.stageCount(),
+      plan.schedule.chainLength() == plan.stageCount(),
       "the plan's schedule has ",
-      plan.schedule.stages(),
+      plan.schedule.chainLength(),
       " stages, its boundaries ",
       plan.stageCount());
   TORCH_CHECK(
@@ -310,10 +310,11 @@ void Pipeline::Impl::checkTransfersInOrder(const Schedule& plan) const {
 // Which skips a stage takes and hands on, and the layers that made them.
 void Pipeline::Impl::routeSkips(runtime::StageRuntime& stage) const {
   const std::vector<LayerSkips> skips = skipsOf(layers);
-  const int first = boundaries[stage.index];
+  const int modelStage = schedule.modelStage(stage.index);
+  const int first = boundaries[modelStage];
   stage.skipsIn = skipsAcross(skips, static_cast<size_t>(first));
   stage.skipsOut =
-      skipsAcross(skips, static_cast<size_t>(boundaries[stage.index + 1]));
+      skipsAcross(skips, static_cast<size_t>(boundaries[modelStage + 1]));
   stage.sourceLayers = {first - 1};
   for (const auto& name : stage.skipsIn) {
     for (size_t l = 0; l < skips.size(); ++l) {
@@ -341,12 +342,14 @@ void Pipeline::Impl::placeStage(int s) {
   const bool local = isLocalStage(s);
   // A stage in another process is sent tensors on remoteDevice (place()).
   stage.device = local ? rankDevices[schedule.rankOfStage(s)] : remoteDevice;
-  for (int l = boundaries[s]; l < boundaries[s + 1]; ++l) {
-    torch::nn::AnyModule& layer = layers[l].module;
+  const LayerList& source = layersOfStage(s);
+  const int modelStage = schedule.modelStage(s);
+  for (int l = boundaries[modelStage]; l < boundaries[modelStage + 1]; ++l) {
+    const torch::nn::AnyModule& layer = source[l].module;
     if (local)
       layer.ptr()->to(stage.device);
-    stage.layers.push_back(layers[l]);
-    stage.stochastic = stage.stochastic || drawsRandomness(layers[l]);
+    stage.layers.push_back(source[l]);
+    stage.stochastic = stage.stochastic || drawsRandomness(source[l]);
     for (const auto& buffer : layer.ptr()->buffers())
       stage.buffers.push_back(buffer);
     stage.layerParameters.emplace_back();
@@ -418,8 +421,64 @@ void Pipeline::Impl::startWorkers() {
   }
 }
 
+// Each further chain of a bidirectional schedule gets its own copy of
+// every layer, equal to the original. Running statistics would drift apart
+// between the copies (each sees half the micro-batches), so layers that
+// keep them are refused.
+void Pipeline::Impl::copyLayersForChains() {
+  chainCopies.clear();
+  if (schedule.chains == 1)
+    return;
+  // A copy is built anew (its reset() draws initial values) before the
+  // original's values are copied in: the global generator is left as it
+  // was, so what the caller draws later does not depend on the schedule.
+  at::Generator global = at::globalContext().defaultGenerator(at::kCPU);
+  const at::Tensor drawnSoFar = global.get_state();
+  for (int chain = 1; chain < schedule.chains; ++chain) {
+    LayerList copy;
+    for (const auto& layer : layers) {
+      for (const auto& buffer : layer.module.ptr()->named_buffers()) {
+        TORCH_CHECK(
+            buffer.key().find("running_") == std::string::npos &&
+                buffer.key().find("num_batches_tracked") == std::string::npos,
+            "schedule '",
+            schedule.name,
+            "' runs a copy of every layer, and layer '",
+            layer.name,
+            "' keeps running statistics ('",
+            buffer.key(),
+            "') that the copies would update apart; use a schedule with one "
+            "chain (dualpipev lays the same V without copies)");
+      }
+      NamedLayer copied = layer;
+      try {
+        copied.module = layer.module.clone();
+      } catch (const c10::Error&) {
+        TORCH_CHECK(
+            false,
+            "schedule '",
+            schedule.name,
+            "' runs a copy of every layer, and layer '",
+            layer.name,
+            "' (",
+            layer.module.ptr()->name(),
+            ") cannot be copied: its module does not implement clone() "
+            "(derive it from torch::nn::Cloneable)");
+      }
+      copy.push_back(std::move(copied));
+    }
+    chainCopies.push_back(std::move(copy));
+  }
+  global.set_state(drawnSoFar);
+}
+
 void Pipeline::Impl::place() {
+  copyLayersForChains();
   ties = runtime::findTiedGroups(layers, boundaries, options.tiedParameters);
+  if (!chainCopies.empty()) {
+    ties = runtime::withChainCopies(
+        std::move(ties), layers, chainCopies, boundaries);
+  }
   checkSharedTensorsStayOnOneDevice();
   // What a stage in another process is sent: a CPU tensor the transport
   // moves, or one on this process's GPU that NCCL sends as it is.
@@ -518,7 +577,37 @@ std::vector<torch::Tensor> Pipeline::parameters() const {
     if (seen.insert(named.second.unsafeGetTensorImpl()).second)
       all.push_back(named.second);
   }
+  for (const auto& copy : impl_->chainCopies) {
+    for (const auto& layer : copy) {
+      for (const auto& parameter : layer.module.ptr()->parameters()) {
+        if (seen.insert(parameter.unsafeGetTensorImpl()).second)
+          all.push_back(parameter);
+      }
+    }
+  }
   return all;
+}
+
+void Pipeline::refreshChainCopies() {
+  TORCH_CHECK(
+      impl_->chainCopies.empty() || !impl_->options.communicator,
+      "refreshChainCopies: the copies of a bidirectional schedule live on "
+      "other processes than their originals");
+  torch::NoGradGuard noGrad;
+  for (const auto& copy : impl_->chainCopies) {
+    for (size_t l = 0; l < copy.size(); ++l) {
+      const auto& original = *impl_->layers[l].module.ptr();
+      auto target = copy[l].module.ptr();
+      const auto parameters = original.parameters();
+      const auto copied = target->parameters();
+      for (size_t i = 0; i < parameters.size(); ++i)
+        copied[i].copy_(parameters[i]);
+      const auto buffers = original.buffers();
+      const auto copiedBuffers = target->buffers();
+      for (size_t i = 0; i < buffers.size(); ++i)
+        copiedBuffers[i].copy_(buffers[i]);
+    }
+  }
 }
 
 std::vector<std::pair<std::string, torch::Tensor>> Pipeline::namedParameters()

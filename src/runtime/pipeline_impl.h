@@ -27,6 +27,16 @@ struct PostedStep; // overlapped_steps.cpp
 
 struct Pipeline::Impl {
   LayerList layers;
+  // A bidirectional schedule's further chains run copies of the layers:
+  // chainCopies[c - 1] for chain c (Schedule::chains), tied to the
+  // originals (runtime/ties.h).
+  std::vector<LayerList> chainCopies;
+  const LayerList& layersOfStage(int stage) const {
+    const int chain = stage / schedule.chainLength();
+    return chain == 0 ? layers : chainCopies[chain - 1];
+  }
+  void copyLayersForChains();
+  void followOriginalsMode();
   PipelineOptions options;
   std::vector<c10::Device> rankDevices;
   std::vector<int> boundaries;
@@ -84,8 +94,18 @@ struct Pipeline::Impl {
       const at::Tensor& target,
       const LossFunction& lossFn,
       const char* what) const;
-  // The batch's loss: the weighted micro-batch losses summed in order.
+  // The batch's loss: the weighted micro-batch losses summed in order (the
+  // ones this process computed, when they end on several ranks).
   static at::Tensor lossTotal(const runtime::StepState& state);
+  // Whether this process runs a stage where micro-batches end (computes
+  // losses or outputs).
+  bool endsMicroBatches() const {
+    for (int s = 0; s < schedule.stages(); ++s) {
+      if (!schedule.hasNext(s) && isLocalStage(s))
+        return true;
+    }
+    return false;
+  }
   bool runsOnCaller() const {
     return placement.runsOnCaller();
   }

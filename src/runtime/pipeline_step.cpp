@@ -32,8 +32,15 @@ void Pipeline::Impl::splitBatch(
     const at::Tensor& input,
     const at::Tensor& target) const {
   const int m = schedule.microBatches;
+  // Each micro-batch enters at its chain's first stage and ends at its last.
   state.inputs = split(input, m, stages.front().device);
   state.targets = split(target, m, stages.back().device);
+  for (int mb = 0; schedule.chains > 1 && mb < m; ++mb) {
+    state.inputs[mb] =
+        state.inputs[mb].to(stages[schedule.firstStageOf(mb)].device);
+    state.targets[mb] =
+        state.targets[mb].to(stages[schedule.lastStageOf(mb)].device);
+  }
   const int64_t batch = input.size(0);
   for (const auto& chunk : state.inputs) {
     state.weights.push_back(
@@ -99,6 +106,8 @@ void Pipeline::Impl::expectShapes(
   shapes.receivesAhead = options.receivesAhead;
   for (int b = 0; b + 1 < plan.stages(); ++b) {
     shapes.perSample.emplace_back();
+    if (!plan.hasNext(b))
+      continue; // between two chains: nothing crosses
     for (int layer : stages[b + 1].sourceLayers)
       shapes.perSample.back().push_back(options.layerOutputShapes[layer]);
   }
@@ -167,12 +176,27 @@ void Pipeline::Impl::prepare(runtime::StepState& state, const Schedule& plan) {
   if (state.record)
     state.events.assign(plan.ranks, {});
   state.layerOutputShapes = &options.layerOutputShapes;
+  followOriginalsMode();
+}
+
+// The user switches the originals between training and evaluation; the
+// chains' copies follow (dropout, batch statistics).
+void Pipeline::Impl::followOriginalsMode() {
+  for (const auto& copy : chainCopies) {
+    for (size_t l = 0; l < copy.size(); ++l) {
+      const bool training = layers[l].module.ptr()->is_training();
+      if (copy[l].module.ptr()->is_training() != training)
+        copy[l].module.ptr()->train(training);
+    }
+  }
 }
 
 at::Tensor Pipeline::Impl::lossTotal(const runtime::StepState& state) {
-  at::Tensor total = state.losses[0];
-  for (size_t mb = 1; mb < state.losses.size(); ++mb)
-    total = total + state.losses[mb];
+  at::Tensor total;
+  for (const auto& loss : state.losses) {
+    if (loss.defined())
+      total = total.defined() ? total + loss : loss;
+  }
   return total;
 }
 
@@ -283,11 +307,11 @@ void Pipeline::Impl::finishGradientAveraging(const runtime::StepState& state) {
 at::Tensor Pipeline::Impl::worldLossTensor(
     double value,
     const runtime::StepState& state) const {
-  const bool lastIsLocal = isLocalStage(schedule.stages() - 1);
+  const at::Tensor local = lossTotal(state);
   return torch::tensor(
       value,
       torch::TensorOptions().dtype(
-          lastIsLocal ? state.losses.front().scalar_type() : torch::kFloat));
+          local.defined() ? local.scalar_type() : torch::kFloat));
 }
 
 torch::Tensor Pipeline::trainStep(
@@ -300,7 +324,7 @@ torch::Tensor Pipeline::trainStep(
   state.lossFn = &lossFn;
   impl_->armGradientAveraging(state);
   impl_->run(state, impl_->schedule);
-  const bool lastIsLocal = impl_->isLocalStage(impl_->schedule.stages() - 1);
+  const bool lastIsLocal = impl_->endsMicroBatches();
   const at::Tensor total = lastIsLocal ? Impl::lossTotal(state) : at::Tensor();
   auto isLocal = [this](int stage) { return impl_->isLocalStage(stage); };
   Communicator* communicator = impl_->options.communicator.get();
@@ -310,8 +334,30 @@ torch::Tensor Pipeline::trainStep(
   }
   // Every process returns the mean over replicas; gradients likewise, their
   // reductions started as each stage's backward ended, or now.
-  const double local = lastIsLocal ? total.item<double>() : 0.0;
-  const double mean = communicator->sum({local})[0] / communicator->replicas();
+  double mean = 0.0;
+  if (impl_->schedule.chains == 1) {
+    const double local = lastIsLocal ? total.item<double>() : 0.0;
+    mean = communicator->sum({local})[0] / communicator->replicas();
+  } else {
+    // Micro-batches end on several processes: each one's loss is gathered
+    // and they are added in micro-batch order, in the loss's own precision,
+    // as one process adds them.
+    std::vector<double> each(state.losses.size(), 0.0);
+    for (size_t mb = 0; mb < each.size(); ++mb) {
+      if (state.losses[mb].defined())
+        each[mb] = state.losses[mb].item<double>();
+    }
+    each = communicator->sum(each);
+    at::Tensor sum;
+    for (double loss : each) {
+      const at::Tensor value = torch::tensor(
+          loss / communicator->replicas(),
+          torch::TensorOptions().dtype(
+              total.defined() ? total.scalar_type() : torch::kFloat));
+      sum = sum.defined() ? sum + value : value;
+    }
+    mean = sum.item<double>();
+  }
   impl_->finishGradientAveraging(state);
   runtime::sumTiedGradients(impl_->ties, isLocal, communicator);
   return impl_->worldLossTensor(mean, state);
@@ -341,14 +387,25 @@ torch::Tensor Pipeline::forward(const torch::Tensor& input) {
       impl_->schedule.ranks,
       impl_->schedule.virtualStages,
       m,
-      impl_->schedule.placement);
+      impl_->schedule.placement,
+      impl_->schedule.chains);
   runtime::StepState state;
   state.inputs = impl_->split(input, m, impl_->stages.front().device);
-  for (const auto& chunk : state.inputs)
-    state.microBatchSizes.push_back(chunk.size(0));
+  for (int mb = 0; mb < m; ++mb) {
+    state.inputs[mb] =
+        state.inputs[mb].to(impl_->stages[inference.firstStageOf(mb)].device);
+    state.microBatchSizes.push_back(state.inputs[mb].size(0));
+  }
   impl_->run(state, inference);
-  if (!impl_->isLocalStage(impl_->schedule.stages() - 1))
-    return torch::Tensor();
+  // Outputs come back where their micro-batches end: with two chains, on
+  // two ranks (the first and the last).
+  for (const auto& output : state.outputs) {
+    if (!output.defined())
+      return torch::Tensor();
+  }
+  const c10::Device device = state.outputs.back().device();
+  for (auto& output : state.outputs)
+    output = output.to(device);
   return at::cat(state.outputs, 0);
 }
 

@@ -42,8 +42,9 @@ Placement placeStages(
     StagePlace stage;
     stage.rank = schedule.rankOfStage(s);
     stage.device = placement.ranks[stage.rank].device;
-    stage.firstLayer = plan.boundaries.at(static_cast<size_t>(s));
-    stage.endLayer = plan.boundaries.at(static_cast<size_t>(s) + 1);
+    const auto model = static_cast<size_t>(schedule.modelStage(s));
+    stage.firstLayer = plan.boundaries.at(model); // a copy's, on chain > 0
+    stage.endLayer = plan.boundaries.at(model + 1);
     stage.local = placement.ranks[stage.rank].local;
     placement.stages.push_back(stage);
   }

@@ -118,6 +118,63 @@ std::vector<TiedGroup> findTiedGroups(
   return groups;
 }
 
+std::vector<TiedGroup> withChainCopies(
+    std::vector<TiedGroup> groups,
+    const LayerList& layers,
+    const std::vector<LayerList>& copies,
+    const std::vector<int>& boundaries) {
+  const int chainLength = static_cast<int>(boundaries.size()) - 1;
+  // Each copy's parameters by the original's name; the layers align.
+  std::vector<std::map<std::string, at::Tensor>> copied(copies.size());
+  for (size_t c = 0; c < copies.size(); ++c) {
+    for (const auto& use : parameterUses(copies[c], boundaries))
+      copied[c][use.name] = use.tensor;
+  }
+  // `name` by value: it may be one of the group's own, which this grows.
+  auto addCopies = [&](TiedGroup& group, std::string name, int stage) {
+    for (size_t c = 0; c < copies.size(); ++c) {
+      group.names.push_back(name);
+      group.stages.push_back(stage + static_cast<int>(c + 1) * chainLength);
+      group.tensors.push_back(copied[c].at(name));
+    }
+  };
+  for (auto& group : groups) {
+    const size_t uses = group.names.size();
+    for (size_t i = 0; i < uses; ++i)
+      addCopies(group, group.names[i], group.stages[i]);
+  }
+  // Every other parameter; a tensor two layers share gains each layer's
+  // copy, as the copies are tensors of their own.
+  for (const auto& use : parameterUses(layers, boundaries)) {
+    auto holder = std::find_if(groups.begin(), groups.end(), [&](auto& g) {
+      return std::any_of(g.tensors.begin(), g.tensors.end(), [&](auto& t) {
+        return sameTensor(t, use.tensor);
+      });
+    });
+    if (holder == groups.end()) {
+      groups.emplace_back();
+      holder = groups.end() - 1;
+    } else if (
+        std::find(holder->names.begin(), holder->names.end(), use.name) !=
+        holder->names.end()) {
+      continue;
+    }
+    holder->names.push_back(use.name);
+    holder->stages.push_back(use.stage);
+    holder->tensors.push_back(use.tensor);
+    addCopies(*holder, use.name, use.stage);
+  }
+  // The copies were taken before the declared ties were made equal.
+  at::NoGradGuard noGrad;
+  for (auto& group : groups) {
+    for (size_t i = 1; i < group.tensors.size(); ++i) {
+      if (!sameTensor(group.tensors[i], group.tensors.front()))
+        group.tensors[i].copy_(group.tensors.front());
+    }
+  }
+  return groups;
+}
+
 bool isTied(const std::vector<TiedGroup>& groups, const at::Tensor& tensor) {
   for (const auto& group : groups) {
     for (const auto& member : group.tensors) {

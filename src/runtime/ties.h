@@ -32,6 +32,17 @@ std::vector<TiedGroup> findTiedGroups(
     const std::vector<int>& boundaries,
     const std::vector<std::vector<std::string>>& declared);
 
+// A bidirectional schedule's further chains run copies of the layers
+// (copies[c - 1] for chain c, stages c * L .. c * L + L - 1 where L is the
+// partition's stage count). Each trainable parameter and its copies form
+// one group, as a tie does: their gradients are summed and the optimizer
+// steps every copy alike. A tied group gains its copies' uses.
+std::vector<TiedGroup> withChainCopies(
+    std::vector<TiedGroup> groups,
+    const LayerList& layers,
+    const std::vector<LayerList>& copies,
+    const std::vector<int>& boundaries);
+
 bool isTied(const std::vector<TiedGroup>& groups, const at::Tensor& tensor);
 
 // Sums each group's gradient over its copies on this process's stages (in

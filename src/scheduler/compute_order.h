@@ -39,7 +39,8 @@ Schedule lower(
     int virtualStages,
     int microBatches,
     CheckpointMode mode,
-    const ComputeOrder& order);
+    const ComputeOrder& order,
+    int chains = 1);
 
 // Throws ScheduleError unless every count is at least 1.
 void requireCounts(int ranks, int microBatches, int virtualStages);

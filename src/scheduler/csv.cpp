@@ -143,6 +143,13 @@ namespace {
 // A schedule as action cells, one row per rank; with `comms`, the
 // transfers too.
 std::string csvOf(const Schedule& schedule, bool comms) {
+  if (schedule.chains != 1) {
+    throw ScheduleError(
+        "schedule '" + schedule.name +
+        "' runs two chains of stages (micro-batches enter from both ends); "
+        "torch.distributed.pipelining's CSV has no such schedules: write "
+        "it with --json");
+  }
   std::ostringstream csv;
   for (const auto& list : schedule.perRank) {
     std::vector<std::string> cells;

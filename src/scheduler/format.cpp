@@ -73,7 +73,14 @@ std::string shortLabel(const Instruction& instruction) {
 void printInstructions(std::ostream& out, const Schedule& schedule) {
   out << "schedule " << schedule.name << ": " << schedule.ranks << " ranks, "
       << schedule.virtualStages << " virtual stage(s) per rank, "
-      << schedule.microBatches << " micro-batches\n";
+      << schedule.microBatches << " micro-batches";
+  if (schedule.chains > 1) {
+    out << ", " << schedule.chains << " chains of " << schedule.chainLength()
+        << " stages (micro-batch k runs chain k % " << schedule.chains
+        << "; stage s of chain c is stage c x " << schedule.chainLength()
+        << " + s, a copy of stage s)";
+  }
+  out << '\n';
   for (int rank = 0; rank < schedule.ranks; ++rank) {
     out << "rank " << rank << ":";
     for (const Instruction& instruction : schedule.perRank[rank]) {
@@ -160,7 +167,7 @@ nlohmann::json scheduleToJson(const Schedule& schedule) {
     }
     lists.push_back(std::move(items));
   }
-  return {
+  nlohmann::json json = {
       {"schedule", schedule.name},
       {"training", schedule.training},
       {"ranks", schedule.ranks},
@@ -168,6 +175,9 @@ nlohmann::json scheduleToJson(const Schedule& schedule) {
       {"placement", schedule.placement},
       {"micro_batches", schedule.microBatches},
       {"stages", std::move(lists)}};
+  if (schedule.chains != 1)
+    json["chains"] = schedule.chains;
+  return json;
 }
 
 namespace {
@@ -246,6 +256,7 @@ Schedule scheduleFromJson(const nlohmann::json& json) {
       json, "ranks", "schedule", static_cast<int>(lists.size()), false);
   schedule.virtualStages =
       requireInt(json, "virtual_stages", "schedule", 1, false);
+  schedule.chains = requireInt(json, "chains", "schedule", 1, false);
   if (json.contains("placement")) {
     const auto& placement = json["placement"];
     if (!placement.is_array())

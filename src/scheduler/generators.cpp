@@ -2,6 +2,7 @@
 // `lower` adds the transfers and recomputation every generator needs alike.
 #include <algorithm>
 #include <deque>
+#include <functional>
 #include <sstream>
 
 #include "scheduler/compute_order.h"
@@ -53,15 +54,18 @@ Schedule lower(
     int virtualStages,
     int microBatches,
     CheckpointMode mode,
-    const ComputeOrder& order) {
+    const ComputeOrder& order,
+    int chains) {
   const int kept = keptMicroBatch(order, microBatches);
   Schedule schedule;
   schedule.name = std::move(name);
   schedule.ranks = ranks;
   schedule.virtualStages = virtualStages;
   schedule.microBatches = microBatches;
+  schedule.chains = chains;
   schedule.perRank.resize(ranks);
-  const int last = ranks * virtualStages - 1;
+  auto hasPrevious = [&](int s) { return schedule.hasPrevious(s); };
+  auto hasNext = [&](int s) { return schedule.hasNext(s); };
   for (int rank = 0; rank < ranks; ++rank) {
     auto& list = schedule.perRank[rank];
     const auto& steps = order[rank];
@@ -77,36 +81,36 @@ Schedule lower(
               "an overlapped forward must be followed by a whole backward");
         }
         const ComputeStep& back = steps[++k];
-        if (s > 0)
+        if (hasPrevious(s))
           list.emplace_back(RecvActivation{s, mb});
         if (isCheckpointed(mode, back.microBatch, kept))
           list.emplace_back(Recompute{back.stage, back.microBatch});
-        if (back.stage < last)
+        if (hasNext(back.stage))
           list.emplace_back(RecvGrad{back.stage, back.microBatch});
         list.emplace_back(Forward{s, mb, checkpointed, true});
         list.emplace_back(Backward{back.stage, back.microBatch});
-        if (s < last)
+        if (hasNext(s))
           list.emplace_back(SendActivation{s, mb});
-        if (back.stage > 0)
+        if (hasPrevious(back.stage))
           list.emplace_back(SendGrad{back.stage, back.microBatch});
         continue;
       }
       switch (step.pass) {
         case Pass::kForward:
-          if (s > 0)
+          if (hasPrevious(s))
             list.emplace_back(RecvActivation{s, mb});
           list.emplace_back(Forward{s, mb, checkpointed});
-          if (s < last)
+          if (hasNext(s))
             list.emplace_back(SendActivation{s, mb});
           break;
         case Pass::kBackward:
         case Pass::kBackwardInput:
           if (checkpointed)
             list.emplace_back(Recompute{s, mb});
-          if (s < last)
+          if (hasNext(s))
             list.emplace_back(RecvGrad{s, mb});
           list.push_back(backwardInstruction(step));
-          if (s > 0)
+          if (hasPrevious(s))
             list.emplace_back(SendGrad{s, mb});
           break;
         case Pass::kBackwardWeight:
@@ -225,7 +229,8 @@ const std::vector<std::string>& scheduleNames() {
       "zb-v",
       "zb-v-half",
       "auto",
-      "dualpipev"};
+      "dualpipev",
+      "dualpipe"};
   return names;
 }
 
@@ -352,17 +357,20 @@ Schedule forwardOnlySchedule(
     int ranks,
     int virtualStages,
     int microBatches,
-    const std::vector<int>& placement) {
+    const std::vector<int>& placement,
+    int chains) {
   requireCounts(ranks, microBatches, virtualStages);
   Schedule placed;
   placed.ranks = ranks;
   placed.virtualStages = virtualStages;
   placed.placement = placement;
+  placed.chains = chains;
   ComputeOrder order(ranks);
   for (int rank = 0; rank < ranks; ++rank) {
     for (int stage : placed.stagesOfRank(rank)) {
       for (int mb = 0; mb < microBatches; ++mb) {
-        order[rank].push_back({Pass::kForward, stage, mb});
+        if (placed.runs(stage, mb))
+          order[rank].push_back({Pass::kForward, stage, mb});
       }
     }
   }
@@ -372,16 +380,108 @@ Schedule forwardOnlySchedule(
       virtualStages,
       microBatches,
       CheckpointMode::kNever,
-      order);
+      order,
+      chains);
   schedule.training = false;
   schedule.placement = placement;
   return schedule;
 }
 
+// DeepSeek's DualPipe order for one rank, shared by DualPipeV (the ranks
+// as one arm of a V) and DualPipe (each half of the ranks as one arm):
+// `halfRanks` ranks per arm, this rank `halfRank` steps from the arm's start,
+// `chunkMicroBatches` through each of its two chunks. Chunk 0 is the stage
+// that goes out along the arm, chunk 1 the one coming back; `stageOf` and
+// `microBatchOf` name them in the schedule. Eight phases; I is an input
+// pass whose weight pass waits in a queue for a W.
+void appendDualPipeOrder(
+    std::vector<ComputeStep>& steps,
+    int halfRanks,
+    int halfRank,
+    int chunkMicroBatches,
+    const std::function<int(int chunk)>& stageOf,
+    const std::function<int(int chunk, int index)>& microBatchOf) {
+  const int h = halfRank, H = halfRanks, n = chunkMicroBatches;
+  int next[2] = {0, 0}, nextBackward[2] = {0, 0};
+  std::deque<std::pair<int, int>> weights; // (stage, micro-batch)
+  auto forward = [&](int chunk, bool overlapped = false) {
+    steps.push_back(
+        {Pass::kForward,
+         stageOf(chunk),
+         microBatchOf(chunk, next[chunk]++),
+         overlapped});
+  };
+  auto backward = [&](int chunk, bool split) {
+    const int stage = stageOf(chunk);
+    const int mb = microBatchOf(chunk, nextBackward[chunk]++);
+    steps.push_back(
+        {split ? Pass::kBackwardInput : Pass::kBackward, stage, mb});
+    if (split)
+      weights.emplace_back(stage, mb);
+  };
+  auto weight = [&] {
+    steps.push_back(
+        {Pass::kBackwardWeight, weights.front().first, weights.front().second});
+    weights.pop_front();
+  };
+  // Forward of `chunkF` overlapped with the whole backward of the other.
+  auto pair = [&](int chunkF) {
+    forward(chunkF, true);
+    backward(1 - chunkF, false);
+  };
+  // 1: warm-up forwards of chunk 0.
+  for (int i = 0; i < (H - h - 1) * 2; ++i)
+    forward(0);
+  // 2: forwards of both chunks.
+  for (int i = 0; i < h + 1; ++i) {
+    forward(0);
+    forward(1);
+  }
+  // 3: chunk 1's split backward, its weight pass at once, a forward.
+  for (int i = 0; i < H - h - 1; ++i) {
+    backward(1, true);
+    weight();
+    forward(1);
+  }
+  // 4: the steady state, overlapped pairs (the arm's last rank starts with a
+  // forward and a backward apart).
+  for (int i = 0; i < n - 2 * H + h + 1; ++i) {
+    if (i == 0 && h == H - 1) {
+      forward(0);
+      backward(1, false);
+    } else {
+      pair(0);
+    }
+    pair(1);
+  }
+  // 5: chunk 1's backwards, each with a pair.
+  for (int i = 0; i < H - h - 1; ++i) {
+    backward(1, false);
+    pair(1);
+  }
+  // 6: backwards of both chunks; from the middle on, split.
+  bool split = false;
+  for (int i = 0; i < h + 1; ++i) {
+    if (i == (h + 1) / 2 && h % 2 == 1)
+      split = true;
+    backward(1, split);
+    if (i == (h + 1) / 2 && h % 2 == 0)
+      split = true;
+    backward(0, split);
+  }
+  // 7: a queued weight pass, then chunk 0's split backward.
+  for (int i = 0; i < H - h - 1; ++i) {
+    weight();
+    backward(0, true);
+  }
+  // 8: the remaining weight passes.
+  while (!weights.empty())
+    weight();
+}
+
 // DeepSeek's DualPipeV (as torch.distributed.pipelining's
 // ScheduleDualPipeV builds it): rank r holds stage r (chunk 0, going down)
-// and stage 2p - 1 - r (chunk 1, coming back). Each rank runs eight phases;
-// I is an input pass whose weight pass waits in a queue for a W.
+// and stage 2p - 1 - r (chunk 1, coming back), one arm of p ranks.
 Schedule dualPipeVSchedule(int ranks, int microBatches, CheckpointMode mode) {
   requireCounts(ranks, microBatches, 2);
   const int p = ranks, m = microBatches;
@@ -393,84 +493,53 @@ Schedule dualPipeVSchedule(int ranks, int microBatches, CheckpointMode mode) {
   }
   ComputeOrder order(p);
   for (int r = 0; r < p; ++r) {
-    auto& steps = order[r];
-    const int down = r, up = 2 * p - 1 - r; // chunk 0 and chunk 1
-    int next[2] = {0, 0}, nextBackward[2] = {0, 0};
-    std::deque<std::pair<int, int>> weights; // (stage, micro-batch)
-    auto stageOf = [&](int chunk) { return chunk == 0 ? down : up; };
-    auto forward = [&](int chunk, bool overlapped = false) {
-      steps.push_back(
-          {Pass::kForward, stageOf(chunk), next[chunk]++, overlapped});
-    };
-    auto backward = [&](int chunk, bool split) {
-      const int stage = stageOf(chunk), mb = nextBackward[chunk]++;
-      steps.push_back(
-          {split ? Pass::kBackwardInput : Pass::kBackward, stage, mb});
-      if (split)
-        weights.emplace_back(stage, mb);
-    };
-    auto weight = [&] {
-      steps.push_back(
-          {Pass::kBackwardWeight,
-           weights.front().first,
-           weights.front().second});
-      weights.pop_front();
-    };
-    // Forward of `chunkF` overlapped with the whole backward of the other.
-    auto pair = [&](int chunkF) {
-      forward(chunkF, true);
-      backward(1 - chunkF, false);
-    };
-    // 1: warm-up forwards of chunk 0.
-    for (int i = 0; i < (p - r - 1) * 2; ++i)
-      forward(0);
-    // 2: forwards of both chunks.
-    for (int i = 0; i < r + 1; ++i) {
-      forward(0);
-      forward(1);
-    }
-    // 3: chunk 1's split backward, its weight pass at once, a forward.
-    for (int i = 0; i < p - r - 1; ++i) {
-      backward(1, true);
-      weight();
-      forward(1);
-    }
-    // 4: the steady state, overlapped pairs (the last rank starts with a
-    // forward and a backward apart).
-    for (int i = 0; i < m - 2 * p + r + 1; ++i) {
-      if (i == 0 && r == p - 1) {
-        forward(0);
-        backward(1, false);
-      } else {
-        pair(0);
-      }
-      pair(1);
-    }
-    // 5: chunk 1's backwards, each with a pair.
-    for (int i = 0; i < p - r - 1; ++i) {
-      backward(1, false);
-      pair(1);
-    }
-    // 6: backwards of both chunks; from the middle on, split.
-    bool split = false;
-    for (int i = 0; i < r + 1; ++i) {
-      if (i == (r + 1) / 2 && r % 2 == 1)
-        split = true;
-      backward(1, split);
-      if (i == (r + 1) / 2 && r % 2 == 0)
-        split = true;
-      backward(0, split);
-    }
-    // 7: a queued weight pass, then chunk 0's split backward.
-    for (int i = 0; i < p - r - 1; ++i) {
-      weight();
-      backward(0, true);
-    }
-    // 8: the remaining weight passes.
-    while (!weights.empty())
-      weight();
+    appendDualPipeOrder(
+        order[r],
+        p,
+        r,
+        m,
+        [&](int chunk) { return chunk == 0 ? r : 2 * p - 1 - r; },
+        [](int, int index) { return index; });
   }
   Schedule schedule = lower("dualpipev", p, 2, m, mode, order);
+  schedule.placement = vPlacement(p);
+  return schedule;
+}
+
+// DualPipe: the first chain runs stages 0 .. p - 1 on ranks 0 .. p - 1, the
+// second (stages p .. 2p - 1) on ranks p - 1 .. 0, which is zb-v's V
+// placement. Each half of the ranks is one arm: a rank's chunk 0 is the
+// chain that enters on its side (the first chain on ranks 0 .. p/2 - 1),
+// chunk 1 the other; chain c's k-th micro-batch is micro-batch 2k + c.
+Schedule dualPipeSchedule(int ranks, int microBatches, CheckpointMode mode) {
+  requireCounts(ranks, microBatches, 2);
+  const int p = ranks, m = microBatches;
+  if (p % 2 != 0) {
+    throw ScheduleError(
+        "schedule 'dualpipe' needs an even number of ranks (its two halves "
+        "mirror each other), got " +
+        std::to_string(p));
+  }
+  if (m < 2 * p || m % 2 != 0) {
+    throw ScheduleError(
+        "schedule 'dualpipe' needs an even number of micro-batches, at least "
+        "as many as its stages (2 chains x " +
+        std::to_string(p) + " = " + std::to_string(2 * p) + "), got " +
+        std::to_string(m));
+  }
+  ComputeOrder order(p);
+  for (int r = 0; r < p; ++r) {
+    const int secondHalf = r >= p / 2 ? 1 : 0;
+    auto chainOf = [secondHalf](int chunk) { return chunk ^ secondHalf; };
+    appendDualPipeOrder(
+        order[r],
+        p / 2,
+        std::min(r, p - 1 - r),
+        m / 2,
+        [&](int chunk) { return chainOf(chunk) == 0 ? r : 2 * p - 1 - r; },
+        [&](int chunk, int index) { return 2 * index + chainOf(chunk); });
+  }
+  Schedule schedule = lower("dualpipe", p, 2, m, mode, order, 2);
   schedule.placement = vPlacement(p);
   return schedule;
 }
@@ -501,6 +570,8 @@ const char* scheduleKindName(ScheduleKind kind) {
       return "dualpipev";
     case ScheduleKind::kZeroBubbleVHalf:
       return "zb-v-half";
+    case ScheduleKind::kDualPipe:
+      return "dualpipe";
   }
   return "?";
 }
@@ -515,7 +586,8 @@ ScheduleSource::ScheduleSource(const std::string& text) {
         ScheduleKind::kZeroBubbleV,
         ScheduleKind::kAuto,
         ScheduleKind::kDualPipeV,
-        ScheduleKind::kZeroBubbleVHalf}) {
+        ScheduleKind::kZeroBubbleVHalf,
+        ScheduleKind::kDualPipe}) {
     if (text == scheduleKindName(kind)) {
       kind_ = kind;
       known_ = true;
@@ -554,8 +626,9 @@ Schedule loadMatching(const ScheduleSpec& spec) {
       file.size() > 4 && file.compare(file.size() - 4, 4, ".csv") == 0
       ? loadScheduleCsv(file, spec.checkpoint)
       : loadScheduleFile(file);
+  // A bidirectional schedule's chains each run the plan's stages.
   if (loaded.ranks != spec.ranks ||
-      loaded.virtualStages != spec.virtualStages) {
+      loaded.virtualStages != spec.virtualStages * loaded.chains) {
     throw ScheduleError(
         "schedule " + file + " is for " + std::to_string(loaded.ranks) +
         " rank(s) x " + std::to_string(loaded.virtualStages) +
@@ -652,6 +725,10 @@ Schedule makeSchedule(const ScheduleSpec& spec) {
     case ScheduleKind::kZeroBubbleVHalf:
       schedule = zeroBubbleVHalfSchedule(
           spec.ranks, spec.microBatches, spec.checkpoint);
+      break;
+    case ScheduleKind::kDualPipe:
+      schedule =
+          dualPipeSchedule(spec.ranks, spec.microBatches, spec.checkpoint);
       break;
     case ScheduleKind::kAuto:
       schedule = autoSchedule(

@@ -28,7 +28,8 @@ class Simulator {
         firstStart_(schedule.ranks, -1.0),
         lastEnd_(schedule.ranks, 0.0),
         pairedForward_(schedule.ranks, -1.0) {
-    if (costs.size() != 1 && static_cast<int>(costs.size()) != stages_) {
+    const int size = static_cast<int>(costs.size());
+    if (size != 1 && size != stages_ && size != schedule.chainLength()) {
       throw ScheduleError(
           "simulate: expected 1 or " + std::to_string(stages_) +
           " stage costs, got " + std::to_string(costs.size()));
@@ -53,7 +54,12 @@ class Simulator {
 
  private:
   const StageCosts& cost(int stage) const {
-    return costs_.size() == 1 ? costs_[0] : costs_[stage];
+    // Per stage of a chain: a copy costs what its original does.
+    if (costs_.size() == 1)
+      return costs_[0];
+    return static_cast<int>(costs_.size()) == stages_
+        ? costs_[stage]
+        : costs_[schedule_.modelStage(stage)];
   }
   size_t index(int stage, int mb) const {
     return static_cast<size_t>(stage) * m_ + mb;
@@ -108,10 +114,12 @@ class Simulator {
               gradReady_[index(s, mb)] = start + cost(s - 1).transfer;
             },
             [&](const RecvActivation&) {
-              await(s > 0 ? activationReady_[index(s - 1, mb)] : -1);
+              await(
+                  schedule_.hasPrevious(s) ? activationReady_[index(s - 1, mb)]
+                                           : -1);
             },
             [&](const RecvGrad&) {
-              await(s + 1 < stages_ ? gradReady_[index(s + 1, mb)] : -1);
+              await(schedule_.hasNext(s) ? gradReady_[index(s + 1, mb)] : -1);
             }},
         instruction);
     if (blocked)

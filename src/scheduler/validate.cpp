@@ -72,11 +72,12 @@ void checkInference(
       p.checkpointed) {
     fail(schedule, "an inference schedule only forwards; see " + at);
   }
-  if (stage > 0 && (p.recvActivation < 0 || p.recvActivation > p.forward)) {
+  if (schedule.hasPrevious(stage) &&
+      (p.recvActivation < 0 || p.recvActivation > p.forward)) {
     fail(
         schedule, "missing receive of the activation before forward for " + at);
   }
-  if (stage < schedule.stages() - 1 &&
+  if (schedule.hasNext(stage) &&
       (p.sendActivation < 0 || p.sendActivation < p.forward)) {
     fail(schedule, "missing send of the activation after forward for " + at);
   }
@@ -126,7 +127,7 @@ void checkTransfers(
     int stage,
     int gradientPass,
     const std::string& at) {
-  if (stage > 0) {
+  if (schedule.hasPrevious(stage)) {
     if (p.recvActivation < 0 || p.recvActivation > p.forward) {
       fail(
           schedule,
@@ -138,9 +139,14 @@ void checkTransfers(
           "missing send of the input gradient after backward for " + at);
     }
   } else if (p.recvActivation >= 0 || p.sendGrad >= 0) {
-    fail(schedule, "stage 0 has no previous stage to talk to (" + at + ")");
+    fail(
+        schedule,
+        (stage == 0
+             ? std::string("stage 0")
+             : "stage " + std::to_string(stage) + ", its chain's first,") +
+            " has no previous stage to talk to (" + at + ")");
   }
-  if (stage < schedule.stages() - 1) {
+  if (schedule.hasNext(stage)) {
     if (p.sendActivation < 0 || p.sendActivation < p.forward) {
       fail(schedule, "missing send of the activation after forward for " + at);
     }
@@ -150,7 +156,12 @@ void checkTransfers(
           "missing receive of the gradient before backward for " + at);
     }
   } else if (p.sendActivation >= 0 || p.recvGrad >= 0) {
-    fail(schedule, "the last stage has no next stage to talk to (" + at + ")");
+    fail(
+        schedule,
+        std::string(
+            schedule.chains == 1 ? "the last stage"
+                                 : "the last stage of a chain") +
+            " has no next stage to talk to (" + at + ")");
   }
 }
 
@@ -211,6 +222,8 @@ std::string orderText(const std::vector<int>& order) {
 
 std::string transferOrderMismatch(const Schedule& schedule) {
   for (int b = 0; b + 1 < schedule.stages(); ++b) {
+    if (!schedule.hasNext(b))
+      continue; // the boundary between two chains carries nothing
     for (bool activations : {true, false}) {
       const auto sent = transferOrder(schedule, b, activations, true);
       const auto received = transferOrder(schedule, b, activations, false);
@@ -263,6 +276,12 @@ void validate(const Schedule& schedule) {
             " ranks");
   }
   const int stages = schedule.stages();
+  if (schedule.chains < 1 || stages % schedule.chains != 0) {
+    fail(
+        schedule,
+        "its " + std::to_string(stages) + " stages cannot form " +
+            std::to_string(schedule.chains) + " chains of equal length");
+  }
   if (!schedule.placement.empty()) {
     if (static_cast<int>(schedule.placement.size()) != stages)
       fail(
@@ -309,6 +328,17 @@ void validate(const Schedule& schedule) {
                 ", which lives on rank " +
                 std::to_string(schedule.rankOfStage(stage)));
       }
+      if (!schedule.runs(stage, mb)) {
+        const int first = schedule.firstStageOf(mb);
+        fail(
+            schedule,
+            "rank " + std::to_string(rank) + " runs " +
+                shortLabel(instruction) + " of stage " + std::to_string(stage) +
+                ", but micro-batch " + std::to_string(mb) + " runs chain " +
+                std::to_string(schedule.chainOf(mb)) + " (stages " +
+                std::to_string(first) + " to " +
+                std::to_string(schedule.lastStageOf(mb)) + ")");
+      }
       Positions& p = positions[static_cast<size_t>(stage) * m + mb];
       record(schedule, *slotFor(p, instruction), i, instruction);
       if (const auto* forward = std::get_if<Forward>(&instruction)) {
@@ -320,7 +350,8 @@ void validate(const Schedule& schedule) {
   }
   for (int stage = 0; stage < stages; ++stage) {
     for (int mb = 0; mb < m; ++mb) {
-      checkStageMicroBatch(schedule, positions[stage * m + mb], stage, mb);
+      if (schedule.runs(stage, mb))
+        checkStageMicroBatch(schedule, positions[stage * m + mb], stage, mb);
     }
   }
   const Simulation dryRun = simulate(schedule, {StageCosts{}});

@@ -478,6 +478,8 @@ void restoreWeights(
     }
     target.copy_(saved);
   }
+  if (!communicator)
+    pipe.refreshChainCopies();
 }
 
 // What a resume onto another layout says of what carries over.

@@ -29,13 +29,16 @@ std::vector<MemoryRow> prepareMemory(const Config& config, Pipeline& pipe) {
   const int ranks = pipe.schedule().ranks;
   std::vector<MemoryRow> rows(ranks);
   const auto& boundaries = pipe.boundaries();
-  for (int s = 0; s < pipe.schedule().stages(); ++s) {
-    const int rank = pipe.schedule().rankOfStage(s);
+  const Schedule& schedule = pipe.schedule();
+  for (int s = 0; s < schedule.stages(); ++s) {
+    const int rank = schedule.rankOfStage(s);
     MemoryRow& row = rows[rank];
     row.device = config.pipeline.devices[rank].name;
     row.capacityBytes = config.pipeline.devices[rank].memoryBytes;
-    row.predictedBytes += predicted[s].memoryBytes;
-    for (int l = boundaries[s]; l < boundaries[s + 1]; ++l) {
+    // A stage of the model predicts the memory of all its copies (chains).
+    const int ms = schedule.modelStage(s);
+    row.predictedBytes += predicted[ms].memoryBytes / schedule.chains;
+    for (int l = boundaries[ms]; l < boundaries[ms + 1]; ++l) {
       for (const auto& p : pipe.layers()[l].module.ptr()->parameters()) {
         const auto bytes = static_cast<int64_t>(p.nbytes());
         row.parameterBytes += bytes;

@@ -259,11 +259,25 @@ class TrainingRun {
       const Schedule& schedule = plan_.schedule;
       const int mine = world()->stageRank();
       DataNeeds needs;
-      needs.inputs = schedule.rankOfStage(0) == mine;
-      needs.targets = schedule.rankOfStage(schedule.stages() - 1) == mine;
+      // Micro-batches enter and end on each chain's first and last stage.
+      needs.inputs = needs.targets = false;
+      for (int chain = 0; chain < schedule.chains; ++chain) {
+        needs.inputs = needs.inputs ||
+            schedule.rankOfStage(schedule.firstStageOf(chain)) == mine;
+        needs.targets = needs.targets ||
+            schedule.rankOfStage(schedule.lastStageOf(chain)) == mine;
+      }
       data_ = loadDataset(config_, model_, needs);
     }
     startPipeline(planRequest_, plan_);
+    if (world() && plan_.schedule.chains > 1 &&
+        (!options_.saveDir.empty() || !options_.resumeDir.empty())) {
+      throw ConfigError(
+          "--save/--resume: schedule '" + plan_.schedule.name +
+          "' across processes keeps each stage's copy on another rank than "
+          "its original, and its checkpoints are not written yet; train it "
+          "in one process to save, or use dualpipev");
+    }
     optimizer_ = makeOptimizer(config_.train.optimizer, pipe_->parameters());
     lossFn_ = makeLoss(config_.train.loss);
     classification_ = config_.train.loss == "cross_entropy";

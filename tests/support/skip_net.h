@@ -14,8 +14,9 @@ namespace testing {
 
 // A layer whose forward takes the popped skip as its second argument: an
 // activation gated by an earlier one (the shape of "hidden state plus
-// mask").
-struct GateImpl : torch::nn::Module {
+// mask"). Cloneable, so dualpipe can copy it.
+struct GateImpl : torch::nn::Cloneable<GateImpl> {
+  void reset() override {}
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& gate) {
     return x * torch::sigmoid(gate);
   }
