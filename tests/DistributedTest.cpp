@@ -108,6 +108,19 @@ class DistributedTest : public ::testing::Test {
     return values;
   }
 
+  // The run's last evaluation loss; NaN when it has none.
+  static double evalLoss(const std::string& file) {
+    double value = std::numeric_limits<double>::quiet_NaN();
+    std::ifstream in(file);
+    std::string line;
+    while (std::getline(in, line)) {
+      const auto record = nlohmann::json::parse(line);
+      if (record.contains("eval_loss") && record["eval_loss"].is_number())
+        value = record["eval_loss"].get<double>();
+    }
+    return value;
+  }
+
   static void expectSameLosses(
       const std::vector<double>& a,
       const std::vector<double>& b,
@@ -325,6 +338,11 @@ TEST_F(DistributedTest, AVShapedScheduleMatchesTheThreadedRun) {
         losses(path(schedule + "-threaded.jsonl")),
         losses(path(schedule + "-two.jsonl")),
         1e-7);
+    // Evaluation forwards through the processes too (dualpipe's first chain).
+    EXPECT_NEAR(
+        evalLoss(path(schedule + "-threaded.jsonl")),
+        evalLoss(path(schedule + "-two.jsonl")),
+        1e-6);
   }
   expectNoOrphans();
 }

@@ -188,7 +188,7 @@ TEST(PipelineTest, PyTorchsScheduleFilesAndDualPipeVAreTransparent) {
 // chains of stages, the second holding copies of the layers. The loss and
 // the originals' gradients equal the unpartitioned model's; each copy's
 // gradient equals its original's, so an optimizer over parameters() keeps
-// them equal, and inference runs both chains.
+// them equal, and inference runs the first chain.
 TEST(PipelineTest, DualPipeIsTransparent) {
   for (int ranks : {2, 4}) {
     for (int m : {2 * ranks, 2 * ranks + 2}) {

@@ -337,14 +337,12 @@ Schedule dualPipeVSchedule(int ranks, int microBatches, CheckpointMode mode);
 // ranks as one arm of the V. Needs an even m >= 2p.
 Schedule dualPipeSchedule(int ranks, int microBatches, CheckpointMode mode);
 // Inference: every rank forwards its stages' micro-batches in order, with
-// the stages placed as `placement` says (empty: s % ranks) and each
-// micro-batch running its chain.
+// the stages placed as `placement` says (empty: s % ranks).
 Schedule forwardOnlySchedule(
     int ranks,
     int virtualStages,
     int microBatches,
-    const std::vector<int>& placement = {},
-    int chains = 1);
+    const std::vector<int>& placement = {});
 // Dispatches on spec.source and validates the result. A schedule file must
 // match the spec's ranks, virtual stages and micro-batches.
 Schedule makeSchedule(const ScheduleSpec& spec);

@@ -383,29 +383,20 @@ torch::Tensor Pipeline::forward(const torch::Tensor& input) {
       "forward: input must have a non-empty batch dimension");
   const int m = static_cast<int>(
       std::min<int64_t>(impl_->schedule.microBatches, input.size(0)));
-  const Schedule inference = forwardOnlySchedule(
-      impl_->schedule.ranks,
-      impl_->schedule.virtualStages,
-      m,
-      impl_->schedule.placement,
-      impl_->schedule.chains);
+  // Inference needs one chain: a bidirectional schedule's first (stage s on
+  // rank s) forwards every micro-batch, ending where other schedules end.
+  const Schedule& trained = impl_->schedule;
+  const Schedule inference = trained.chains > 1
+      ? forwardOnlySchedule(trained.ranks, 1, m)
+      : forwardOnlySchedule(
+            trained.ranks, trained.virtualStages, m, trained.placement);
   runtime::StepState state;
   state.inputs = impl_->split(input, m, impl_->stages.front().device);
-  for (int mb = 0; mb < m; ++mb) {
-    state.inputs[mb] =
-        state.inputs[mb].to(impl_->stages[inference.firstStageOf(mb)].device);
-    state.microBatchSizes.push_back(state.inputs[mb].size(0));
-  }
+  for (const auto& chunk : state.inputs)
+    state.microBatchSizes.push_back(chunk.size(0));
   impl_->run(state, inference);
-  // Outputs come back where their micro-batches end: with two chains, on
-  // two ranks (the first and the last).
-  for (const auto& output : state.outputs) {
-    if (!output.defined())
-      return torch::Tensor();
-  }
-  const c10::Device device = state.outputs.back().device();
-  for (auto& output : state.outputs)
-    output = output.to(device);
+  if (!impl_->isLocalStage(inference.stages() - 1))
+    return torch::Tensor();
   return at::cat(state.outputs, 0);
 }
 

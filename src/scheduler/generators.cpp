@@ -357,20 +357,17 @@ Schedule forwardOnlySchedule(
     int ranks,
     int virtualStages,
     int microBatches,
-    const std::vector<int>& placement,
-    int chains) {
+    const std::vector<int>& placement) {
   requireCounts(ranks, microBatches, virtualStages);
   Schedule placed;
   placed.ranks = ranks;
   placed.virtualStages = virtualStages;
   placed.placement = placement;
-  placed.chains = chains;
   ComputeOrder order(ranks);
   for (int rank = 0; rank < ranks; ++rank) {
     for (int stage : placed.stagesOfRank(rank)) {
       for (int mb = 0; mb < microBatches; ++mb) {
-        if (placed.runs(stage, mb))
-          order[rank].push_back({Pass::kForward, stage, mb});
+        order[rank].push_back({Pass::kForward, stage, mb});
       }
     }
   }
@@ -380,8 +377,7 @@ Schedule forwardOnlySchedule(
       virtualStages,
       microBatches,
       CheckpointMode::kNever,
-      order,
-      chains);
+      order);
   schedule.training = false;
   schedule.placement = placement;
   return schedule;
