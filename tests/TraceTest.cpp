@@ -2,6 +2,7 @@
 
 #include <nlohmann/json.hpp>
 #include <regex>
+#include <set>
 #include <sstream>
 #include <torch/torch.h>
 
@@ -136,6 +137,64 @@ TEST(TraceTest, ReportAddsUp) {
   const auto json = bubbleReportToJson(report);
   EXPECT_EQ(json["ranks"].size(), 3u);
   EXPECT_TRUE(json["definitions"].contains("measured_bubble"));
+}
+
+// The overlap of a forward paired with a backward (DualPipeV's pairs) is
+// measured from the recorded events: 0 where the two ran one after the
+// other, as a CPU worker runs them; 1 where the shorter part ran entirely
+// under the longer. The report carries it, and a costs file reads it back.
+TEST(TraceTest, PairsMeasureTheirOverlap) {
+  torch::nn::Sequential model = net();
+  PipelineOptions options;
+  options.devices = {"cpu:0", "cpu:1"};
+  options.virtualStages = 2;
+  options.microBatches = 4;
+  options.schedule = "dualpipev";
+  options.record = true;
+  options.keepSteps = 1;
+  Pipeline pipe(layersOf(model), options);
+  torch::manual_seed(1);
+  pipe.trainStep(torch::randn({16, 16}), torch::randint(0, 4, {16}), loss);
+  Trace trace = pipe.trace();
+  std::set<int> paired; // stages whose forwards pair with a backward
+  for (const auto& list : trace.schedule.perRank) {
+    for (const auto& instruction : list) {
+      const auto* f = std::get_if<Forward>(&instruction);
+      if (f && f->overlapsBackward)
+        paired.insert(f->stage);
+    }
+  }
+  ASSERT_FALSE(paired.empty());
+  const BubbleReport sequential = bubbleReport(trace);
+  for (int s : paired)
+    EXPECT_EQ(sequential.measuredCosts[s].overlap, 0.0) << "stage " << s;
+  // Each pair's backward moved to start with its forward.
+  auto& events = trace.steps.front().events;
+  for (auto& event : events) {
+    const auto* f =
+        std::get_if<Forward>(&trace.schedule.perRank[event.rank][event.index]);
+    if (!f || !f->overlapsBackward)
+      continue;
+    TraceEvent* backward = nullptr;
+    for (auto& other : events) {
+      if (other.rank == event.rank && other.index > event.index &&
+          isCompute(trace.schedule.perRank[other.rank][other.index]) &&
+          (!backward || other.index < backward->index))
+        backward = &other;
+    }
+    ASSERT_NE(backward, nullptr);
+    const double length = backward->endUs - backward->startUs;
+    backward->startUs = event.startUs;
+    backward->endUs = event.startUs + length;
+  }
+  const BubbleReport hidden = bubbleReport(trace);
+  for (int s : paired)
+    EXPECT_EQ(hidden.measuredCosts[s].overlap, 1.0) << "stage " << s;
+  const auto costs = stageCostsFromJson(
+      bubbleReportToJson(hidden), trace.schedule.stages(), "report");
+  for (int s : paired)
+    EXPECT_EQ(costs[s].overlap, 1.0) << "stage " << s;
+  EXPECT_LT(hidden.simulatedStepMs, sequential.simulatedStepMs);
 }
 
 // Minimal XML well-formedness: every tag closes in order, attributes quoted.

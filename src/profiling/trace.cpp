@@ -38,10 +38,40 @@ std::vector<StageCosts> meanCosts(const Trace& trace) {
   };
   std::vector<std::map<std::string, Sum>> sums(stages);
   for (const auto& step : trace.steps) {
+    // Per rank, its events by list position: an overlapped pair's backward
+    // is the rank's next compute event after its forward.
+    std::map<std::pair<int, int>, const TraceEvent*> at;
     for (const auto& event : step.events) {
       const Instruction& instruction = instructionOf(trace, event);
       Sum& sum = sums[stageOf(instruction)][opName(instruction)];
       sum.total += (event.endUs - event.startUs) / 1000.0;
+      ++sum.count;
+      at[{event.rank, event.index}] = &event;
+    }
+    // How much of a pair's shorter part ran under the other: (F + B - span)
+    // / min(F, B), 0 for one after the other, 1 when the shorter hid
+    // entirely; the simulator's StageCosts::overlap, on the forward's stage.
+    for (auto it = at.begin(); it != at.end(); ++it) {
+      const TraceEvent& forward = *it->second;
+      const auto* f = std::get_if<Forward>(&instructionOf(trace, forward));
+      if (!f || !f->overlapsBackward)
+        continue;
+      auto next = std::next(it);
+      while (next != at.end() && next->first.first == forward.rank &&
+             !isCompute(instructionOf(trace, *next->second)))
+        ++next;
+      if (next == at.end() || next->first.first != forward.rank)
+        continue;
+      const TraceEvent& backward = *next->second;
+      const double fUs = forward.endUs - forward.startUs;
+      const double bUs = backward.endUs - backward.startUs;
+      const double span = std::max(forward.endUs, backward.endUs) -
+          std::min(forward.startUs, backward.startUs);
+      if (std::min(fUs, bUs) <= 0.0)
+        continue;
+      Sum& sum = sums[f->stage]["overlap"];
+      sum.total +=
+          std::clamp((fUs + bUs - span) / std::min(fUs, bUs), 0.0, 1.0);
       ++sum.count;
     }
   }
@@ -55,6 +85,7 @@ std::vector<StageCosts> meanCosts(const Trace& trace) {
     c.backwardWeight = mean("backward_weight");
     c.recompute = mean("recompute");
     c.transfer = std::max(mean("send_activation"), mean("send_grad"));
+    c.overlap = mean("overlap");
   }
   return costs;
 }
@@ -173,7 +204,8 @@ nlohmann::json bubbleReportToJson(const BubbleReport& report) {
          {"backward_input_ms", c.backwardInput},
          {"backward_weight_ms", c.backwardWeight},
          {"recompute_ms", c.recompute},
-         {"transfer_ms", c.transfer}});
+         {"transfer_ms", c.transfer},
+         {"overlap", c.overlap}});
   }
   return {
       {"steps", report.steps},
@@ -230,6 +262,12 @@ std::vector<StageCosts> stageCostsFromJson(
     c.backward = fused > 0 ? fused : c.backwardInput + c.backwardWeight;
     c.recompute = c.forward;
     c.transfer = number("transfer_ms");
+    c.overlap = number("overlap");
+    if (c.overlap > 1.0) {
+      throw ConfigError(
+          what + ": stage_costs[" + std::to_string(k) +
+          "].overlap: expected a fraction from 0 to 1");
+    }
     costs.push_back(c);
   }
   return costs;

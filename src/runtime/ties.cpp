@@ -206,6 +206,21 @@ void sumTiedGradients(
       continue;
     if (!communicator && copies.size() < 2)
       continue; // one tensor: autograd summed its uses
+    const bool allDefined =
+        std::all_of(copies.begin(), copies.end(), [](const at::Tensor& c) {
+          return c.grad().defined() && c.grad().device() == c.device();
+        });
+    if (!communicator && allDefined) {
+      // In place on the first copy's gradient (the same sum, in the same
+      // order, as from zeros): dualpipe ties every parameter, and each pass
+      // over its gradients costs.
+      at::Tensor& total = copies.front().mutable_grad();
+      for (size_t i = 1; i < copies.size(); ++i)
+        total.add_(copies[i].grad().to(total.device()));
+      for (size_t i = 1; i < copies.size(); ++i)
+        copies[i].mutable_grad().copy_(total);
+      continue;
+    }
     const at::Tensor& model = group.tensors.front();
     const c10::Device device =
         copies.empty() ? c10::Device(at::kCPU) : copies.front().device();
