@@ -810,6 +810,38 @@ TEST(ScheduleTest, PyTorchsLoweredCsvRoundTripsWithItsTransfers) {
   EXPECT_THROW(scheduleFromCsv(swapped, CheckpointMode::kNever), ScheduleError);
 }
 
+namespace {
+
+// Random costs where DeepSeek's published bubbles apply: the input pass as
+// long as the forward, W at most F.
+StageCosts publishedBubbleCosts(std::mt19937& rng) {
+  std::uniform_real_distribution<double> time(0.5, 2.0);
+  StageCosts c;
+  c.forward = c.backwardInput = time(rng);
+  c.backwardWeight = c.forward * std::uniform_real_distribution<>(0.3, 1)(rng);
+  c.backward = c.backwardInput + c.backwardWeight;
+  return c;
+}
+
+// The worst rank's idle within its span, against DeepSeek's published
+// bubble (arm - 1)(F&B + B - 3W): PP / 2 - 1 for an arm of PP / 2 ranks,
+// F&B a pair as the simulator costs it.
+void expectWithinPublishedBubble(
+    const Simulation& s,
+    const StageCosts& c,
+    int ranks,
+    int arm) {
+  const double paired =
+      c.forward + c.backward - c.overlap * std::min(c.forward, c.backward);
+  double idle = 0.0;
+  for (int r = 0; r < ranks; ++r)
+    idle = std::max(idle, s.span[r] - s.busy[r]);
+  EXPECT_LE(
+      idle, (arm - 1) * (paired + c.backward - 3 * c.backwardWeight) + 1e-9);
+}
+
+} // namespace
+
 TEST(ScheduleTest, OverlappedPairsAreCheckedAndCosted) {
   EXPECT_THROW(
       scheduleFromCsv("(0F0;0I0)OVERLAP_F_B\n", CheckpointMode::kNever),
@@ -832,24 +864,15 @@ TEST(ScheduleTest, OverlappedPairsAreCheckedAndCosted) {
   // after the other (F&B = F + B), as on CPU. (With T_I != T_F it is
   // exceeded in 87 of 200 random draws.)
   std::mt19937 rng(5);
-  std::uniform_real_distribution<double> time(0.5, 2.0);
   for (int trial = 0; trial < 40; ++trial) {
     const int p = 2 + trial % 5, m = 2 * p + trial % 7;
-    StageCosts c;
-    c.forward = c.backwardInput = time(rng);
-    c.backwardWeight =
-        c.forward * std::uniform_real_distribution<>(0.3, 1)(rng);
-    c.backward = c.backwardInput + c.backwardWeight;
-    const Simulation s =
-        simulate(dualPipeVSchedule(p, m, CheckpointMode::kNever), {c});
-    const double paired =
-        c.forward + c.backward - c.overlap * std::min(c.forward, c.backward);
-    double idle = 0.0;
-    for (int r = 0; r < p; ++r)
-      idle = std::max(idle, s.span[r] - s.busy[r]);
-    EXPECT_LE(
-        idle, (p - 1) * (paired + c.backward - 3 * c.backwardWeight) + 1e-9)
-        << "p=" << p << " m=" << m;
+    SCOPED_TRACE("p=" + std::to_string(p) + " m=" + std::to_string(m));
+    const StageCosts c = publishedBubbleCosts(rng);
+    expectWithinPublishedBubble(
+        simulate(dualPipeVSchedule(p, m, CheckpointMode::kNever), {c}),
+        c,
+        p,
+        p);
   }
 }
 
@@ -896,25 +919,14 @@ TEST(ScheduleTest, DualPipeRunsTwoChainsWithinItsPublishedBubble) {
   EXPECT_THROW(dualPipeSchedule(4, 9, CheckpointMode::kNever), ScheduleError);
 
   std::mt19937 rng(7);
-  std::uniform_real_distribution<double> time(0.5, 2.0);
   for (int trial = 0; trial < 40; ++trial) {
     const int p = 2 * (1 + trial % 4), m = 2 * p + 2 * (trial % 5);
-    StageCosts c;
-    c.forward = c.backwardInput = time(rng);
-    c.backwardWeight =
-        c.forward * std::uniform_real_distribution<>(0.3, 1)(rng);
-    c.backward = c.backwardInput + c.backwardWeight;
+    SCOPED_TRACE("p=" + std::to_string(p) + " m=" + std::to_string(m));
+    const StageCosts c = publishedBubbleCosts(rng);
     const Schedule dual = dualPipeSchedule(p, m, CheckpointMode::kNever);
     const Simulation sim = simulate(dual, {c});
     ASSERT_TRUE(sim.finished);
-    const double paired =
-        c.forward + c.backward - c.overlap * std::min(c.forward, c.backward);
-    double idle = 0.0;
-    for (int r = 0; r < p; ++r)
-      idle = std::max(idle, sim.span[r] - sim.busy[r]);
-    EXPECT_LE(
-        idle, (p / 2 - 1) * (paired + c.backward - 3 * c.backwardWeight) + 1e-9)
-        << "p=" << p << " m=" << m;
+    expectWithinPublishedBubble(sim, c, p, p / 2);
     for (int r = 0; r < p; ++r) {
       int held = 0;
       for (int stage : dual.stagesOfRank(r))

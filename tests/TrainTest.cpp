@@ -73,6 +73,25 @@ fs::path scratch(const std::string& name) {
   return dir;
 }
 
+// Trains until `stopAfter` steps, saving into `dir`, then resumes from that
+// checkpoint to the end (metrics, when named, appended across both); the
+// resumed run's summary.
+TrainSummary stopAndResume(
+    const Json& json,
+    const fs::path& dir,
+    int stopAfter,
+    const std::string& metricsPath = "") {
+  TrainOptions save;
+  save.saveDir = (dir / "ckpt").string();
+  save.metricsPath = metricsPath;
+  save.stopAfter = stopAfter;
+  quietTrain(parseConfig(json), save);
+  TrainOptions resume = save;
+  resume.stopAfter = 0;
+  resume.resumeDir = save.saveDir;
+  return quietTrain(parseConfig(json), resume);
+}
+
 std::string shapeError(const Json& layers, const std::vector<int64_t>& input) {
   ModelConfig model;
   model.inputShape = input;
@@ -337,16 +356,8 @@ TEST(TrainTest, ResumeReproducesTheUninterruptedLosses) {
       json["train"]["optimizer"]["momentum"] = 0.9;
     json["train"]["steps"] = 10;
     const TrainSummary whole = quietTrain(parseConfig(json));
-
-    TrainOptions save;
-    save.saveDir = (dir / "ckpt").string();
-    save.metricsPath = (dir / "metrics.jsonl").string();
-    save.stopAfter = 4;
-    quietTrain(parseConfig(json), save);
-    TrainOptions resume = save;
-    resume.stopAfter = 0;
-    resume.resumeDir = save.saveDir;
-    const TrainSummary rest = quietTrain(parseConfig(json), resume);
+    const std::string metricsPath = (dir / "metrics.jsonl").string();
+    const TrainSummary rest = stopAndResume(json, dir, 4, metricsPath);
     EXPECT_EQ(rest.startStep, 4);
     ASSERT_EQ(rest.losses.size(), 6u);
     for (size_t i = 0; i < rest.losses.size(); ++i) {
@@ -354,7 +365,7 @@ TEST(TrainTest, ResumeReproducesTheUninterruptedLosses) {
           << "step " << i + 5; // bit-exact
     }
     // The metrics file continues: steps 1..10, 1-based, then the eval record.
-    std::ifstream metrics(save.metricsPath);
+    std::ifstream metrics(metricsPath);
     std::string line;
     int64_t expectedStep = 1;
     while (std::getline(metrics, line)) {
@@ -634,14 +645,7 @@ TEST(TrainTest, DualPipeTrainsAsOneStageAndResumesExactly) {
   json["train"]["steps"] = 10;
   const TrainSummary whole = quietTrain(parseConfig(json));
   const fs::path dir = scratch("dualpipe-resume");
-  TrainOptions save;
-  save.saveDir = (dir / "ckpt").string();
-  save.stopAfter = 4;
-  quietTrain(parseConfig(json), save);
-  TrainOptions resume = save;
-  resume.stopAfter = 0;
-  resume.resumeDir = save.saveDir;
-  const TrainSummary rest = quietTrain(parseConfig(json), resume);
+  const TrainSummary rest = stopAndResume(json, dir, 4);
   ASSERT_EQ(rest.losses.size(), 6u);
   for (size_t i = 0; i < rest.losses.size(); ++i)
     EXPECT_EQ(rest.losses[i], whole.losses[i + 4]) << "step " << i + 5;

@@ -307,11 +307,15 @@ void Pipeline::Impl::finishGradientAveraging(const runtime::StepState& state) {
 at::Tensor Pipeline::Impl::worldLossTensor(
     double value,
     const runtime::StepState& state) const {
-  const at::Tensor local = lossTotal(state);
-  return torch::tensor(
-      value,
-      torch::TensorOptions().dtype(
-          local.defined() ? local.scalar_type() : torch::kFloat));
+  // In the dtype of the losses computed here, if any.
+  at::ScalarType dtype = torch::kFloat;
+  for (const auto& loss : state.losses) {
+    if (loss.defined()) {
+      dtype = loss.scalar_type();
+      break;
+    }
+  }
+  return torch::tensor(value, torch::TensorOptions().dtype(dtype));
 }
 
 torch::Tensor Pipeline::trainStep(

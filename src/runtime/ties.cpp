@@ -77,6 +77,17 @@ bool sameTensor(const at::Tensor& a, const at::Tensor& b) {
   return a.unsafeGetTensorImpl() == b.unsafeGetTensorImpl();
 }
 
+// The copies start equal: each takes the first use's values.
+void makeCopiesEqual(std::vector<TiedGroup>& groups) {
+  at::NoGradGuard noGrad;
+  for (auto& group : groups) {
+    for (size_t i = 1; i < group.tensors.size(); ++i) {
+      if (!sameTensor(group.tensors[i], group.tensors.front()))
+        group.tensors[i].copy_(group.tensors.front());
+    }
+  }
+}
+
 } // namespace
 
 std::vector<TiedGroup> findTiedGroups(
@@ -107,14 +118,7 @@ std::vector<TiedGroup> findTiedGroups(
     if (*low != *high)
       groups.push_back(std::move(group));
   }
-  // The copies start equal: each takes the first use's values.
-  at::NoGradGuard noGrad;
-  for (auto& group : groups) {
-    for (size_t i = 1; i < group.tensors.size(); ++i) {
-      if (!sameTensor(group.tensors[i], group.tensors.front()))
-        group.tensors[i].copy_(group.tensors.front());
-    }
-  }
+  makeCopiesEqual(groups);
   return groups;
 }
 
@@ -165,13 +169,7 @@ std::vector<TiedGroup> withChainCopies(
     addCopies(*holder, use.name, use.stage);
   }
   // The copies were taken before the declared ties were made equal.
-  at::NoGradGuard noGrad;
-  for (auto& group : groups) {
-    for (size_t i = 1; i < group.tensors.size(); ++i) {
-      if (!sameTensor(group.tensors[i], group.tensors.front()))
-        group.tensors[i].copy_(group.tensors.front());
-    }
-  }
+  makeCopiesEqual(groups);
   return groups;
 }
 
