@@ -691,36 +691,44 @@ TEST_F(DistributedTest, ADeclaredCapacityBindsAcrossProcesses) {
   expectNoOrphans();
 }
 
+// Under dualpipe each rank saves the stages it runs, a copy under its
+// original's names, and takes them back.
 TEST_F(DistributedTest, ResumedRunMatchesTheUninterruptedOne) {
-  ASSERT_EQ(
-      shell(
-          binary() + " launch --nproc 2 " + config_ + " --metrics " +
-          path("whole.jsonl"))
-          .status,
-      0);
-  const Result first = shell(
-      binary() + " launch --nproc 2 " + config_ + " --save " + path("ckpt") +
-      " --stop-after 5 --metrics " + path("parts.jsonl"));
-  ASSERT_EQ(first.status, 0) << first.output;
-  EXPECT_TRUE(fs::exists(path("ckpt/rank-0/model.pt")));
-  EXPECT_TRUE(fs::exists(path("ckpt/rank-1/model.pt")));
-  const Result rest = shell(
-      binary() + " launch --nproc 2 " + config_ + " --resume " + path("ckpt") +
-      " --metrics " + path("parts.jsonl"));
-  ASSERT_EQ(rest.status, 0) << rest.output;
-  expectSameLosses(
-      losses(path("whole.jsonl")), losses(path("parts.jsonl")), 0.0);
-  // One process reads every rank's files: the run goes on in one process.
-  const Result oneProcess = shell(
-      binary() + " train " + config_ + " --resume " + path("ckpt") +
-      " --set train.steps=14");
-  EXPECT_EQ(oneProcess.status, 0) << oneProcess.output;
-  EXPECT_NE(
-      oneProcess.output.find(
-          "the checkpoint was written by 2 pipeline rank(s), this run has one "
-          "process"),
-      std::string::npos)
-      << oneProcess.output;
+  for (const std::string schedule : {"1f1b", "dualpipe"}) {
+    SCOPED_TRACE(schedule);
+    const std::string run =
+        config_ + " --set pipeline.schedule=" + schedule + " --metrics ";
+    const std::string ckpt = path(schedule + "-ckpt");
+    const std::string parts = path(schedule + "-parts.jsonl");
+    ASSERT_EQ(
+        shell(
+            binary() + " launch --nproc 2 " + run +
+            path(schedule + "-whole.jsonl"))
+            .status,
+        0);
+    const Result first = shell(
+        binary() + " launch --nproc 2 " + run + parts + " --save " + ckpt +
+        " --stop-after 5");
+    ASSERT_EQ(first.status, 0) << first.output;
+    EXPECT_TRUE(fs::exists(ckpt + "/rank-0/model.pt"));
+    EXPECT_TRUE(fs::exists(ckpt + "/rank-1/model.pt"));
+    const Result rest = shell(
+        binary() + " launch --nproc 2 " + run + parts + " --resume " + ckpt);
+    ASSERT_EQ(rest.status, 0) << rest.output;
+    expectSameLosses(
+        losses(path(schedule + "-whole.jsonl")), losses(parts), 0.0);
+    // One process reads every rank's files: the run goes on in one process.
+    const Result oneProcess = shell(
+        binary() + " train " + config_ + " --set pipeline.schedule=" +
+        schedule + " --resume " + ckpt + " --set train.steps=14");
+    EXPECT_EQ(oneProcess.status, 0) << oneProcess.output;
+    EXPECT_NE(
+        oneProcess.output.find(
+            "the checkpoint was written by 2 pipeline rank(s), this run has "
+            "one process"),
+        std::string::npos)
+        << oneProcess.output;
+  }
 }
 
 // pipeline.elastic with launch --min-nproc: a 3-rank job whose rank 1 dies

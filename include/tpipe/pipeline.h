@@ -297,6 +297,9 @@ class Pipeline {
   void refreshChainCopies();
 
   const LayerList& layers() const;
+  // The layers stage `stage` runs: layers() of its range on the first
+  // chain, their copies on a bidirectional schedule's second.
+  const std::vector<NamedLayer>& stageLayers(int stage) const;
   const std::vector<int>& boundaries() const; // stages + 1 layer indices
   const Plan& plan() const; // what runs: boundaries, schedule, predictions
   const Schedule& schedule() const;

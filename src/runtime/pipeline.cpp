@@ -624,6 +624,16 @@ std::vector<std::pair<std::string, torch::Tensor>> Pipeline::namedParameters()
 const LayerList& Pipeline::layers() const {
   return impl_->layers;
 }
+const std::vector<NamedLayer>& Pipeline::stageLayers(int stage) const {
+  TORCH_CHECK(
+      stage >= 0 && stage < impl_->schedule.stages(),
+      "stageLayers: no stage ",
+      stage,
+      " in ",
+      impl_->schedule.stages());
+  return impl_->stages[stage].layers;
+}
+
 const Plan& Pipeline::plan() const {
   return impl_->plan;
 }

@@ -55,19 +55,20 @@ nlohmann::json readJson(const fs::path& path) {
 }
 
 // The tensors a checkpoint holds: every parameter and buffer, named as
-// nn.Sequential's state_dict; across processes only this rank's stages.
+// nn.Sequential's state_dict; across processes only this rank's stages
+// (under dualpipe a stage's copy, by its original's names, where the rank
+// runs the copy). In one process the copies follow the originals
+// (Pipeline::refreshChainCopies).
 std::vector<std::pair<std::string, torch::Tensor>> checkpointTensors(
     const Pipeline& pipe,
     Communicator* communicator) {
   std::vector<std::pair<std::string, torch::Tensor>> tensors;
-  const auto& boundaries = pipe.boundaries();
-  for (size_t s = 0; s + 1 < boundaries.size(); ++s) {
-    if (communicator &&
-        pipe.schedule().rankOfStage(static_cast<int>(s)) !=
-            communicator->stageRank())
+  const Schedule& schedule = pipe.schedule();
+  const int stages = communicator ? schedule.stages() : schedule.chainLength();
+  for (int s = 0; s < stages; ++s) {
+    if (communicator && schedule.rankOfStage(s) != communicator->stageRank())
       continue;
-    for (int l = boundaries[s]; l < boundaries[s + 1]; ++l) {
-      const auto& layer = pipe.layers()[l];
+    for (const auto& layer : pipe.stageLayers(s)) {
       for (const auto& item : layer.module.ptr()->named_parameters()) {
         tensors.emplace_back(layer.name + "." + item.key(), item.value());
       }

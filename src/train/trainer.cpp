@@ -270,14 +270,6 @@ class TrainingRun {
       data_ = loadDataset(config_, model_, needs);
     }
     startPipeline(planRequest_, plan_);
-    if (world() && plan_.schedule.chains > 1 &&
-        (!options_.saveDir.empty() || !options_.resumeDir.empty())) {
-      throw ConfigError(
-          "--save/--resume: schedule '" + plan_.schedule.name +
-          "' across processes keeps each stage's copy on another rank than "
-          "its original, and its checkpoints are not written yet; train it "
-          "in one process to save, or use dualpipev");
-    }
     optimizer_ = makeOptimizer(config_.train.optimizer, pipe_->parameters());
     lossFn_ = makeLoss(config_.train.loss);
     classification_ = config_.train.loss == "cross_entropy";
