@@ -898,6 +898,9 @@ TEST(ScheduleTest, DualPipeRunsTwoChainsWithinItsPublishedBubble) {
   const Schedule back = scheduleFromJson(scheduleToJson(s));
   EXPECT_EQ(back.chains, 2);
   EXPECT_NO_THROW(validate(back));
+  Schedule threeChains = back;
+  threeChains.chains = 3; // 8 stages do not split in three
+  EXPECT_THROW(validate(threeChains), ScheduleError);
   EXPECT_THROW(scheduleToCsv(s), ScheduleError);
   // A micro-batch on the other chain's stage is named.
   Schedule wrong = s;

@@ -276,11 +276,16 @@ void validate(const Schedule& schedule) {
             " ranks");
   }
   const int stages = schedule.stages();
-  if (schedule.chains < 1 || stages % schedule.chains != 0) {
+  // Equal chains, and micro-batches that split evenly over them: back-to-
+  // back steps (steadyStepTime) number the next step's from m on.
+  if (schedule.chains < 1 || stages % schedule.chains != 0 ||
+      schedule.microBatches % schedule.chains != 0) {
     fail(
         schedule,
-        "its " + std::to_string(stages) + " stages cannot form " +
-            std::to_string(schedule.chains) + " chains of equal length");
+        "its " + std::to_string(stages) + " stages and " +
+            std::to_string(schedule.microBatches) +
+            " micro-batches cannot form " + std::to_string(schedule.chains) +
+            " chains of equal length and share");
   }
   if (!schedule.placement.empty()) {
     if (static_cast<int>(schedule.placement.size()) != stages)
