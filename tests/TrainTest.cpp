@@ -778,6 +778,16 @@ TEST(TrainTest, ATorchScriptModelTrainsFromJsonAndRoundTrips) {
   resume.resumeDir = options.saveDir;
   const auto rest = quietTrain(parseConfig(json), resume);
   EXPECT_EQ(rest.losses.size(), 4u); // steps 5 to 8
+  // dualpipe copies the scripted layers for its second chain.
+  const std::vector<std::string> twoDevices{
+      "pipeline.devices=[\"cpu:0\", \"cpu:1\"]", "pipeline.micro_batches=4"};
+  auto dualPipe = twoDevices;
+  dualPipe.push_back("pipeline.schedule=dualpipe");
+  const auto oneChain = quietTrain(withOverrides(json, twoDevices));
+  const auto twoChains = quietTrain(withOverrides(json, dualPipe));
+  ASSERT_EQ(twoChains.losses.size(), oneChain.losses.size());
+  for (size_t i = 0; i < oneChain.losses.size(); ++i)
+    EXPECT_NEAR(twoChains.losses[i], oneChain.losses[i], 1e-5) << "step " << i;
   // Bad input: a balance for another layer count, a file that is no model.
   json["pipeline"]["balance"] = {1, 1, 1};
   EXPECT_THROW(quietTrain(parseConfig(json)), ConfigError);

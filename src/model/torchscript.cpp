@@ -51,6 +51,29 @@ class ScriptedLayerImpl : public torch::nn::Module {
     torch::nn::Module::train(on);
     module_.train(on);
   }
+  // A copy with tensors of its own (dualpipe's second chain): the scripted
+  // module deep-copied, its tensors mirrored anew.
+  std::shared_ptr<torch::nn::Module> clone(
+      const c10::optional<torch::Device>& device =
+          c10::nullopt) const override {
+    torch::jit::Module copied;
+    {
+      // Copied as leaves, then marked trainable as the originals are.
+      torch::NoGradGuard noGrad;
+      copied = module_.deepcopy();
+    }
+    std::vector<at::Tensor> originals;
+    for (const auto& parameter : module_.named_parameters())
+      originals.push_back(parameter.value);
+    size_t i = 0;
+    for (const auto& parameter : copied.named_parameters())
+      parameter.value.requires_grad_(originals.at(i++).requires_grad());
+    auto copy = std::make_shared<ScriptedLayerImpl>(std::move(copied));
+    copy->train(is_training());
+    if (device)
+      copy->to(*device);
+    return copy;
+  }
 
  private:
   torch::jit::Module module_;
