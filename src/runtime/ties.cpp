@@ -4,6 +4,8 @@
 #include <map>
 
 #include <ATen/core/grad_mode.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 
@@ -188,6 +190,12 @@ void sumTiedGradients(
     const std::function<bool(int stage)>& isLocalStage,
     Communicator* communicator) {
   at::NoGradGuard noGrad;
+  // Across processes: each group's local sum, awaiting the world's.
+  struct Pending {
+    std::vector<at::Tensor> copies;
+    at::Tensor total;
+  };
+  std::vector<Pending> pending;
   for (const auto& group : groups) {
     std::vector<at::Tensor> copies; // distinct, on this process's stages
     for (size_t i = 0; i < group.tensors.size(); ++i) {
@@ -227,12 +235,32 @@ void sumTiedGradients(
       if (copy.grad().defined())
         total.add_(copy.grad().to(device));
     }
-    if (communicator) {
-      at::Tensor host = total.to(at::kCPU); // the process group is Gloo's
-      communicator->sumInPlace(host);
-      host.div_(communicator->replicas());
-      total = host.to(device);
+    pending.push_back({std::move(copies), std::move(total)});
+  }
+  // Across processes: one collective per dtype for every group, their
+  // totals flattened (dualpipe ties each parameter to its copy).
+  std::map<at::ScalarType, std::vector<Pending*>> byType;
+  for (auto& item : pending) {
+    if (communicator)
+      byType[item.total.scalar_type()].push_back(&item);
+  }
+  for (auto& entry : byType) {
+    std::vector<at::Tensor> flat;
+    for (const Pending* item : entry.second)
+      flat.push_back(item->total.to(at::kCPU).reshape({-1}));
+    at::Tensor host = at::cat(flat); // the process group is Gloo's
+    communicator->sumInPlace(host);
+    host.div_(communicator->replicas());
+    int64_t offset = 0;
+    for (Pending* item : entry.second) {
+      const int64_t size = item->total.numel();
+      at::Tensor summed = at::empty_like(item->total);
+      summed.copy_(host.narrow(0, offset, size).view(item->total.sizes()));
+      item->total = std::move(summed);
+      offset += size;
     }
+  }
+  for (auto& [copies, total] : pending) {
     for (auto& copy : copies) {
       if (copy.grad().defined()) {
         copy.mutable_grad().copy_(total);
