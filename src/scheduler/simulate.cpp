@@ -32,6 +32,9 @@ class Simulator {
     if (size != 1 && size != stages_ && size != schedule.chainLength()) {
       throw ScheduleError(
           "simulate: expected 1 or " + std::to_string(stages_) +
+          (schedule.chains > 1 ? " (or one chain's " +
+                   std::to_string(schedule.chainLength()) + ")"
+                               : std::string()) +
           " stage costs, got " + std::to_string(costs.size()));
     }
     result_.busy.assign(schedule.ranks, 0.0);

@@ -259,7 +259,8 @@ class TrainingRun {
       const Schedule& schedule = plan_.schedule;
       const int mine = world()->stageRank();
       DataNeeds needs;
-      // Micro-batches enter and end on each chain's first and last stage.
+      // Micro-batches enter and end on each chain's first and last stage
+      // (micro-batch c is chain c's first).
       needs.inputs = needs.targets = false;
       for (int chain = 0; chain < schedule.chains; ++chain) {
         needs.inputs = needs.inputs ||
