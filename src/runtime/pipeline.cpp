@@ -593,19 +593,15 @@ void Pipeline::refreshChainCopies() {
       impl_->chainCopies.empty() || !impl_->options.communicator,
       "refreshChainCopies: the copies of a bidirectional schedule live on "
       "other processes than their originals");
+  // Parameters through their ties; buffers, which no tie holds, directly.
+  runtime::makeCopiesEqual(impl_->ties);
   torch::NoGradGuard noGrad;
   for (const auto& copy : impl_->chainCopies) {
     for (size_t l = 0; l < copy.size(); ++l) {
-      const auto& original = *impl_->layers[l].module.ptr();
-      auto target = copy[l].module.ptr();
-      const auto parameters = original.parameters();
-      const auto copied = target->parameters();
-      for (size_t i = 0; i < parameters.size(); ++i)
-        copied[i].copy_(parameters[i]);
-      const auto buffers = original.buffers();
-      const auto copiedBuffers = target->buffers();
+      const auto buffers = impl_->layers[l].module.ptr()->buffers();
+      const auto copied = copy[l].module.ptr()->buffers();
       for (size_t i = 0; i < buffers.size(); ++i)
-        copiedBuffers[i].copy_(buffers[i]);
+        copied[i].copy_(buffers[i]);
     }
   }
 }

@@ -32,14 +32,15 @@ void Pipeline::Impl::splitBatch(
     const at::Tensor& input,
     const at::Tensor& target) const {
   const int m = schedule.microBatches;
-  // Each micro-batch enters at its chain's first stage and ends at its last.
-  state.inputs = split(input, m, stages.front().device);
-  state.targets = split(target, m, stages.back().device);
-  for (int mb = 0; schedule.chains > 1 && mb < m; ++mb) {
-    state.inputs[mb] =
-        state.inputs[mb].to(stages[schedule.firstStageOf(mb)].device);
-    state.targets[mb] =
-        state.targets[mb].to(stages[schedule.lastStageOf(mb)].device);
+  // Each micro-batch enters at its chain's first stage and ends at its last
+  // (with one chain: stage 0 and the last).
+  const auto inputs = input.tensor_split(m, 0);
+  const auto targets = target.tensor_split(m, 0);
+  for (int mb = 0; mb < m; ++mb) {
+    const int first = schedule.firstStageOf(mb),
+              last = schedule.lastStageOf(mb);
+    state.inputs.push_back(inputs[mb].to(stages[first].device));
+    state.targets.push_back(targets[mb].to(stages[last].device));
   }
   const int64_t batch = input.size(0);
   for (const auto& chunk : state.inputs) {

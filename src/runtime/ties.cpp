@@ -79,18 +79,17 @@ bool sameTensor(const at::Tensor& a, const at::Tensor& b) {
   return a.unsafeGetTensorImpl() == b.unsafeGetTensorImpl();
 }
 
-// The copies start equal: each takes the first use's values.
-void makeCopiesEqual(std::vector<TiedGroup>& groups) {
+} // namespace
+
+void makeCopiesEqual(const std::vector<TiedGroup>& groups) {
   at::NoGradGuard noGrad;
-  for (auto& group : groups) {
+  for (const auto& group : groups) {
     for (size_t i = 1; i < group.tensors.size(); ++i) {
       if (!sameTensor(group.tensors[i], group.tensors.front()))
         group.tensors[i].copy_(group.tensors.front());
     }
   }
 }
-
-} // namespace
 
 std::vector<TiedGroup> findTiedGroups(
     const LayerList& layers,
@@ -241,7 +240,7 @@ void sumTiedGradients(
   // totals flattened (dualpipe ties each parameter to its copy).
   std::map<at::ScalarType, std::vector<Pending*>> byType;
   for (auto& item : pending) {
-    if (communicator)
+    if (communicator) // in one process each total is already the sum
       byType[item.total.scalar_type()].push_back(&item);
   }
   for (auto& entry : byType) {

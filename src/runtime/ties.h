@@ -43,6 +43,10 @@ std::vector<TiedGroup> withChainCopies(
     const std::vector<LayerList>& copies,
     const std::vector<int>& boundaries);
 
+// Each group's copies take its first use's values (an original's, under
+// dualpipe): at the start, and after the originals are loaded.
+void makeCopiesEqual(const std::vector<TiedGroup>& groups);
+
 bool isTied(const std::vector<TiedGroup>& groups, const at::Tensor& tensor);
 
 // Sums each group's gradient over its copies on this process's stages (in

@@ -64,8 +64,6 @@ Schedule lower(
   schedule.microBatches = microBatches;
   schedule.chains = chains;
   schedule.perRank.resize(ranks);
-  auto hasPrevious = [&](int s) { return schedule.hasPrevious(s); };
-  auto hasNext = [&](int s) { return schedule.hasNext(s); };
   for (int rank = 0; rank < ranks; ++rank) {
     auto& list = schedule.perRank[rank];
     const auto& steps = order[rank];
@@ -81,36 +79,36 @@ Schedule lower(
               "an overlapped forward must be followed by a whole backward");
         }
         const ComputeStep& back = steps[++k];
-        if (hasPrevious(s))
+        if (schedule.hasPrevious(s))
           list.emplace_back(RecvActivation{s, mb});
         if (isCheckpointed(mode, back.microBatch, kept))
           list.emplace_back(Recompute{back.stage, back.microBatch});
-        if (hasNext(back.stage))
+        if (schedule.hasNext(back.stage))
           list.emplace_back(RecvGrad{back.stage, back.microBatch});
         list.emplace_back(Forward{s, mb, checkpointed, true});
         list.emplace_back(Backward{back.stage, back.microBatch});
-        if (hasNext(s))
+        if (schedule.hasNext(s))
           list.emplace_back(SendActivation{s, mb});
-        if (hasPrevious(back.stage))
+        if (schedule.hasPrevious(back.stage))
           list.emplace_back(SendGrad{back.stage, back.microBatch});
         continue;
       }
       switch (step.pass) {
         case Pass::kForward:
-          if (hasPrevious(s))
+          if (schedule.hasPrevious(s))
             list.emplace_back(RecvActivation{s, mb});
           list.emplace_back(Forward{s, mb, checkpointed});
-          if (hasNext(s))
+          if (schedule.hasNext(s))
             list.emplace_back(SendActivation{s, mb});
           break;
         case Pass::kBackward:
         case Pass::kBackwardInput:
           if (checkpointed)
             list.emplace_back(Recompute{s, mb});
-          if (hasNext(s))
+          if (schedule.hasNext(s))
             list.emplace_back(RecvGrad{s, mb});
           list.push_back(backwardInstruction(step));
-          if (hasPrevious(s))
+          if (schedule.hasPrevious(s))
             list.emplace_back(SendGrad{s, mb});
           break;
         case Pass::kBackwardWeight:
