@@ -3,7 +3,8 @@
 // each in a fresh process; then a grid of plans (every distinct choice, the
 // top predicted, a spread over the rest of the ranking) is trained in turn
 // by `tpipe train` of the config with each plan, a fresh process per run,
-// in 3 alternating rounds: the step a user meets. With --busy, everything is
+// in 5 alternating rounds (a fresh process here runs up to 10% faster or
+// slower than the next): the step a user meets. With --busy, everything is
 // done again while another process spins one core in bursts of 0.1-0.9 s, as
 // jobs starting and stopping do. Reports, per config and machine state:
 // - how often the most frequent choice was chosen, and how much slower the
@@ -32,16 +33,11 @@
 #include "json_input.h"
 #include "tpipe/trainer.h"
 #include "tpipe/tuning.h"
+#include "statistics.h"
 
 using namespace tpipe;
 
 namespace {
-
-double median(std::vector<double> values) {
-  std::sort(values.begin(), values.end());
-  const size_t n = values.size();
-  return n % 2 ? values[n / 2] : 0.5 * (values[n / 2 - 1] + values[n / 2]);
-}
 
 // The other process of --busy: one core spinning and resting in turn,
 // 0.1-0.9 s each, until killed.
@@ -242,7 +238,7 @@ nlohmann::json benchConfig(
               << std::endl;
   }
   const std::vector<TuneCandidate> grid = gridOf(choices, ranked);
-  const std::vector<double> measured = measureByTraining(tpipe, path, grid, 3);
+  const std::vector<double> measured = measureByTraining(tpipe, path, grid, 5);
   stopBusyNeighbour(neighbour);
   std::map<std::string, double> measuredOf;
   for (size_t g = 0; g < grid.size(); ++g)

@@ -181,6 +181,59 @@ TEST(TuneTest, SimplerPlansComeFirst) {
   EXPECT_FALSE(isSimplerPlan(a, a));
 }
 
+TEST(TuneTest, PredictionsAreAnchoredToThePlansMeasuredInTurn) {
+  auto plan =
+      [](int ranks, int microBatches, double predicted, double measured) {
+        TuneCandidate c;
+        c.ranks = ranks;
+        c.microBatches = microBatches;
+        c.predictedStepMs = predicted;
+        c.samplesPerSecond = 1000.0 / predicted;
+        c.measuredStepMs = measured;
+        return c;
+      };
+  TuneResult result;
+  result.candidates = {
+      plan(1, 1, 10.0, 13.0),  // one device: measured x1.3 and x1.5
+      plan(2, 4, 11.0, 9.9),   // two devices: measured x0.9
+      plan(1, 2, 12.0, 18.0),  //
+      plan(2, 8, 14.0, -1.0),  // not measured: its count's x0.9
+      plan(1, 4, 15.0, -1.0),  // x1.5 (the median of 1.3, 1.5, 1.5)
+      plan(4, 16, 20.0, -1.0), // no four-device plan measured: x1.4
+      plan(1, 8, 30.0, 45.0)};
+  TuneCandidate refused = plan(8, 1, 1.0, -1.0);
+  refused.infeasible = "too big";
+  result.candidates.push_back(refused);
+  result.choice = 1; // the two-device plan measured fastest
+  const std::string note = anchorToMeasured(result);
+  const auto& all = result.candidates;
+  ASSERT_EQ(all.size(), 8u);
+  // Re-ranked by anchored predictions, the choice followed to its place.
+  EXPECT_EQ(result.choice, 0u);
+  EXPECT_EQ(all[0].ranks, 2);
+  EXPECT_NEAR(all[0].predictedStepMs, 9.9, 1e-9);
+  EXPECT_NEAR(all[0].samplesPerSecond, 1000.0 / 9.9, 1e-9);
+  EXPECT_EQ(all[1].microBatches, 8);
+  EXPECT_NEAR(all[1].predictedStepMs, 14.0 * 0.9, 1e-9);
+  EXPECT_NEAR(all[2].predictedStepMs, 10.0 * 1.5, 1e-9);
+  EXPECT_EQ(all[2].microBatches, 1);
+  EXPECT_EQ(all[3].microBatches, 2);
+  EXPECT_NEAR(all[4].predictedStepMs, 15.0 * 1.5, 1e-9);
+  EXPECT_EQ(all[5].ranks, 4);
+  EXPECT_NEAR(all[5].predictedStepMs, 20.0 * 1.4, 1e-9);
+  EXPECT_NEAR(all[6].predictedStepMs, 45.0, 1e-9);
+  EXPECT_FALSE(all[7].infeasible.empty()); // untouched, still last
+  EXPECT_NEAR(all[7].predictedStepMs, 1.0, 1e-9);
+  EXPECT_NE(note.find("4 plans measured"), std::string::npos) << note;
+  EXPECT_NE(note.find("2 devices x0.90"), std::string::npos) << note;
+  EXPECT_NE(note.find("others x1.40"), std::string::npos) << note;
+
+  TuneResult unmeasured;
+  unmeasured.candidates = {plan(1, 1, 10.0, -1.0)};
+  EXPECT_EQ(anchorToMeasured(unmeasured), "");
+  EXPECT_EQ(unmeasured.candidates[0].predictedStepMs, 10.0);
+}
+
 TEST(TuneTest, SmallMicroBatchesPayTheirFixedCost) {
   CostModel model = equalLayers(4, 1.0);
   model.instructionMs = 5.0; // dispatch dominates tiny micro-batches

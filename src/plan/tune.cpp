@@ -7,10 +7,13 @@
 #include <cmath>
 #include <cstdio>
 #include <map>
+#include <iomanip>
 #include <ostream>
+#include <sstream>
 
 #include <nlohmann/json.hpp>
 
+#include "statistics.h"
 #include "tpipe/plan.h"
 
 namespace tpipe {
@@ -166,6 +169,66 @@ bool isSimplerPlan(const TuneCandidate& a, const TuneCandidate& b) {
         c.microBatches);
   };
   return key(a) < key(b);
+}
+
+std::string anchorToMeasured(TuneResult& result) {
+  auto& all = result.candidates;
+  auto devices = [](const TuneCandidate& c) {
+    return c.ranks * c.dataParallel;
+  };
+  std::map<int, std::vector<double>> ratios;
+  std::vector<double> every;
+  for (const auto& c : all) {
+    if (c.measuredStepMs < 0 || !c.infeasible.empty() || c.predictedStepMs <= 0)
+      continue;
+    ratios[devices(c)].push_back(c.measuredStepMs / c.predictedStepMs);
+    every.push_back(c.measuredStepMs / c.predictedStepMs);
+  }
+  if (every.empty())
+    return "";
+  const double overall = median(every);
+  std::map<int, double> factors;
+  for (const auto& [count, r] : ratios)
+    factors[count] = median(r);
+  for (auto& c : all) {
+    if (!c.infeasible.empty())
+      continue;
+    const auto found = factors.find(devices(c));
+    const double factor = found == factors.end() ? overall : found->second;
+    c.predictedStepMs *= factor;
+    c.samplesPerSecond /= factor;
+  }
+  // Re-ranked by the anchored predictions; the choice found again by place.
+  std::vector<size_t> order(all.size());
+  for (size_t i = 0; i < order.size(); ++i)
+    order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    if (all[a].infeasible.empty() != all[b].infeasible.empty())
+      return all[a].infeasible.empty();
+    return all[a].infeasible.empty() &&
+        all[a].predictedStepMs < all[b].predictedStepMs;
+  });
+  std::vector<TuneCandidate> ranked;
+  ranked.reserve(all.size());
+  size_t choice = 0;
+  for (size_t i = 0; i < order.size(); ++i) {
+    if (order[i] == result.choice)
+      choice = i;
+    ranked.push_back(std::move(all[order[i]]));
+  }
+  all = std::move(ranked);
+  result.choice = choice;
+  std::ostringstream note;
+  note << std::fixed << std::setprecision(2) << "predictions anchored to the "
+       << every.size() << " plans measured in turn:";
+  const char* separator = " ";
+  for (const auto& [count, factor] : factors) {
+    note << separator << count << (count == 1 ? " device" : " devices") << " x"
+         << factor << " (" << ratios[count].size() << " measured)";
+    separator = ", ";
+  }
+  note << ", others x" << overall;
+  return note.str();
 }
 
 namespace {

@@ -16,17 +16,12 @@
 
 #include "layers/skips.h"
 #include "runtime/memory.h"
+#include "statistics.h"
 
 namespace tpipe {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-double median(std::vector<double> values) {
-  std::sort(values.begin(), values.end());
-  const size_t n = values.size();
-  return n % 2 ? values[n / 2] : 0.5 * (values[n / 2 - 1] + values[n / 2]);
-}
 
 void synchronize(const at::Tensor& tensor) {
   if (tensor.is_cuda())

@@ -14,6 +14,7 @@
 #include <torch/types.h>
 
 #include "train/parts.h"
+#include "statistics.h"
 
 namespace tpipe {
 namespace {
@@ -23,12 +24,6 @@ using Clock = std::chrono::steady_clock;
 double msSince(Clock::time_point start) {
   return std::chrono::duration<double, std::milli>(Clock::now() - start)
       .count();
-}
-
-double median(std::vector<double> values) {
-  std::sort(values.begin(), values.end());
-  const size_t n = values.size();
-  return n % 2 ? values[n / 2] : 0.5 * (values[n / 2 - 1] + values[n / 2]);
 }
 
 bool onCpu(const Config& config) {
@@ -815,6 +810,9 @@ TuneOutcome tuneConfig(const Config& config, const TuneOptions& options) {
   for (size_t k = 0; k < measured.size(); ++k)
     outcome.result.candidates[measured[k]].measuredStepMs = times.steps[k];
   chooseMeasured(outcome.result, measured, times.noise);
+  const std::string anchored = anchorToMeasured(outcome.result);
+  if (!anchored.empty())
+    outcome.result.notes.push_back(anchored);
   return outcome;
 }
 
