@@ -585,9 +585,13 @@ std::map<std::string, double> meanOpMs(const tpipe::Trace& trace) {
 // of the split backward (input pass + weight pass) against the fused one.
 // zb-h1 against 1F1B on one stack, alternating: the step, and the split
 // backward (input + weight pass) against the fused one per micro-batch.
+// `balance`: layers per stage, so that both stages hold equal blocks (a
+// uniform split by layer count would give one stage the head's layers and
+// an unequal share of blocks, and a bubble no schedule can fill).
 nlohmann::json zeroBubbleOn(
     const std::string& what,
     const tpipe::LayerList& layers,
+    const std::vector<int>& balance,
     const torch::Tensor& x,
     const torch::Tensor& y) {
   const int p = 2, m = 8;
@@ -604,6 +608,8 @@ nlohmann::json zeroBubbleOn(
     for (const char* schedule : {"1f1b", "zb-h1"}) {
       tpipe::PipelineOptions options =
           benchOptions(p, m, schedule, CheckpointMode::kNever);
+      options.partition = tpipe::PartitionMethod::kBalance;
+      options.balance = balance;
       const Measured r = timePipeline(layers, options, x, y, 1, 3, false);
       steps[schedule].push_back(r.stepMs);
       options.record = true;
@@ -654,6 +660,7 @@ nlohmann::json zeroBubble() {
   rows.push_back(zeroBubbleOn(
       "4 x (Linear 1024 + ReLU)",
       tpipe::layersOf(linear),
+      {8, 8},
       torch::randn({256, 1024}),
       torch::randint(0, 1024, {256}, torch::kLong)));
   torch::nn::Sequential conv;
@@ -667,6 +674,7 @@ nlohmann::json zeroBubble() {
   rows.push_back(zeroBubbleOn(
       "4 x (Conv2d 32->32 3x3 + ReLU) on 16 x 16",
       tpipe::layersOf(conv),
+      {8, 10},
       torch::randn({64, 32, 16, 16}),
       torch::randint(0, 10, {64}, torch::kLong)));
   // The registry's pre-LN GPT block: its products sit inside one module, so
@@ -685,6 +693,7 @@ nlohmann::json zeroBubble() {
   rows.push_back(zeroBubbleOn(
       "2 x transformer_block (64 x 256, 4 heads)",
       tpipe::buildModel(blocks, 3).layers,
+      {2, 4},
       torch::randn({32, 64, 256}),
       torch::randint(0, 10, {32}, torch::kLong)));
   return rows;

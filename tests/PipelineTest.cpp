@@ -1296,8 +1296,9 @@ TEST(PipelineTest, AScriptedTorchvisionResNetKeepsPyTorchsBuffersUnderRemat) {
   fs::remove_all(dir);
 }
 
-// The split backward on convolutions (the input pass, then the weight pass
-// walking each layer's part of the graph): under zb-h1, zb-h2 and zb-v the
+// The split backward on convolutions (the input pass, then the weight pass:
+// convolution_backward called directly for numeric zero padding, autograd's
+// walk of the layer's graph for "same"): under zb-h1, zb-h2 and zb-v the
 // gradients equal the sequential model's for strided, dilated, grouped,
 // bias-free and "same"-padded convolutions.
 TEST(PipelineTest, ConvolutionWeightPassesEqualAutogradsUnderSplitBackward) {

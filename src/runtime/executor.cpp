@@ -12,6 +12,8 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/autograd.h>
+#include <ATen/ops/convolution_backward.h>
+#include <torch/nn/modules/conv.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/version.h>
 
@@ -321,6 +323,10 @@ class RankExecutor {
         continue; // the loss does not depend on this part
       if (part.linear) {
         linearWeightGradients(*part.linear, part.input, part.outputGrad);
+        continue;
+      }
+      if (part.conv) {
+        convWeightGradients(*part.conv, part.input, part.outputGrad);
         continue;
       }
       // One walk per part: given the parameters of several, a walk would
@@ -654,7 +660,8 @@ class RankExecutor {
         continue;
       part.output = use.output;
       part.linear = direct ? use.part->as<torch::nn::LinearImpl>() : nullptr;
-      part.input = part.linear ? use.input : at::Tensor();
+      part.conv = direct ? directConv(*use.part) : nullptr;
+      part.input = part.linear || part.conv ? use.input : at::Tensor();
       reported.push_back(std::move(part));
     }
     const auto& own = stage.layerParameters[l];
@@ -676,30 +683,79 @@ class RankExecutor {
     part.linear = direct && layer.pop.empty()
         ? layer.module.ptr()->as<torch::nn::LinearImpl>()
         : nullptr;
-    part.input = part.linear ? input : at::Tensor();
+    part.conv =
+        direct && layer.pop.empty() ? directConv(*layer.module.ptr()) : nullptr;
+    part.input = part.linear || part.conv ? input : at::Tensor();
     stash.weightParts.push_back(std::move(part));
   }
 
-  // dW += g^T x and db += sum(g) over every leading dimension, accumulated
-  // as autograd accumulates (the first gradient is taken as it is).
+  // Added to the parameter's gradient as autograd's accumulation adds (the
+  // first gradient is taken as it is).
+  static void accumulateGradient(at::Tensor& parameter, at::Tensor update) {
+    if (!parameter.defined() || !parameter.requires_grad())
+      return;
+    at::Tensor& current = parameter.mutable_grad();
+    if (current.defined())
+      current.add_(update);
+    else
+      current = std::move(update);
+  }
+
+  // dW += g^T x and db += sum(g) over every leading dimension.
   static void linearWeightGradients(
       torch::nn::LinearImpl& linear,
       const at::Tensor& input,
       const at::Tensor& grad) {
     at::NoGradGuard noGrad;
     const at::Tensor g = grad.reshape({-1, grad.size(-1)});
-    auto accumulate = [](at::Tensor& parameter, at::Tensor update) {
-      if (!parameter.defined() || !parameter.requires_grad())
-        return;
-      at::Tensor& current = parameter.mutable_grad();
-      if (current.defined())
-        current.add_(update);
-      else
-        current = std::move(update);
-    };
-    accumulate(
+    accumulateGradient(
         linear.weight, g.t().mm(input.reshape({-1, input.size(-1)}).detach()));
-    accumulate(linear.bias, g.sum(0));
+    accumulateGradient(linear.bias, g.sum(0));
+  }
+
+  // A Conv2d whose output is the convolution of its input alone: zero
+  // padding given as numbers ("same" may pad the input first, and other
+  // padding modes do).
+  static torch::nn::Conv2dImpl* directConv(torch::nn::Module& module) {
+    auto* conv = module.as<torch::nn::Conv2dImpl>();
+    if (conv == nullptr)
+      return nullptr;
+    // Alternative 0 of each: numbers, and zeros (c10::variant in LibTorch
+    // 1.x, std::variant in 2.x: index() is what both have).
+    const auto& o = conv->options;
+    return o.padding().index() == 0 && o.padding_mode().index() == 0 ? conv
+                                                                     : nullptr;
+  }
+
+  // The kernel autograd's ConvolutionBackward calls, asked for the weight
+  // and bias alone: the same gradients, without a walk of the engine.
+  static void convWeightGradients(
+      torch::nn::Conv2dImpl& conv,
+      const at::Tensor& input,
+      const at::Tensor& grad) {
+    at::NoGradGuard noGrad;
+    const auto& o = conv.options;
+    using std::get; // with ADL, c10::get for LibTorch 1.x's c10::variant
+    const auto& padding = get<0>(o.padding());
+    const bool weight = conv.weight.requires_grad();
+    const bool bias = conv.bias.defined() && conv.bias.requires_grad();
+    const std::vector<int64_t> biasSizes{conv.weight.size(0)};
+    auto grads = at::convolution_backward(
+        grad,
+        input.detach(),
+        conv.weight.detach(),
+        bias ? at::OptionalIntArrayRef(biasSizes) : c10::nullopt,
+        *o.stride(),
+        *padding,
+        *o.dilation(),
+        /*transposed=*/false,
+        /*output_padding=*/{0, 0},
+        o.groups(),
+        {false, weight, bias});
+    if (weight)
+      accumulateGradient(conv.weight, std::move(std::get<1>(grads)));
+    if (bias)
+      accumulateGradient(conv.bias, std::move(std::get<2>(grads)));
   }
 
   static void release(Stash& stash) {

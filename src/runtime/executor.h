@@ -23,6 +23,7 @@
 namespace torch {
 namespace nn {
 class LinearImpl;
+class Conv2dImpl;
 } // namespace nn
 } // namespace torch
 
@@ -68,13 +69,14 @@ struct Stash {
   // Split backward: per part that owns parameters (a layer, or a part a
   // layer reported: layers/parts.h), its output as recorded at the forward
   // or recompute, and the gradient the input pass found there, where the
-  // weight pass starts. A plain Linear keeps its input too: the weight
-  // pass computes its gradients itself; any other part's pass walks its
-  // own graph to its parameters.
+  // weight pass starts. A plain Linear or Conv2d keeps its input too: the
+  // weight pass computes its gradients itself, without autograd's engine;
+  // any other part's pass walks its own graph to its parameters.
   struct WeightPart {
     at::Tensor output, outputGrad;
-    at::Tensor input;                        // with linear
+    at::Tensor input;                        // with linear or conv
     torch::nn::LinearImpl* linear = nullptr; // computed directly
+    torch::nn::Conv2dImpl* conv = nullptr;   // computed directly
     std::vector<at::Tensor> parameters;
   };
   std::vector<WeightPart> weightParts;
