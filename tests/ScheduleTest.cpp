@@ -939,4 +939,35 @@ TEST(ScheduleTest, DualPipeRunsTwoChainsWithinItsPublishedBubble) {
   }
 }
 
+// The reports' theory line for DualPipe and DualPipeV is DeepSeek's formula
+// as a fraction of the step: under F = I = W their simulated span bubble is
+// exactly it (7.69% at 4 ranks and 8 micro-batches: 2 idle units of 26).
+TEST(ScheduleTest, DualPipeTheoryIsDeepSeeksFormula) {
+  StageCosts unit;
+  unit.forward = unit.backwardInput = unit.backwardWeight = 1.0;
+  unit.backward = 2.0;
+  for (int p : {2, 4, 8}) {
+    for (int m : {2 * p, 4 * p}) {
+      SCOPED_TRACE("p=" + std::to_string(p) + " m=" + std::to_string(m));
+      for (const Schedule& s :
+           {dualPipeSchedule(p, m, CheckpointMode::kNever),
+            dualPipeVSchedule(p, m, CheckpointMode::kNever)}) {
+        const Simulation sim = simulate(s, {unit});
+        ASSERT_TRUE(sim.finished) << s.name;
+        EXPECT_NEAR(sim.spanBubble, theoreticalBubble(s), 1e-12) << s.name;
+        EXPECT_NE(
+            theoreticalBubbleFormula(s).find("F&B + B - 3W"),
+            std::string::npos);
+      }
+    }
+  }
+  EXPECT_NEAR(
+      theoreticalBubble(dualPipeSchedule(4, 8, CheckpointMode::kNever)),
+      2.0 / 26.0,
+      1e-12);
+  const Schedule oneF = oneFOneBSchedule(4, 8, CheckpointMode::kNever);
+  EXPECT_NEAR(theoreticalBubble(oneF), 3.0 / 11.0, 1e-12);
+  EXPECT_NE(theoreticalBubbleFormula(oneF).find("(p - 1)"), std::string::npos);
+}
+
 } // namespace tpipe

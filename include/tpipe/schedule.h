@@ -414,8 +414,14 @@ double steadyStepTime(
 // The textbook bubble (p - 1) / (m + p - 1) of fill-drain and 1F1B.
 double theoreticalBubble(int stages, int microBatches);
 // For a schedule: (p - 1) / (v m + p - 1) with p ranks and v virtual stages
-// (Megatron's interleaved bubble; v = 1 is the line above).
+// (Megatron's interleaved bubble; v = 1 is the line above). For DualPipe and
+// DualPipeV, DeepSeek's idle (PP/2 - 1)(F&B + B - 3W) and (PP - 1)(F&B + B -
+// 3W) over the step, with equal stages and F = I = W (a pair not
+// overlapped): 2 (arm - 1) units against 3 per stage and micro-batch a rank
+// runs.
 double theoreticalBubble(const Schedule& schedule);
+// The formula theoreticalBubble used, with what it assumes, for reports.
+std::string theoreticalBubbleFormula(const Schedule& schedule);
 
 void printInstructions(std::ostream& out, const Schedule& schedule);
 void printSimulation(

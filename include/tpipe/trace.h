@@ -58,7 +58,8 @@ struct BubbleReport {
   std::vector<RankBubble> ranks;
   double stepMs = 0.0;            // mean measured step
   double measuredBubble = 0.0;    // sum idle / (ranks * wall)
-  double theoreticalBubble = 0.0; // (p - 1) / (m + p - 1)
+  double theoreticalBubble = 0.0; // theoreticalBubble(schedule)
+  std::string theoreticalFormula; // which, and what it assumes
   double simulatedBubble = 0.0;   // simulator on the measured mean times
   double simulatedStepMs = 0.0;
   // Steps back to back without a barrier (overlapping steps): the

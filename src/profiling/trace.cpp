@@ -101,6 +101,7 @@ BubbleReport bubbleReport(const Trace& trace) {
     report.ranks[r].device =
         r < static_cast<int>(trace.devices.size()) ? trace.devices[r] : "";
   report.theoreticalBubble = theoreticalBubble(trace.schedule);
+  report.theoreticalFormula = theoreticalBubbleFormula(trace.schedule);
   if (trace.steps.empty())
     return report;
   for (const auto& step : trace.steps) {
@@ -179,8 +180,8 @@ void printBubbleReport(std::ostream& out, const BubbleReport& report) {
     out << '\n';
   }
   out << std::setprecision(1) << "        theory "
-      << 100 * report.theoreticalBubble
-      << "%  ((p - 1) / (v m + p - 1): fill-drain, 1F1B and interleaved with equal stages)\n";
+      << 100 * report.theoreticalBubble << "%  (" << report.theoreticalFormula
+      << ")\n";
   out.flags(flags);
 }
 
@@ -222,7 +223,7 @@ nlohmann::json bubbleReportToJson(const BubbleReport& report) {
          "sum over ranks of idle / (ranks x wall); idle = wall - compute - sends"},
         {"simulated_bubble",
          "the same, from the schedule simulated with the measured mean times"},
-        {"theoretical_bubble", "(p - 1) / (m + p - 1)"}}},
+        {"theoretical_bubble", report.theoreticalFormula}}},
       {"stage_costs", costs}};
 }
 

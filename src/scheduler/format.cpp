@@ -110,8 +110,9 @@ void printSimulation(
   out << std::fixed << std::setprecision(3);
   out << "simulated step " << simulation.makespan << ", bubble "
       << std::setprecision(1) << 100.0 * simulation.bubbleFraction
-      << "% (idle / (ranks x step)); theory (p-1)/(vm+p-1) "
-      << 100.0 * theoreticalBubble(schedule) << "%\n";
+      << "% (idle / (ranks x step)); theory "
+      << 100.0 * theoreticalBubble(schedule) << "% ("
+      << theoreticalBubbleFormula(schedule) << ")\n";
   out << "span bubble " << std::setprecision(2) << 100.0 * simulation.spanBubble
       << "% (the Zero Bubble paper's: idle between a rank's first and last "
          "compute)\n";

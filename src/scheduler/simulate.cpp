@@ -229,9 +229,39 @@ double theoreticalBubble(int stages, int microBatches) {
   return static_cast<double>(stages - 1) / (microBatches + stages - 1);
 }
 
+namespace {
+
+// DeepSeek's arm: the ranks a micro-batch crosses one way (-1: not theirs).
+int dualPipeArm(const Schedule& schedule) {
+  if (schedule.name == "dualpipe")
+    return schedule.ranks / 2;
+  if (schedule.name == "dualpipev")
+    return schedule.ranks;
+  return -1;
+}
+
+} // namespace
+
 double theoreticalBubble(const Schedule& schedule) {
+  const int arm = dualPipeArm(schedule);
+  if (arm > 0 && schedule.ranks > 0) {
+    const double idle = 2.0 * (arm - 1);
+    const double work =
+        3.0 * schedule.microBatches * schedule.chainLength() / schedule.ranks;
+    return idle / (work + idle);
+  }
   return theoreticalBubble(
       schedule.ranks, schedule.microBatches * schedule.virtualStages);
+}
+
+std::string theoreticalBubbleFormula(const Schedule& schedule) {
+  if (dualPipeArm(schedule) > 0) {
+    return std::string("DeepSeek's (") +
+        (schedule.name == "dualpipe" ? "PP/2" : "PP") +
+        " - 1)(F&B + B - 3W) over the step: equal stages, F = I = W";
+  }
+  return "(p - 1) / (v m + p - 1): fill-drain, 1F1B and interleaved with "
+         "equal stages";
 }
 
 } // namespace tpipe
