@@ -69,7 +69,7 @@ TEST(ConfigTest, EveryBadConfigNamesItsPath) {
        "pipeline.mirco_batches: unknown key 'mirco_batches' (did you mean 'micro_batches'?)"},
       {{"trian={}"}, "trian: unknown key 'trian' (did you mean 'train'?)"},
       {{"pipeline.schedule=zigzag"},
-       "pipeline.schedule: unknown value 'zigzag'; expected one of gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-h2, zb-v, zb-v-half, auto, dualpipev, dualpipe, a schedule file (*.json, *.csv)"},
+       "pipeline.schedule: unknown value 'zigzag'; expected one of gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-h2, zb-v, zb-v-half, zb-v-min, auto, dualpipev, dualpipe, a schedule file (*.json, *.csv)"},
       {{"pipeline.checkpoint=sometimes"},
        "pipeline.checkpoint: unknown value 'sometimes'"},
       {{"pipeline.devices=[]"}, "pipeline.devices: expected a non-empty list"},

@@ -152,6 +152,7 @@ TEST(PipelineTest, ZeroBubbleH2AndVAreTransparent) {
         expectTransparent({"zb-h2", ranks, 1, m, mode}, torch::kDouble);
         expectTransparent({"zb-v", ranks, 2, m, mode}, torch::kDouble);
         expectTransparent({"zb-v-half", ranks, 2, m, mode}, torch::kDouble);
+        expectTransparent({"zb-v-min", ranks, 2, m, mode}, torch::kDouble);
       }
     }
   }

@@ -120,8 +120,8 @@ TEST(ScheduleTest, EveryGeneratorValidatesAcrossShapes) {
               CheckpointMode::kNever}) {
           for (int v : {1, 2, 3}) {
             const bool interleaved = name == "interleaved-1f1b";
-            const bool vShaped =
-                name == "zb-v" || name == "zb-v-half" || name == "dualpipev";
+            const bool vShaped = name == "zb-v" || name == "zb-v-half" ||
+                name == "zb-v-min" || name == "dualpipev";
             if (vShaped ? v != 2 : v > 1 && !interleaved)
               continue; // the V schedules: two stages per rank, always
             if (name == "dualpipev" && m < 2 * p)
@@ -622,6 +622,48 @@ TEST(ScheduleTest, ZeroBubbleVHalfHoldsHalfOfOneFOneBsActivations) {
                   .makespan -
               1e-9);
     }
+  }
+}
+
+// ZB-V under the V-Min bound, ceil(2p / 3) + 2 half-stage micro-batches
+// (a third of 1F1B's 2p, plus two): every rank keeps within it, less memory
+// costs bubble against zb-v-half, yet the step stays no longer than 1F1B's,
+// and the idle does not grow with m (the bound limits the warm-up and
+// cool-down, not the steady state): within one unit of m = 2p's, and the
+// same at 8p as at 4p.
+TEST(ScheduleTest, ZeroBubbleVMinHoldsAThirdOfOneFOneBsActivations) {
+  EXPECT_EQ(zeroBubbleVMinLimit(2), 4);
+  EXPECT_EQ(zeroBubbleVMinLimit(8), 8);
+  EXPECT_EQ(zeroBubbleVMinLimit(32), 24);
+  StageCosts half;
+  half.forward = half.backwardInput = half.backwardWeight = 0.5;
+  half.backward = 1.0;
+  for (int p : {2, 4, 8}) {
+    std::vector<double> idles;
+    for (int m : {2 * p, 4 * p, 8 * p}) {
+      SCOPED_TRACE("p=" + std::to_string(p) + " m=" + std::to_string(m));
+      const Schedule v = zeroBubbleVMinSchedule(p, m, CheckpointMode::kNever);
+      EXPECT_EQ(v.name, "zb-v-min");
+      for (int held : peakHeldPerRank(v))
+        EXPECT_LE(held, zeroBubbleVMinLimit(p));
+      const Simulation sim = simulate(v, {half});
+      ASSERT_TRUE(sim.finished);
+      EXPECT_GE(
+          sim.makespan,
+          simulate(
+              zeroBubbleVHalfSchedule(p, m, CheckpointMode::kNever), {half})
+                  .makespan -
+              1e-9);
+      EXPECT_LE(
+          sim.makespan,
+          simulate(
+              oneFOneBSchedule(p, m, CheckpointMode::kNever), {StageCosts{}})
+                  .makespan +
+              1e-9);
+      idles.push_back(sim.makespan - 3.0 * m); // 2 halves x (F + I + W)
+    }
+    EXPECT_LE(idles[1], idles[0] + 1.0 + 1e-9) << "p=" << p;
+    EXPECT_LE(idles[2], idles[1] + 1e-9) << "p=" << p;
   }
 }
 

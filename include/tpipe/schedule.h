@@ -200,6 +200,8 @@ enum class ScheduleKind {
   kDualPipe,        // "dualpipe": DeepSeek's bidirectional DualPipe, two
                     // chains of the model's stages (parameters doubled),
                     // micro-batches entering from both ends
+  kZeroBubbleVMin,  // "zb-v-min": the V of zb-v holding about a third of
+                    // 1F1B's activations (V-Min's bound, Qi et al. 2024)
 };
 const char* scheduleKindName(ScheduleKind kind);
 // Whether the kind lays two stages on each rank in a V (zb-v, dualpipev):
@@ -319,6 +321,15 @@ Schedule zeroBubbleVSchedule(int ranks, int microBatches, CheckpointMode mode);
 // Parallelism with Controllable Memory" (Qi et al., 2024). Laid by tpipe's
 // list scheduler under that bound, not by the paper's building blocks.
 Schedule zeroBubbleVHalfSchedule(
+    int ranks,
+    int microBatches,
+    CheckpointMode mode);
+// The same V under about a third of 1F1B's activation memory, the paper's
+// V-Min: at most ceil(2p / 3) + 2 half-stage micro-batches stashed on a
+// rank (1F1B's first rank holds 2p halves). Laid by the list scheduler
+// under that bound; it trades bubble for the memory.
+int zeroBubbleVMinLimit(int ranks);
+Schedule zeroBubbleVMinSchedule(
     int ranks,
     int microBatches,
     CheckpointMode mode);

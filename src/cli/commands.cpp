@@ -628,7 +628,7 @@ CLI::App* addSchedule(CLI::App& app, Arguments& a) {
   schedule->add_option(
       "--schedule",
       a.schedule.text,
-      "gpipe | 1f1b | interleaved-1f1b | zb-h1 | zb-h2 | zb-v | zb-v-half | dualpipev | dualpipe | auto | a file *.json or *.csv");
+      "gpipe | 1f1b | interleaved-1f1b | zb-h1 | zb-h2 | zb-v | zb-v-half | zb-v-min | dualpipev | dualpipe | auto | a file *.json or *.csv");
   schedule
       ->add_option(
           "--costs",

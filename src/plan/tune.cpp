@@ -128,6 +128,7 @@ const std::vector<ScheduleKind>& allSchedules() {
       ScheduleKind::kZeroBubbleH2,
       ScheduleKind::kZeroBubbleV,
       ScheduleKind::kZeroBubbleVHalf,
+      ScheduleKind::kZeroBubbleVMin,
       ScheduleKind::kAuto,
       ScheduleKind::kDualPipeV,
       ScheduleKind::kDualPipe};

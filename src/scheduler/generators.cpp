@@ -226,6 +226,7 @@ const std::vector<std::string>& scheduleNames() {
       "zb-h2",
       "zb-v",
       "zb-v-half",
+      "zb-v-min",
       "auto",
       "dualpipev",
       "dualpipe"};
@@ -541,7 +542,7 @@ Schedule dualPipeSchedule(int ranks, int microBatches, CheckpointMode mode) {
 bool isVShaped(ScheduleKind kind) {
   return kind == ScheduleKind::kZeroBubbleV ||
       kind == ScheduleKind::kZeroBubbleVHalf ||
-      kind == ScheduleKind::kDualPipeV;
+      kind == ScheduleKind::kZeroBubbleVMin || kind == ScheduleKind::kDualPipeV;
 }
 
 const char* scheduleKindName(ScheduleKind kind) {
@@ -564,6 +565,8 @@ const char* scheduleKindName(ScheduleKind kind) {
       return "dualpipev";
     case ScheduleKind::kZeroBubbleVHalf:
       return "zb-v-half";
+    case ScheduleKind::kZeroBubbleVMin:
+      return "zb-v-min";
     case ScheduleKind::kDualPipe:
       return "dualpipe";
   }
@@ -581,6 +584,7 @@ ScheduleSource::ScheduleSource(const std::string& text) {
         ScheduleKind::kAuto,
         ScheduleKind::kDualPipeV,
         ScheduleKind::kZeroBubbleVHalf,
+        ScheduleKind::kZeroBubbleVMin,
         ScheduleKind::kDualPipe}) {
     if (text == scheduleKindName(kind)) {
       kind_ = kind;
@@ -718,6 +722,10 @@ Schedule makeSchedule(const ScheduleSpec& spec) {
       break;
     case ScheduleKind::kZeroBubbleVHalf:
       schedule = zeroBubbleVHalfSchedule(
+          spec.ranks, spec.microBatches, spec.checkpoint);
+      break;
+    case ScheduleKind::kZeroBubbleVMin:
+      schedule = zeroBubbleVMinSchedule(
           spec.ranks, spec.microBatches, spec.checkpoint);
       break;
     case ScheduleKind::kDualPipe:

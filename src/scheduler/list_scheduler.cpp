@@ -668,23 +668,50 @@ Schedule zeroBubbleVSchedule(int ranks, int microBatches, CheckpointMode mode) {
   return schedule;
 }
 
-Schedule zeroBubbleVHalfSchedule(
+namespace {
+
+// The V of zb-v, laid by the list scheduler under unit costs with at most
+// `limit` half-stage micro-batches stashed on each rank.
+Schedule boundedV(
+    const char* name,
     int ranks,
     int microBatches,
-    CheckpointMode mode) {
+    CheckpointMode mode,
+    int limit) {
   requireCounts(ranks, microBatches, 2);
   const std::vector<int> placement = vPlacement(ranks);
-  // P / 2 + 1 whole micro-batches: p + 2 half-stage ones.
   const ComputeOrder order = bestGreedy(
       ranks,
       placement,
       microBatches,
       {StageCosts{}},
-      std::vector<int>(ranks, ranks + 2));
-  Schedule schedule = lower("zb-v-half", ranks, 2, microBatches, mode, order);
+      std::vector<int>(ranks, limit));
+  Schedule schedule = lower(name, ranks, 2, microBatches, mode, order);
   schedule.placement = placement;
   validate(schedule);
   return schedule;
+}
+
+} // namespace
+
+Schedule zeroBubbleVHalfSchedule(
+    int ranks,
+    int microBatches,
+    CheckpointMode mode) {
+  // P / 2 + 1 whole micro-batches: p + 2 half-stage ones.
+  return boundedV("zb-v-half", ranks, microBatches, mode, ranks + 2);
+}
+
+int zeroBubbleVMinLimit(int ranks) {
+  return (2 * ranks + 2) / 3 + 2;
+}
+
+Schedule zeroBubbleVMinSchedule(
+    int ranks,
+    int microBatches,
+    CheckpointMode mode) {
+  return boundedV(
+      "zb-v-min", ranks, microBatches, mode, zeroBubbleVMinLimit(ranks));
 }
 
 } // namespace tpipe
