@@ -652,7 +652,8 @@ TuneRequest requestFor(const Config& config) {
       ScheduleKind::kZeroBubbleH1,
       ScheduleKind::kZeroBubbleH2,
       ScheduleKind::kZeroBubbleV,
-      ScheduleKind::kZeroBubbleVHalf};
+      ScheduleKind::kZeroBubbleVHalf,
+      ScheduleKind::kZeroBubbleVMin};
   const auto& o = config.train.optimizer;
   request.optimizerFactor = optimizerStateFactor(o.type, o.momentum);
   request.overlapSteps = config.pipeline.overlapSteps;
@@ -662,6 +663,9 @@ TuneRequest requestFor(const Config& config) {
 // Measured steps (lower quartiles) and their noise, per candidate.
 struct Measured {
   std::vector<double> steps; // each plan's lower-quartile step
+  // Each plan's median step: what a user meets, bursts of a busy machine
+  // included.
+  std::vector<double> medians;
   // How far such a figure may stray: the median relative spread of one
   // plan's steps over the square root of their count.
   double noise = 0.0;
@@ -677,6 +681,7 @@ Measured measureInTurn(
   std::vector<double> spreads;
   for (const auto& t : meter.interleave(candidates, 2, rounds, steps, log)) {
     out.steps.push_back(lowerQuartile(stepTimes(t)));
+    out.medians.push_back(median(stepTimes(t)));
     spreads.push_back(relativeSpread(stepTimes(t)));
   }
   out.noise = median(spreads) / std::sqrt(static_cast<double>(rounds * steps));
@@ -740,7 +745,7 @@ void chooseMeasured(
   const TuneCandidate& chosen = result.candidates[best];
   std::string note = "measured " + std::to_string(measured.size()) +
       " plans in turn: " + chosen.label() + " ran " +
-      fixed(chosen.measuredStepMs, 2) + " ms per step";
+      fixed(chosen.measuredStepMs, 2) + " ms per step (lower quartile)";
   if (best != fastest) {
     note += ", the simplest within " + fixed(100.0 * tolerance, 1) +
         "% (the noise) of the fastest, " + result.candidates[fastest].label() +
@@ -810,9 +815,16 @@ TuneOutcome tuneConfig(const Config& config, const TuneOptions& options) {
   for (size_t k = 0; k < measured.size(); ++k)
     outcome.result.candidates[measured[k]].measuredStepMs = times.steps[k];
   chooseMeasured(outcome.result, measured, times.noise);
+  if (options.measure)
+    return outcome; // --measure shows the model's own predictions
+  // Predictions of the steps a user will meet: anchored to the medians
+  // (which a busy machine's bursts stretch as they will stretch training),
+  // where the choice compared lower quartiles (which bursts spare).
+  for (size_t k = 0; k < measured.size(); ++k)
+    outcome.result.candidates[measured[k]].measuredStepMs = times.medians[k];
   const std::string anchored = anchorToMeasured(outcome.result);
   if (!anchored.empty())
-    outcome.result.notes.push_back(anchored);
+    outcome.result.notes.push_back(anchored + "; measured ms: medians");
   return outcome;
 }
 
