@@ -19,6 +19,8 @@ expect() {
 expect "tune prints a ranked table and the choice" 0 "choice: " "$work/table" $?
 expect "tune shows its calibration" 0 "calibration: size curves" "$work/table" 0
 expect "tune shows progress on stderr" 0 "tune: profiling" "$work/progress" 0
+expect "tune anchors its predictions to the plans it measured in turn" 0 \
+  "note: predictions anchored to the" "$work/table" 0
 
 "$tpipe" tune "$config" --json --write "$work/chosen.json" >"$work/tune.json" 2>/dev/null
 status=$?
