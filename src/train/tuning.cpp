@@ -175,6 +175,13 @@ class StepMeter {
   // Every candidate built once and given `warmup` untimed steps, then
   // `rounds` rounds in which each takes `steps` timed steps in turn: a
   // machine that gets busier or quieter meanwhile slows them all alike.
+  //
+  // Within a round the plans that run on this thread go first, then those
+  // on stage workers, and the first of the others takes one untimed step:
+  // after a step on this thread with several intra-op threads, OpenMP's
+  // pool spins on for a while, and a multi-stage plan timed right after it
+  // shared the cores with the spin (its steps measured up to a third
+  // slower than in a process of its own).
   std::vector<std::vector<StepTiming>> interleave(
       const std::vector<TuneCandidate>& candidates,
       int warmup,
@@ -187,14 +194,24 @@ class StepMeter {
       for (int i = 0; i < warmup; ++i)
         step(*runs.back());
     }
+    auto onThisThread = [&](size_t i) {
+      return candidates[i].ranks * candidates[i].dataParallel == 1;
+    };
+    std::vector<size_t> order(candidates.size());
+    for (size_t i = 0; i < order.size(); ++i)
+      order[i] = i;
+    std::stable_partition(order.begin(), order.end(), onThisThread);
     std::vector<std::vector<StepTiming>> timings(candidates.size());
     for (int round = 0; round < rounds; ++round) {
       if (log && rounds > 1)
         *log << "tune: measuring " << candidates.size()
              << " plans in turn, round " << round + 1 << "/" << rounds
              << std::endl;
-      for (size_t i = 0; i < runs.size(); ++i) {
-        for (int k = 0; k < steps; ++k)
+      for (size_t k = 0; k < order.size(); ++k) {
+        const size_t i = order[k];
+        if (k > 0 && onThisThread(order[k - 1]) && !onThisThread(i))
+          step(*runs[i]); // while the pool's spin dies down
+        for (int n = 0; n < steps; ++n)
           timings[i].push_back(step(*runs[i]));
       }
     }
