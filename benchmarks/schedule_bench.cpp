@@ -74,7 +74,7 @@ int main(int argc, char** argv) {
   std::printf(
       "simulated schedules; span bubble = the Zero Bubble paper's measure; step = with a barrier "
       "(as tpipe runs today), steady = back-to-back without one, both / m (F+B+W);\n"
-      "held = peak micro-batches on a rank (zb-v, dualpipev: half-stages, 2p = 1F1B's p;\n"
+      "held = peak micro-batches on a rank (zb-v, zb-v-half, zb-v-min, dualpipev: half-stages, 2p = 1F1B's p;\n"
       "       dualpipe: whole stages of both chains, parameters doubled);\n"
       "auto-2p/.4: a 2p limit where a micro-batch waiting for its weight pass counts 0.4 (the paper's M_W / M_B)\n"
       "dualpipe(v)'s pairs run one part after the other (overlap 0, as on CPU)\n");
@@ -106,6 +106,10 @@ int main(int argc, char** argv) {
         entries.push_back({"zb-h1", tpipe::zeroBubbleH1Schedule(p, m, mode)});
         entries.push_back({"zb-h2", tpipe::zeroBubbleH2Schedule(p, m, mode)});
         entries.push_back({"zb-v", tpipe::zeroBubbleVSchedule(p, m, mode)});
+        entries.push_back(
+            {"zb-v-half", tpipe::zeroBubbleVHalfSchedule(p, m, mode)});
+        entries.push_back(
+            {"zb-v-min", tpipe::zeroBubbleVMinSchedule(p, m, mode)});
         if (m >= 2 * p) {
           entries.push_back(
               {"dualpipev", tpipe::dualPipeVSchedule(p, m, mode)});
