@@ -6,8 +6,8 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <map>
 #include <iomanip>
+#include <map>
 #include <ostream>
 #include <sstream>
 
@@ -172,6 +172,17 @@ bool isSimplerPlan(const TuneCandidate& a, const TuneCandidate& b) {
   return key(a) < key(b);
 }
 
+namespace {
+
+// The ranking's order: feasible first, fastest predicted first.
+bool rankedBefore(const TuneCandidate& a, const TuneCandidate& b) {
+  if (a.infeasible.empty() != b.infeasible.empty())
+    return a.infeasible.empty();
+  return a.infeasible.empty() && a.predictedStepMs < b.predictedStepMs;
+}
+
+} // namespace
+
 std::string anchorToMeasured(TuneResult& result) {
   auto& all = result.candidates;
   auto devices = [](const TuneCandidate& c) {
@@ -204,10 +215,7 @@ std::string anchorToMeasured(TuneResult& result) {
   for (size_t i = 0; i < order.size(); ++i)
     order[i] = i;
   std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
-    if (all[a].infeasible.empty() != all[b].infeasible.empty())
-      return all[a].infeasible.empty();
-    return all[a].infeasible.empty() &&
-        all[a].predictedStepMs < all[b].predictedStepMs;
+    return rankedBefore(all[a], all[b]);
   });
   std::vector<TuneCandidate> ranked;
   ranked.reserve(all.size());
@@ -598,11 +606,7 @@ void checkRequest(const CostModel& model, const TuneRequest& request) {
 // the fastest is chosen.
 void rank(const CostModel& model, TuneResult& result) {
   auto& all = result.candidates;
-  std::stable_sort(all.begin(), all.end(), [](const auto& a, const auto& b) {
-    if (a.infeasible.empty() != b.infeasible.empty())
-      return a.infeasible.empty();
-    return a.infeasible.empty() && a.predictedStepMs < b.predictedStepMs;
-  });
+  std::stable_sort(all.begin(), all.end(), rankedBefore);
   const double bound = all.front().predictedStepMs * (1.0 + model.noise);
   result.choice = 0;
   for (size_t i = 1; i < all.size(); ++i) {
