@@ -194,7 +194,7 @@ TEST(TuneTest, PredictionsAreAnchoredToThePlansMeasuredInTurn) {
       };
   TuneResult result;
   result.candidates = {
-      plan(1, 1, 10.0, 13.0),  // one device: measured x1.3 and x1.5
+      plan(1, 1, 10.0, 13.0),  // one device: measured x1.3, and x1.5 twice
       plan(2, 4, 11.0, 9.9),   // two devices: measured x0.9
       plan(1, 2, 12.0, 18.0),  //
       plan(2, 8, 14.0, -1.0),  // not measured: its count's x0.9
@@ -215,7 +215,7 @@ TEST(TuneTest, PredictionsAreAnchoredToThePlansMeasuredInTurn) {
   EXPECT_NEAR(all[0].samplesPerSecond, 1000.0 / 9.9, 1e-9);
   EXPECT_EQ(all[1].microBatches, 8);
   EXPECT_NEAR(all[1].predictedStepMs, 14.0 * 0.9, 1e-9);
-  EXPECT_NEAR(all[2].predictedStepMs, 10.0 * 1.5, 1e-9);
+  EXPECT_NEAR(all[2].predictedStepMs, 13.0, 1e-9); // its own measurement
   EXPECT_EQ(all[2].microBatches, 1);
   EXPECT_EQ(all[3].microBatches, 2);
   EXPECT_NEAR(all[4].predictedStepMs, 15.0 * 1.5, 1e-9);

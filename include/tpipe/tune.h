@@ -175,9 +175,10 @@ PlanRequest candidatePlanRequest(
 // Predictions re-anchored to the plans measured in turn (measuredStepMs >=
 // 0): a calibration run seconds earlier in a fresh process misjudges every
 // plan of one shape alike, by up to a third, while plans measured
-// side by side do not. Each device count's predictions are scaled by the
-// median measured / predicted of its measured plans; a count with none by
-// the median over every measured plan. The list is re-ranked, the choice
+// side by side do not. A measured plan's prediction becomes its
+// measurement; the others of a device count are scaled by the median
+// measured / predicted of its measured plans, of a count with none by the
+// median over every measured plan. The list is re-ranked, the choice
 // kept. Returns what was scaled, for a note; empty when nothing was
 // measured.
 std::string anchorToMeasured(TuneResult& result);

@@ -206,7 +206,11 @@ std::string anchorToMeasured(TuneResult& result) {
     if (!c.infeasible.empty())
       continue;
     const auto found = factors.find(devices(c));
-    const double factor = found == factors.end() ? overall : found->second;
+    // A measured plan's best estimate is its own measurement.
+    const double factor = c.measuredStepMs >= 0 && c.predictedStepMs > 0
+        ? c.measuredStepMs / c.predictedStepMs
+        : found == factors.end() ? overall
+                                 : found->second;
     c.predictedStepMs *= factor;
     c.samplesPerSecond /= factor;
   }
