@@ -34,7 +34,14 @@ std::vector<CostCase> costCases() {
   gpt.forward = 1.0, gpt.backwardInput = 0.98, gpt.backwardWeight = 0.6;
   gpt.backward = gpt.backwardInput + gpt.backwardWeight;
   gpt.recompute = gpt.forward, gpt.transfer = 0.03;
-  return {{"unit", unit}, {"gpt-like", gpt}};
+  // The top of the published range of T_W / T_F.
+  StageCosts heavyWeights = gpt;
+  heavyWeights.backwardWeight = 0.75;
+  heavyWeights.backward = gpt.backwardInput + heavyWeights.backwardWeight;
+  return {
+      {"unit", unit},
+      {"gpt-like", gpt},
+      {"gpt-like, T_W = 0.75 T_F", heavyWeights}};
 }
 
 // What a micro-batch keeps between its input pass and its weight pass, as a
@@ -77,7 +84,9 @@ int main(int argc, char** argv) {
       "held = peak micro-batches on a rank (zb-v, zb-v-half, zb-v-min, dualpipev: half-stages, 2p = 1F1B's p;\n"
       "       dualpipe: whole stages of both chains, parameters doubled);\n"
       "auto-2p/.4: a 2p limit where a micro-batch waiting for its weight pass counts 0.4 (the paper's M_W / M_B)\n"
-      "dualpipe(v)'s pairs run one part after the other (overlap 0, as on CPU)\n");
+      "dualpipe(v)'s pairs run one part after the other (overlap 0, as on CPU)\n"
+      "floor = the least span bubble any one-stage-per-rank split schedule can have, at any memory\n"
+      "        (spanBubbleLowerBound: the way down and back that the weight passes must fill)\n");
   for (const CostCase& costs : costCases()) {
     std::printf("\n== %s costs\n", costs.name);
     std::printf(
@@ -137,6 +146,7 @@ int main(int argc, char** argv) {
                                 .count();
           entries.push_back({a.name, std::move(s), ms});
         }
+        const double floor = tpipe::spanBubbleLowerBound(p, m, {c});
         for (const Entry& e : entries) {
           const std::vector<StageCosts> stageCosts{
               e.schedule.virtualStages == 2 && e.schedule.chains == 1
@@ -168,6 +178,13 @@ int main(int argc, char** argv) {
                {"peak_held", held},
                {"search_ms", e.searchMs}});
         }
+        std::printf("%4d %4d %-10s %7.2f%%\n", p, m, "floor", 100 * floor);
+        rows.push_back(
+            {{"costs", costs.name},
+             {"p", p},
+             {"m", m},
+             {"schedule", "floor"},
+             {"span_bubble", floor}});
       }
     }
   }

@@ -414,6 +414,70 @@ TEST(ScheduleTest, AutoIsNeverWorseThanZeroBubbleH1) {
   EXPECT_GT(better, 10);
 }
 
+// The span bubble's floor holds for every one-stage-per-rank schedule under
+// random costs, and `auto` at a 2p limit comes within a point of it under
+// GPT-like costs at m = 3p and 4p (under 1% itself where W = 0.75 F).
+TEST(ScheduleTest, AutoReachesTheSpanBubbleFloor) {
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<double> time(0.2, 2.0);
+  for (int trial = 0; trial < 40; ++trial) {
+    const int p = 2 + static_cast<int>(rng() % 4),
+              m = p + static_cast<int>(rng() % (3 * p));
+    std::vector<StageCosts> costs(p);
+    for (auto& c : costs) {
+      c.forward = time(rng), c.backwardInput = time(rng),
+      c.backwardWeight = time(rng);
+      c.backward = c.backwardInput + c.backwardWeight;
+      c.recompute = c.forward;
+      c.transfer = 0.1 * time(rng);
+    }
+    const double floor = spanBubbleLowerBound(p, m, costs);
+    const auto mode = CheckpointMode::kNever;
+    for (const Schedule& schedule :
+         {oneFOneBSchedule(p, m, mode),
+          zeroBubbleH1Schedule(p, m, mode),
+          zeroBubbleH2Schedule(p, m, mode),
+          autoSchedule(p, m, mode, costs, std::vector<int>(p, 2 * p))}) {
+      EXPECT_GE(simulate(schedule, costs).spanBubble, floor - 1e-12)
+          << schedule.name << " trial " << trial;
+    }
+  }
+  // F = 1, I = 0.98, T_comm = 0.03; a micro-batch waiting for its weight
+  // pass holds 0.4 of a place (the paper's M_W / M_B).
+  for (double weight : {0.5, 0.6, 0.75}) {
+    for (int p : {4, 8, 16}) {
+      for (int m : {3 * p, 4 * p}) {
+        SCOPED_TRACE(
+            "W=" + std::to_string(weight) + " p=" + std::to_string(p) +
+            " m=" + std::to_string(m));
+        StageCosts c;
+        c.forward = 1.0, c.backwardInput = 0.98, c.backwardWeight = weight;
+        c.backward = c.backwardInput + weight, c.recompute = 1.0;
+        c.transfer = 0.03;
+        const Schedule automatic = autoSchedule(
+            p, m, CheckpointMode::kNever, {c}, std::vector<int>(p, 2 * p), 0.4);
+        const double bubble = simulate(automatic, {c}).spanBubble;
+        const double floor = spanBubbleLowerBound(p, m, {c});
+        // Within a point of the floor, which ignores memory: a 2p limit
+        // stops the first rank from deferring every weight pass.
+        EXPECT_LE(bubble, floor + 0.01);
+        if (weight >= 0.75) {
+          EXPECT_LT(bubble, 0.01);
+        }
+      }
+    }
+  }
+  // Where the weight passes cannot fill the way down and back, no schedule
+  // can: 16 ranks, 48 micro-batches, W = 0.6 leave 2.4 units idle.
+  StageCosts gpt;
+  gpt.forward = 1.0, gpt.backwardInput = 0.98, gpt.backwardWeight = 0.6;
+  gpt.transfer = 0.03;
+  EXPECT_NEAR(
+      spanBubbleLowerBound(16, 48, {gpt}), 2.4 / (48 * 2.58 + 2.4), 1e-12);
+  EXPECT_EQ(spanBubbleLowerBound(16, 64, {gpt}), 0.0);
+  EXPECT_THROW(spanBubbleLowerBound(4, 8, {gpt, gpt}), ScheduleError);
+}
+
 // Our schedules go to torch.distributed.pipelining's action CSV and back
 // unchanged (transfers and recomputes are derived again).
 TEST(ScheduleTest, ActionCsvRoundTrips) {

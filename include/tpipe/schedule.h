@@ -434,6 +434,19 @@ double theoreticalBubble(const Schedule& schedule);
 // The formula theoreticalBubble used, with what it assumes, for reports.
 std::string theoreticalBubbleFormula(const Schedule& schedule);
 
+// A floor under Simulation::spanBubble for any split-backward schedule with
+// one stage per rank (1F1B-shaped, ZB-H1, ZB-H2, auto), whatever its memory
+// limit. Rank r's span holds at least: the way down to the last stage,
+// which then runs all m forwards and input passes before its last input
+// pass, the way back up, and rank r's own weight pass for that micro-batch.
+// Zero only when the weight passes fill the way down and up:
+// m W >= (p - 1)(F + I + 2 T_comm) + W under equal stages. `costs`: one
+// entry for all stages, or one per stage.
+double spanBubbleLowerBound(
+    int ranks,
+    int microBatches,
+    const std::vector<StageCosts>& costs);
+
 void printInstructions(std::ostream& out, const Schedule& schedule);
 void printSimulation(
     std::ostream& out,

@@ -140,8 +140,10 @@ class GreedyZeroBubble {
       return kNever;
     if (s == stages_ - 1)
       return forwardDone_[s][b_[s]];
+    // The gradient crosses the same boundary as stage s's output, at its
+    // cost (as the simulator charges it).
     const double sent = backwardDone_[s + 1][b_[s]];
-    return sent < 0 ? kNever : sent + cost(s + 1).transfer;
+    return sent < 0 ? kNever : sent + cost(s).transfer;
   }
   // When stage s's next forward has its input, place or not.
   double forwardArrival(int s) const {

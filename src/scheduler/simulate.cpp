@@ -254,6 +254,39 @@ double theoreticalBubble(const Schedule& schedule) {
       schedule.ranks, schedule.microBatches * schedule.virtualStages);
 }
 
+double spanBubbleLowerBound(
+    int ranks,
+    int microBatches,
+    const std::vector<StageCosts>& costs) {
+  if (ranks < 1 || microBatches < 1 ||
+      (costs.size() != 1 && static_cast<int>(costs.size()) != ranks)) {
+    throw ScheduleError(
+        "span bubble bound: expected 1 or " + std::to_string(ranks) +
+        " stage costs and at least one micro-batch");
+  }
+  auto cost = [&](int s) -> const StageCosts& {
+    return costs.size() == 1 ? costs[0] : costs[s];
+  };
+  const int last = ranks - 1;
+  const double lastStage =
+      microBatches * (cost(last).forward + cost(last).backwardInput);
+  double mostWork = 0.0, worstIdle = 0.0;
+  // Walks up from the last stage: `way` is the time down from stage r to
+  // the last stage and back up, transfers included.
+  double way = 0.0;
+  for (int r = last; r >= 0; --r) {
+    const StageCosts& c = cost(r);
+    if (r < last)
+      way += c.forward + c.backwardInput + 2 * c.transfer;
+    const double work =
+        microBatches * (c.forward + c.backwardInput + c.backwardWeight);
+    const double span = way + lastStage + c.backwardWeight;
+    mostWork = std::max(mostWork, work);
+    worstIdle = std::max(worstIdle, span - work);
+  }
+  return worstIdle > 0 ? worstIdle / (mostWork + worstIdle) : 0.0;
+}
+
 std::string theoreticalBubbleFormula(const Schedule& schedule) {
   if (dualPipeArm(schedule) > 0) {
     return std::string("DeepSeek's (") +
