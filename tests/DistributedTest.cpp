@@ -463,7 +463,9 @@ TEST_F(DistributedTest, GradientClippingMatchesAcrossProcessesAndReplicas) {
 
 // A head tied to the embedding on another process: its gradient is summed
 // across the processes (and replicas), the losses are the threaded run's,
-// and each process's copy is the other's bit for bit after training.
+// and each process's copy is the other's bit for bit after training. Steps
+// without a barrier exchange the two copies' sums between their holders
+// instead of a collective: the same losses and parameters, bit for bit.
 TEST_F(DistributedTest, TiedWeightsStayEqualAcrossProcesses) {
   const std::string tied = path("tied.json");
   std::ofstream(tied) << R"({
@@ -486,8 +488,27 @@ TEST_F(DistributedTest, TiedWeightsStayEqualAcrossProcesses) {
       binary() + " launch --nproc 2 " + tied + " --save " + path("ckpt") +
       " --metrics " + path("two.jsonl"));
   ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(
+      r.output.find("[rank 0] steps: without a barrier between them"),
+      std::string::npos)
+      << r.output;
   expectSameLosses(
       losses(path("threaded.jsonl")), losses(path("two.jsonl")), 1e-5);
+  const Result barrier = shell(
+      binary() + " launch --nproc 2 " + tied +
+      " --set pipeline.overlap_steps=false --save " + path("barrier") +
+      " --metrics " + path("barrier.jsonl"));
+  ASSERT_EQ(barrier.status, 0) << barrier.output;
+  expectSameLosses(
+      losses(path("barrier.jsonl")), losses(path("two.jsonl")), 0.0);
+  for (const std::string rank : {"rank-0", "rank-1"}) {
+    const std::string same =
+        "/usr/bin/python3 -c \"import torch; a = torch.load('" +
+        path("ckpt/" + rank + "/model.pt") + "'); b = torch.load('" +
+        path("barrier/" + rank + "/model.pt") +
+        "'); assert all(torch.equal(a[k], b[k]) for k in a)\"";
+    EXPECT_EQ(std::system(same.c_str()), 0) << same;
+  }
   const Result dp = shell(
       binary() + " launch --nproc 4 " + tied +
       " --set pipeline.data_parallel=2 --metrics " + path("dp.jsonl"));

@@ -328,15 +328,26 @@ class ProcessGroupTransport final : public Transport {
     at::Tensor note =
         at::empty({static_cast<int64_t>(values.size())}, at::kDouble);
     std::copy(values.begin(), values.end(), note.data_ptr<double>());
+    sendNoteTensor(peer, key, note);
+  }
+
+  std::vector<double> receiveNote(int peer, int64_t key, int count) override {
+    const at::Tensor note =
+        receiveNoteTensor(peer, key, at::empty({count}, at::kDouble));
+    const double* data = note.data_ptr<double>();
+    return std::vector<double>(data, data + count);
+  }
+
+  void sendNoteTensor(int peer, int64_t key, const at::Tensor& flat) override {
     const std::string what = "sending a note on the posted step";
     if (bySocket(peer)) {
       try {
-        return sockets_->send(peer, noteSocketKey(key), {note});
+        return sockets_->send(peer, noteSocketKey(key), {flat});
       } catch (const std::exception& error) {
         impl_.blame(peer, what, error);
       }
     }
-    std::vector<at::Tensor> tensors{note};
+    std::vector<at::Tensor> tensors{flat};
     sends_.add(
         {impl_.withPeer(
              peer,
@@ -347,7 +358,8 @@ class ProcessGroupTransport final : public Transport {
          peer});
   }
 
-  std::vector<double> receiveNote(int peer, int64_t key, int count) override {
+  at::Tensor receiveNoteTensor(int peer, int64_t key, const at::Tensor& like)
+      override {
     const std::string what = "receiving its note on the posted step";
     at::Tensor note;
     if (bySocket(peer)) {
@@ -359,23 +371,27 @@ class ProcessGroupTransport final : public Transport {
         impl_.blame(peer, what, error);
       }
     } else {
-      std::vector<at::Tensor> tensors{at::empty({count}, at::kDouble)};
+      std::vector<at::Tensor> tensors{at::empty(like.sizes(), like.options())};
       impl_.complete(peer, what, [&] {
         return impl_.worldGroup->recv(tensors, peer, noteTag(key));
       });
       note = tensors[0];
     }
     TORCH_CHECK(
-        note.scalar_type() == at::kDouble && note.numel() == count,
+        note.scalar_type() == like.scalar_type() &&
+            note.numel() == like.numel(),
         "rank ",
         peer,
         " sent a note of ",
         note.numel(),
+        " ",
+        note.scalar_type(),
         " values where tpipe expected ",
-        count,
+        like.numel(),
+        " ",
+        like.scalar_type(),
         " (a different config or version on that rank?)");
-    const double* data = note.data_ptr<double>();
-    return std::vector<double>(data, data + count);
+    return note;
   }
 
   void end() override {

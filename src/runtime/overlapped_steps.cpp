@@ -89,11 +89,15 @@ struct PostedStep {
   std::vector<double> agreed;
   bool collecting = false;
   int64_t lossNoteKey() const {
-    return 2 * sequence;
+    return kNoteKeys * sequence;
   }
   int64_t partNoteKey() const {
-    return 2 * sequence + 1;
+    return kNoteKeys * sequence + 1;
   }
+  int64_t tiesNoteKey(int slot) const {
+    return kNoteKeys * sequence + 2 + slot;
+  }
+  static constexpr int64_t kNoteKeys = 2 + kTieDtypeSlots;
 
   // Per rank: what a speculative update changed, to undo it.
   struct Speculation {
@@ -148,10 +152,14 @@ void dropGradients(const std::vector<at::Tensor>& parameters) {
 
 bool Pipeline::canOverlapSteps() const {
   // Tied copies sum their gradients where the parts holding them end: in
-  // one process between the workers; across processes that sum is a
-  // collective inside the step, which keeps the barrier.
-  if (!impl_->ties.empty() &&
-      (impl_->options.communicator || impl_->tiedTensorOnTwoRanks()))
+  // one process between the workers, across processes between the holders
+  // (exchangeTiedGradients). One tensor on two ranks of one process would
+  // take both workers' gradients at once.
+  if (!impl_->options.communicator && impl_->tiedTensorOnTwoRanks())
+    return false;
+  // Across processes a posted step's loss is told by the one rank where
+  // micro-batches end; a bidirectional schedule ends them on two.
+  if (impl_->options.communicator && impl_->schedule.chains > 1)
     return false;
   if (impl_->options.communicator)
     return impl_->transport->carriesNotes();
@@ -225,8 +233,8 @@ void Pipeline::postStep(
       canOverlapSteps(),
       "postStep: steps overlap in one process with a worker per device, "
       "or across processes with transfers through host "
-      "memory; never with tied parameters across processes or one tied "
-      "tensor on two ranks (use trainStep)");
+      "memory (one chain); never with one tied tensor on two ranks of one "
+      "process (use trainStep)");
   TORCH_CHECK(update.apply, "postStep: no update given");
   TORCH_CHECK(
       !update.checkGradients || update.saveState,
@@ -450,8 +458,12 @@ void Pipeline::Impl::runPostedPart(runtime::PostedStep& step, int rank) {
   // the worker: a failure fails the step, and wakes whoever waits on it.
   try {
     memory::DeviceScope unattributed(memory::kUnattributed);
-    if (holdsTiedCopy(rank))
-      sumTiesOnceAllIn(step);
+    if (holdsTiedCopy(rank)) {
+      if (acrossProcesses())
+        exchangeTies(step);
+      else
+        sumTiesOnceAllIn(step);
+    }
     updateAfterPart(step, rank);
   } catch (const std::exception& error) {
     {
@@ -490,6 +502,29 @@ void Pipeline::Impl::sumTiesOnceAllIn(runtime::PostedStep& step) {
   } wake{step};
   runtime::sumTiedGradients(
       ties, [this](int stage) { return isLocalStage(stage); }, nullptr);
+}
+
+// Across processes: this process's copies' sums go to the other holders,
+// and theirs come back, with the step's keys.
+void Pipeline::Impl::exchangeTies(runtime::PostedStep& step) {
+  const Communicator& world = *options.communicator;
+  runtime::TieMessages messages;
+  messages.send = [&](int process, int slot, const at::Tensor& flat) {
+    transport->sendNoteTensor(process, step.tiesNoteKey(slot), flat);
+  };
+  messages.receive = [&](int process, int slot, const at::Tensor& like) {
+    return transport->receiveNoteTensor(process, step.tiesNoteKey(slot), like);
+  };
+  auto processesOf = [&](int stage) {
+    std::vector<int> processes;
+    for (int replica = 0; replica < world.replicas(); ++replica) {
+      processes.push_back(
+          replica * world.pipelineRanks() + schedule.rankOfStage(stage));
+    }
+    return processes;
+  };
+  runtime::exchangeTiedGradients(
+      ties, processesOf, world.rank(), world.replicas(), messages);
 }
 
 void Pipeline::Impl::updateAfterPart(runtime::PostedStep& step, int rank) {

@@ -167,6 +167,7 @@ struct Pipeline::Impl {
   void runPostedPart(runtime::PostedStep& step, int rank);
   void updateAfterPart(runtime::PostedStep& step, int rank);
   void sumTiesOnceAllIn(runtime::PostedStep& step);
+  void exchangeTies(runtime::PostedStep& step);
   void decide(runtime::PostedStep& step);
   // Waits for the step's validation; across processes, receives the other
   // ranks' notes first unless another thread of this process does.

@@ -2,11 +2,14 @@
 
 #include <algorithm>
 #include <map>
+#include <set>
 
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/cat.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/zeros.h>
+#include <ATen/ops/zeros_like.h>
 #include <c10/util/Exception.h>
 
 namespace tpipe {
@@ -261,6 +264,131 @@ void sumTiedGradients(
   }
   for (auto& [copies, total] : pending) {
     for (auto& copy : copies) {
+      if (copy.grad().defined()) {
+        copy.mutable_grad().copy_(total);
+      } else {
+        copy.mutable_grad() = total.to(copy.device());
+      }
+    }
+  }
+}
+
+void exchangeTiedGradients(
+    const std::vector<TiedGroup>& groups,
+    const std::function<std::vector<int>(int stage)>& processesOf,
+    int me,
+    int replicas,
+    const TieMessages& messages) {
+  at::NoGradGuard noGrad;
+  // The groups' dtypes in order: every process finds the same slots.
+  std::vector<at::ScalarType> dtypes;
+  for (const auto& group : groups) {
+    const at::ScalarType dtype = group.tensors.front().scalar_type();
+    if (std::find(dtypes.begin(), dtypes.end(), dtype) == dtypes.end())
+      dtypes.push_back(dtype);
+  }
+  TORCH_CHECK(
+      static_cast<int>(dtypes.size()) <= kTieDtypeSlots,
+      "tied parameters across processes come in ",
+      dtypes.size(),
+      " dtypes; steps without a barrier carry at most ",
+      kTieDtypeSlots,
+      " (set pipeline.overlap_steps to false)");
+  auto slotOf = [&](const at::Tensor& tensor) {
+    return static_cast<int>(
+        std::find(dtypes.begin(), dtypes.end(), tensor.scalar_type()) -
+        dtypes.begin());
+  };
+  struct Held {
+    size_t group;
+    std::vector<at::Tensor> copies; // distinct, on this process's stages
+    std::vector<int> holders;       // ascending, this process among them
+    at::Tensor partial;             // on the host
+  };
+  std::vector<Held> held;
+  std::set<int> peers;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const TiedGroup& group = groups[g];
+    Held item{g, {}, {}, at::Tensor()};
+    std::set<int> holders;
+    for (size_t i = 0; i < group.tensors.size(); ++i) {
+      const std::vector<int> processes = processesOf(group.stages[i]);
+      holders.insert(processes.begin(), processes.end());
+      if (std::find(processes.begin(), processes.end(), me) == processes.end())
+        continue;
+      const bool seen = std::any_of(
+          item.copies.begin(), item.copies.end(), [&](const at::Tensor& c) {
+            return sameTensor(c, group.tensors[i]);
+          });
+      if (!seen)
+        item.copies.push_back(group.tensors[i]);
+    }
+    if (item.copies.empty())
+      continue;
+    item.holders.assign(holders.begin(), holders.end());
+    const at::Tensor& model = group.tensors.front();
+    // From zeros, as the collective's local sum starts.
+    item.partial = at::zeros(model.sizes(), model.options().device(at::kCPU));
+    for (const auto& copy : item.copies) {
+      if (copy.grad().defined())
+        item.partial.add_(copy.grad().to(at::kCPU));
+    }
+    for (int process : item.holders) {
+      if (process != me)
+        peers.insert(process);
+    }
+    held.push_back(std::move(item));
+  }
+  auto shares = [](const Held& item, int process) {
+    return std::binary_search(
+        item.holders.begin(), item.holders.end(), process);
+  };
+  // Everything sent before anything is awaited: no two holders wait on
+  // each other.
+  for (int peer : peers) {
+    for (int slot = 0; slot < static_cast<int>(dtypes.size()); ++slot) {
+      std::vector<at::Tensor> flat;
+      for (const Held& item : held) {
+        if (shares(item, peer) && slotOf(item.partial) == slot)
+          flat.push_back(item.partial.reshape({-1}));
+      }
+      if (!flat.empty())
+        messages.send(peer, slot, at::cat(flat));
+    }
+  }
+  // Per held group, per holder: its sum.
+  std::vector<std::map<int, at::Tensor>> sums(held.size());
+  for (size_t k = 0; k < held.size(); ++k)
+    sums[k][me] = held[k].partial;
+  for (int peer : peers) {
+    for (int slot = 0; slot < static_cast<int>(dtypes.size()); ++slot) {
+      int64_t size = 0;
+      for (const Held& item : held) {
+        if (shares(item, peer) && slotOf(item.partial) == slot)
+          size += item.partial.numel();
+      }
+      if (size == 0)
+        continue;
+      const at::Tensor flat = messages.receive(
+          peer, slot, at::empty({size}, at::TensorOptions(dtypes[slot])));
+      int64_t offset = 0;
+      for (size_t k = 0; k < held.size(); ++k) {
+        const at::Tensor& partial = held[k].partial;
+        if (!shares(held[k], peer) || slotOf(partial) != slot)
+          continue;
+        sums[k][peer] =
+            flat.narrow(0, offset, partial.numel()).view(partial.sizes());
+        offset += partial.numel();
+      }
+    }
+  }
+  for (size_t k = 0; k < held.size(); ++k) {
+    at::Tensor total = at::zeros_like(held[k].partial);
+    for (const auto& [process, sum] : sums[k]) // ascending: std::map
+      total.add_(sum);
+    if (replicas > 1)
+      total.div_(replicas);
+    for (auto& copy : held[k].copies) {
       if (copy.grad().defined()) {
         copy.mutable_grad().copy_(total);
       } else {

@@ -58,5 +58,30 @@ void sumTiedGradients(
     const std::function<bool(int stage)>& isLocalStage,
     Communicator* communicator);
 
+// Across processes without a collective, for steps without a barrier: each
+// process holding copies of a group sends its local sum (in stage order)
+// to every other process holding one, and adds the sums it receives in
+// process order, its own in its place, then averages over the replicas. So
+// every copy ends equal bit for bit, and only the holders wait, each for
+// the others' ends of the step. With two holders (a tie between two ranks,
+// dualpipe's every parameter and its copy) the sum equals the collective's
+// bit for bit. `processesOf(stage)`: the processes running the stage, one
+// per replica. One message per peer and dtype, through `send` and
+// `receive` (`slot` numbers the dtype, in the groups' order).
+struct TieMessages {
+  std::function<void(int process, int slot, const at::Tensor& flat)> send;
+  std::function<at::Tensor(int process, int slot, const at::Tensor& like)>
+      receive;
+};
+void exchangeTiedGradients(
+    const std::vector<TiedGroup>& groups,
+    const std::function<std::vector<int>(int stage)>& processesOf,
+    int me,
+    int replicas,
+    const TieMessages& messages);
+
+// How many dtypes exchangeTiedGradients may send per peer: its slots.
+constexpr int kTieDtypeSlots = 2;
+
 } // namespace runtime
 } // namespace tpipe

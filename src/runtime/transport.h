@@ -112,6 +112,20 @@ class Transport {
   virtual std::vector<double> receiveNote(int process, int64_t key, int count) {
     throw std::logic_error("this transport carries no notes");
   }
+  // The same for a flat host tensor of any dtype (tied gradients); the
+  // receiver names what it expects by `like`'s dtype and size.
+  virtual void sendNoteTensor(
+      int process,
+      int64_t key,
+      const at::Tensor& flat) {
+    throw std::logic_error("this transport carries no notes");
+  }
+  virtual at::Tensor receiveNoteTensor(
+      int process,
+      int64_t key,
+      const at::Tensor& like) {
+    throw std::logic_error("this transport carries no notes");
+  }
 };
 
 // Tagged mailboxes, one per boundary and direction, each holding at most one
