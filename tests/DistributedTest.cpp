@@ -338,6 +338,24 @@ TEST_F(DistributedTest, AVShapedScheduleMatchesTheThreadedRun) {
         losses(path(schedule + "-threaded.jsonl")),
         losses(path(schedule + "-two.jsonl")),
         1e-7);
+    // Without a barrier between steps: dualpipe's losses end on both
+    // processes and are told per micro-batch, and each parameter's sum with
+    // its copy goes between the two holders.
+    EXPECT_NE(
+        r.output.find("[rank 0] steps: without a barrier between them"),
+        std::string::npos)
+        << r.output;
+    ASSERT_EQ(
+        shell(
+            binary() + " launch --nproc 2 " + config_ + v +
+            " --set pipeline.overlap_steps=false --metrics " +
+            path(schedule + "-barrier.jsonl"))
+            .status,
+        0);
+    expectSameLosses(
+        losses(path(schedule + "-barrier.jsonl")),
+        losses(path(schedule + "-two.jsonl")),
+        0.0);
     // Evaluation forwards through the processes too (dualpipe's first chain).
     EXPECT_NEAR(
         evalLoss(path(schedule + "-threaded.jsonl")),

@@ -229,8 +229,10 @@ class RankExecutor {
     if (isLast(op.stage)) {
       if (training) {
         state_.losses[op.microBatch] = outputs.front().detach();
-        if (++state_.lossesIn == state_.schedule->microBatches &&
-            state_.lossesKnown)
+        const int expected = state_.lossesHere > 0
+            ? state_.lossesHere
+            : state_.schedule->microBatches;
+        if (++state_.lossesIn == expected && state_.lossesKnown)
           state_.lossesKnown();
       } else {
         state_.outputs[op.microBatch] =

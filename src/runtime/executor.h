@@ -106,10 +106,12 @@ struct StepState {
   // that adds to its parameter gradients (backward or weight pass), so they
   // can be reduced while the rest of the step runs. May be empty.
   std::function<void(int stage)> gradientsFinal;
-  // Called on the last stage's worker once every micro-batch's loss is in,
-  // before the last gradient leaves it: a step posted across processes
-  // tells the other ranks the loss then. May be empty.
+  // Called on a worker of a stage where a chain ends once `lossesHere`
+  // losses are in (every micro-batch ending in this process), before the
+  // last gradient leaves: a step posted across processes tells the other
+  // ranks the losses then. May be empty.
   std::function<void()> lossesKnown;
+  int lossesHere = 0;           // 0: every micro-batch's
   std::atomic<int> lossesIn{0}; // by the workers of the stages where chains end
 
   bool record = false;

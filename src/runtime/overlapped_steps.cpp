@@ -33,6 +33,7 @@
 
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/cat.h>
+#include <ATen/ops/scalar_tensor.h>
 #include <c10/util/Exception.h>
 #include <torch/types.h>
 
@@ -85,6 +86,7 @@ struct PostedStep {
   // whether a thread of this process is receiving the other ranks' notes
   // (the others wait for it).
   double replicaLoss = std::numeric_limits<double>::quiet_NaN();
+  std::vector<double> replicaLosses; // several chains: per micro-batch
   double worldLoss = std::numeric_limits<double>::quiet_NaN();
   std::vector<double> agreed;
   bool collecting = false;
@@ -156,10 +158,6 @@ bool Pipeline::canOverlapSteps() const {
   // (exchangeTiedGradients). One tensor on two ranks of one process would
   // take both workers' gradients at once.
   if (!impl_->options.communicator && impl_->tiedTensorOnTwoRanks())
-    return false;
-  // Across processes a posted step's loss is told by the one rank where
-  // micro-batches end; a bidirectional schedule ends them on two.
-  if (impl_->options.communicator && impl_->schedule.chains > 1)
     return false;
   if (impl_->options.communicator)
     return impl_->transport->carriesNotes();
@@ -233,8 +231,8 @@ void Pipeline::postStep(
       canOverlapSteps(),
       "postStep: steps overlap in one process with a worker per device, "
       "or across processes with transfers through host "
-      "memory (one chain); never with one tied tensor on two ranks of one "
-      "process (use trainStep)");
+      "memory; never with one tied tensor on two ranks of one process "
+      "(use trainStep)");
   TORCH_CHECK(update.apply, "postStep: no update given");
   TORCH_CHECK(
       !update.checkGradients || update.saveState,
@@ -270,9 +268,11 @@ void Pipeline::Impl::post(std::shared_ptr<runtime::PostedStep> step) {
     step->previous = posted.back();
   for (const auto& earlier : posted)
     step->mayBeDoomed = step->mayBeDoomed || earlier->update.checkGradients;
-  if (acrossProcesses() && isLocalStage(schedule.stages() - 1)) {
+  if (acrossProcesses()) {
+    state.lossesHere = lossesEndingHere();
     runtime::PostedStep* raw = step.get();
-    state.lossesKnown = [this, raw] { tellLoss(*raw); };
+    if (state.lossesHere > 0)
+      state.lossesKnown = [this, raw] { tellLoss(*raw); };
   }
   armGradientAveraging(state);
   state.start = std::chrono::steady_clock::now(); // until a rank begins
@@ -298,31 +298,80 @@ void Pipeline::Impl::post(std::shared_ptr<runtime::PostedStep> step) {
     workers[rank]->post([part, rank] { part(rank); });
 }
 
+// The micro-batches whose loss this process computes: their forwards on
+// the stages where a chain ends.
+int Pipeline::Impl::lossesEndingHere() const {
+  int count = 0;
+  for (int stage = 0; stage < schedule.stages(); ++stage) {
+    if (schedule.hasNext(stage) || !isLocalStage(stage))
+      continue;
+    for (const auto& instruction :
+         schedule.perRank[schedule.rankOfStage(stage)]) {
+      const auto* forward = std::get_if<Forward>(&instruction);
+      count += forward && forward->stage == stage;
+    }
+  }
+  return count;
+}
+
+bool Pipeline::Impl::endsChainOnRank(int rank) const {
+  for (int stage : schedule.stagesOfRank(rank)) {
+    if (!schedule.hasNext(stage))
+      return true;
+  }
+  return false;
+}
+
+// One chain: the replica's loss total. Several (dualpipe): each micro-batch's
+// loss, 0 where it ends elsewhere, as a step with a barrier gathers them.
 void Pipeline::Impl::tellLoss(runtime::PostedStep& step) {
-  step.replicaLoss = lossTotal(step.state).item<double>();
+  std::vector<double> note;
+  if (schedule.chains == 1) {
+    step.replicaLoss = lossTotal(step.state).item<double>();
+    note = {step.replicaLoss};
+  } else {
+    for (const auto& loss : step.state.losses)
+      note.push_back(loss.defined() ? loss.item<double>() : 0.0);
+    step.replicaLosses = note;
+  }
   const Communicator& world = *options.communicator;
   for (int process = 0; process < world.worldSize(); ++process) {
     if (process != world.rank())
-      transport->sendNote(process, step.lossNoteKey(), {step.replicaLoss});
+      transport->sendNote(process, step.lossNoteKey(), note);
   }
 }
 
 // Every replica's loss, summed in process order and averaged, as the sum
-// of a step with a barrier adds them. The last stage's processes told them
-// before their last gradients left, and this process's gradient average
-// waited for its peers of every replica: here by now.
+// of a step with a barrier adds them. The processes where chains end told
+// them before their last gradients left, and this process's gradient
+// average waited for its peers of every replica: here by now.
 double Pipeline::Impl::worldLoss(runtime::PostedStep& step) {
   const Communicator& world = *options.communicator;
-  const int lastRank = schedule.rankOfStage(schedule.stages() - 1);
-  double total = 0.0;
+  const int chains = schedule.chains;
+  const int m = schedule.microBatches;
+  std::vector<double> each(chains == 1 ? 1 : m, 0.0);
   for (int process = 0; process < world.worldSize(); ++process) {
-    if (process % world.pipelineRanks() != lastRank)
+    if (!endsChainOnRank(process % world.pipelineRanks()))
       continue;
-    total += process == world.rank()
-        ? step.replicaLoss
-        : transport->receiveNote(process, step.lossNoteKey(), 1)[0];
+    const std::vector<double> told = process != world.rank()
+        ? transport->receiveNote(
+              process, step.lossNoteKey(), static_cast<int>(each.size()))
+        : chains == 1 ? std::vector<double>{step.replicaLoss}
+                      : step.replicaLosses;
+    for (size_t i = 0; i < each.size(); ++i)
+      each[i] += told[i];
   }
-  return total / world.replicas();
+  if (chains == 1)
+    return each[0] / world.replicas();
+  // In micro-batch order, in the losses' own dtype, as trainStep adds them.
+  at::Tensor sum;
+  const at::ScalarType dtype = worldLossTensor(0.0, step.state).scalar_type();
+  for (double loss : each) {
+    const at::Tensor value = at::scalar_tensor(
+        loss / world.replicas(), at::TensorOptions().dtype(dtype));
+    sum = sum.defined() ? sum + value : value;
+  }
+  return sum.item<double>();
 }
 
 void Pipeline::Impl::tellPart(

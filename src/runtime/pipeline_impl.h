@@ -168,6 +168,8 @@ struct Pipeline::Impl {
   void updateAfterPart(runtime::PostedStep& step, int rank);
   void sumTiesOnceAllIn(runtime::PostedStep& step);
   void exchangeTies(runtime::PostedStep& step);
+  int lossesEndingHere() const;
+  bool endsChainOnRank(int rank) const;
   void decide(runtime::PostedStep& step);
   // Waits for the step's validation; across processes, receives the other
   // ranks' notes first unless another thread of this process does.
