@@ -327,11 +327,17 @@ void exchangeTiedGradients(
       continue;
     item.holders.assign(holders.begin(), holders.end());
     const at::Tensor& model = group.tensors.front();
-    // From zeros, as the collective's local sum starts.
-    item.partial = at::zeros(model.sizes(), model.options().device(at::kCPU));
-    for (const auto& copy : item.copies) {
-      if (copy.grad().defined())
-        item.partial.add_(copy.grad().to(at::kCPU));
+    const at::Tensor& only = item.copies.front().grad();
+    if (item.copies.size() == 1 && only.defined() && only.is_cpu() &&
+        only.is_contiguous()) {
+      item.partial = only; // added to in place at the end: one pass
+    } else {
+      // From zeros, as the collective's local sum starts.
+      item.partial = at::zeros(model.sizes(), model.options().device(at::kCPU));
+      for (const auto& copy : item.copies) {
+        if (copy.grad().defined())
+          item.partial.add_(copy.grad().to(at::kCPU));
+      }
     }
     for (int process : item.holders) {
       if (process != me)
@@ -383,6 +389,16 @@ void exchangeTiedGradients(
     }
   }
   for (size_t k = 0; k < held.size(); ++k) {
+    if (sums[k].size() == 2 && replicas == 1 && held[k].copies.size() == 1 &&
+        held[k].copies.front().grad().is_same(held[k].partial)) {
+      // Two holders: a + b is b + a to the bit, so the other's sum is added
+      // to this one's gradient in place.
+      for (const auto& [process, sum] : sums[k]) {
+        if (process != me)
+          held[k].partial.add_(sum);
+      }
+      continue;
+    }
     at::Tensor total = at::zeros_like(held[k].partial);
     for (const auto& [process, sum] : sums[k]) // ascending: std::map
       total.add_(sum);
