@@ -3,6 +3,10 @@
 // unit costs. Each tries the Zero Bubble paper's heuristic variants and
 // keeps the best simulated; `auto` then improves it locally.
 #include <algorithm>
+#include <array>
+#include <deque>
+#include <functional>
+#include <map>
 #include <utility>
 
 #include "scheduler/compute_order.h"
@@ -672,22 +676,112 @@ Schedule zeroBubbleVSchedule(int ranks, int microBatches, CheckpointMode mode) {
 
 namespace {
 
+// The V laid from a building block (Qi et al., "Pipeline Parallelism with
+// Controllable Memory", 2024): rank r's four passes of micro-batch 0 take
+// the slots `first(r)` gives (the forward of stage r, of stage 2p - 1 - r,
+// then the input passes of 2p - 1 - r and of r), and micro-batch k takes
+// them 6 k slots later, six passes per period with the two weight passes.
+// The block fixes how long each activation lives, so the peak memory, where
+// a list scheduler under a limit leaves idle that grows with p. Weight
+// passes fill the free slots in order, the later stage's first (its input
+// pass came first); the rest drain at the end. Empty when two passes of a
+// rank fall on one slot.
+ComputeOrder vBlockOrder(
+    int p,
+    int m,
+    const std::function<std::array<int, 4>(int rank)>& first) {
+  ComputeOrder order(p);
+  for (int r = 0; r < p; ++r) {
+    const int stageOf[4] = {r, 2 * p - 1 - r, 2 * p - 1 - r, r};
+    const Pass passOf[4] = {
+        Pass::kForward,
+        Pass::kForward,
+        Pass::kBackwardInput,
+        Pass::kBackwardInput};
+    const std::array<int, 4> offsets = first(r);
+    std::map<int, ComputeStep> slots;
+    for (int k = 0; k < m; ++k) {
+      for (int kind = 0; kind < 4; ++kind) {
+        const ComputeStep step{passOf[kind], stageOf[kind], k};
+        if (!slots.emplace(offsets[kind] + 6 * k, step).second)
+          return {};
+      }
+    }
+    std::deque<ComputeStep> weights[2]; // the later stage's, the earlier's
+    int next = 0;
+    for (const auto& [slot, step] : slots) {
+      for (; next < slot; ++next) {
+        for (auto& pending : weights) {
+          if (!pending.empty()) {
+            order[r].push_back(pending.front());
+            pending.pop_front();
+            break;
+          }
+        }
+      }
+      order[r].push_back(step);
+      next = slot + 1;
+      if (step.pass == Pass::kBackwardInput) {
+        weights[step.stage == r ? 1 : 0].push_back(
+            {Pass::kBackwardWeight, step.stage, step.microBatch});
+      }
+    }
+    for (auto& pending : weights) {
+      for (const ComputeStep& weight : pending)
+        order[r].push_back(weight);
+    }
+  }
+  return order;
+}
+
+// The building blocks' first slots: V-Min's lifespans hold a third of
+// 1F1B's activations, V-Half's half (with a gap of 2 or 3 slots where p
+// divides by 3, or is even, so no two passes meet).
+std::array<int, 4> vMinBlock(int p, int r) {
+  const int gap = p % 3 == 0 ? 2 : 0;
+  return {r, 2 * p - 1 - r, 2 * p + gap + r, 4 * p + gap - 1 - r};
+}
+std::array<int, 4> vHalfBlock(int p, int r) {
+  const int gap = p % 2 == 0 ? 3 : 0;
+  return {2 * r, 3 * p - r - 2, 3 * p + gap + 2 * r - 1, 6 * p + gap - r - 2};
+}
+
 // The V of zb-v, laid by the list scheduler under unit costs with at most
 // `limit` half-stage micro-batches stashed on each rank.
+// Or from the paper's building block, where that fits the limit and runs
+// faster.
 Schedule boundedV(
     const char* name,
     int ranks,
     int microBatches,
     CheckpointMode mode,
-    int limit) {
+    int limit,
+    std::array<int, 4> (*block)(int p, int r)) {
   requireCounts(ranks, microBatches, 2);
   const std::vector<int> placement = vPlacement(ranks);
-  const ComputeOrder order = bestGreedy(
+  ComputeOrder order = bestGreedy(
       ranks,
       placement,
       microBatches,
       {StageCosts{}},
       std::vector<int>(ranks, limit));
+  const ComputeOrder built =
+      vBlockOrder(ranks, microBatches, [&](int r) { return block(ranks, r); });
+  if (!built.empty()) {
+    const std::vector<double> held = peakHeld(built, 1.0);
+    const bool fits = std::all_of(
+        held.begin(), held.end(), [&](double h) { return h <= limit + 1e-9; });
+    ScheduleScore score;
+    try {
+      score = scoreOf(built, placement, microBatches, {StageCosts{}});
+    } catch (const ScheduleError&) {
+      score = {}; // a block that does not fit this p and m
+    }
+    if (fits &&
+        score.betterThan(
+            scoreOf(order, placement, microBatches, {StageCosts{}})))
+      order = built;
+  }
   Schedule schedule = lower(name, ranks, 2, microBatches, mode, order);
   schedule.placement = placement;
   validate(schedule);
@@ -701,7 +795,8 @@ Schedule zeroBubbleVHalfSchedule(
     int microBatches,
     CheckpointMode mode) {
   // P / 2 + 1 whole micro-batches: p + 2 half-stage ones.
-  return boundedV("zb-v-half", ranks, microBatches, mode, ranks + 2);
+  return boundedV(
+      "zb-v-half", ranks, microBatches, mode, ranks + 2, vHalfBlock);
 }
 
 int zeroBubbleVMinLimit(int ranks) {
@@ -713,7 +808,12 @@ Schedule zeroBubbleVMinSchedule(
     int microBatches,
     CheckpointMode mode) {
   return boundedV(
-      "zb-v-min", ranks, microBatches, mode, zeroBubbleVMinLimit(ranks));
+      "zb-v-min",
+      ranks,
+      microBatches,
+      mode,
+      zeroBubbleVMinLimit(ranks),
+      vMinBlock);
 }
 
 } // namespace tpipe
