@@ -11,6 +11,20 @@
 namespace tpipe {
 namespace {
 
+// Uneven stages: F, I and W each 0.2-2, transfers a tenth of that.
+std::vector<StageCosts> randomStageCosts(std::mt19937& rng, int stages) {
+  std::uniform_real_distribution<double> time(0.2, 2.0);
+  std::vector<StageCosts> costs(stages);
+  for (auto& c : costs) {
+    c.forward = time(rng), c.backwardInput = time(rng),
+    c.backwardWeight = time(rng);
+    c.backward = c.backwardInput + c.backwardWeight;
+    c.recompute = c.forward;
+    c.transfer = 0.1 * time(rng);
+  }
+  return costs;
+}
+
 // Compute instructions of one rank as "F0 F1 B1 R0 B0"; with virtual stages
 // each label carries "@stage".
 std::string computeOrder(const Schedule& schedule, int rank) {
@@ -387,19 +401,11 @@ TEST(ScheduleTest, ZeroBubbleH2ReachesTheUnitCostBound) {
 // never worse than it under the same limit.
 TEST(ScheduleTest, AutoIsNeverWorseThanZeroBubbleH1) {
   std::mt19937 rng(7);
-  std::uniform_real_distribution<double> time(0.2, 2.0);
   int better = 0;
   for (int trial = 0; trial < 60; ++trial) {
     const int p = 2 + static_cast<int>(rng() % 3),
               m = p + static_cast<int>(rng() % 8);
-    std::vector<StageCosts> costs(p);
-    for (auto& c : costs) {
-      c.forward = time(rng), c.backwardInput = time(rng),
-      c.backwardWeight = time(rng);
-      c.backward = c.backwardInput + c.backwardWeight;
-      c.recompute = c.forward;
-      c.transfer = 0.1 * time(rng);
-    }
+    const std::vector<StageCosts> costs = randomStageCosts(rng, p);
     const double h1 =
         simulate(zeroBubbleH1Schedule(p, m, CheckpointMode::kNever), costs)
             .makespan;
@@ -419,18 +425,10 @@ TEST(ScheduleTest, AutoIsNeverWorseThanZeroBubbleH1) {
 // GPT-like costs at m = 3p and 4p (under 1% itself where W = 0.75 F).
 TEST(ScheduleTest, AutoReachesTheSpanBubbleFloor) {
   std::mt19937 rng(11);
-  std::uniform_real_distribution<double> time(0.2, 2.0);
   for (int trial = 0; trial < 40; ++trial) {
     const int p = 2 + static_cast<int>(rng() % 4),
               m = p + static_cast<int>(rng() % (3 * p));
-    std::vector<StageCosts> costs(p);
-    for (auto& c : costs) {
-      c.forward = time(rng), c.backwardInput = time(rng),
-      c.backwardWeight = time(rng);
-      c.backward = c.backwardInput + c.backwardWeight;
-      c.recompute = c.forward;
-      c.transfer = 0.1 * time(rng);
-    }
+    const std::vector<StageCosts> costs = randomStageCosts(rng, p);
     const double floor = spanBubbleLowerBound(p, m, costs);
     const auto mode = CheckpointMode::kNever;
     for (const Schedule& schedule :
