@@ -300,16 +300,14 @@ void exchangeTiedGradients(
         dtypes.begin());
   };
   struct Held {
-    size_t group;
     std::vector<at::Tensor> copies; // distinct, on this process's stages
     std::vector<int> holders;       // ascending, this process among them
     at::Tensor partial;             // on the host
   };
   std::vector<Held> held;
   std::set<int> peers;
-  for (size_t g = 0; g < groups.size(); ++g) {
-    const TiedGroup& group = groups[g];
-    Held item{g, {}, {}, at::Tensor()};
+  for (const TiedGroup& group : groups) {
+    Held item;
     std::set<int> holders;
     for (size_t i = 0; i < group.tensors.size(); ++i) {
       const std::vector<int> processes = processesOf(group.stages[i]);
