@@ -725,7 +725,15 @@ nlohmann::json scheduleTableFor(int p) {
   for (int m : {4, 8, 16}) {
     std::map<std::string, std::vector<double>> steps, ratio, bubble;
     const char* schedules[] = {
-        "1f1b", "zb-h1", "zb-h2", "zb-v", "auto", "dualpipev", "dualpipe"};
+        "1f1b",
+        "zb-h1",
+        "zb-h2",
+        "zb-v",
+        "zb-v-half",
+        "zb-v-min",
+        "auto",
+        "dualpipev",
+        "dualpipe"};
     for (int round = 0; round < 3; ++round) {
       for (const char* schedule : schedules) {
         if (std::string(schedule) == "dualpipev" && m < 2 * p)
@@ -734,8 +742,7 @@ nlohmann::json scheduleTableFor(int p) {
           continue; // two mirrored halves of the ranks, two chains
         tpipe::PipelineOptions options =
             benchOptions(p, m, schedule, CheckpointMode::kNever);
-        if (std::string(schedule) == "zb-v" ||
-            std::string(schedule) == "dualpipev")
+        if (tpipe::isVShaped(tpipe::ScheduleSource(schedule).kind()))
           options.virtualStages = 2; // 2p half-size stages in a V
         const Measured r =
             timePipeline(tpipe::layersOf(net), options, x, y, 1, 3, false);
