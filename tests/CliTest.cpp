@@ -53,6 +53,16 @@ TEST(CliTest, ScheduleTableAndTimeline) {
   EXPECT_NE(r.output.find("rank 0: F0 F1 F2 F3 b0 w0"), std::string::npos)
       << r.output;
   EXPECT_NE(r.output.find("timeline"), std::string::npos);
+  // Unit costs, 8 micro-batches: the weight passes fill the way down and
+  // back (3 x (F + I) + W = 7 <= 8 W).
+  EXPECT_NE(r.output.find("span bubble floor 0.00%"), std::string::npos)
+      << r.output;
+  const Result few = runTpipe(
+      "schedule --stages 4 --micro-batches 4 --schedule zb-h1 --checkpoint never");
+  ASSERT_EQ(few.status, 0) << few.output;
+  // 4 micro-batches: 7 - 4 = 3 idle units against 12 of work.
+  EXPECT_NE(few.output.find("span bubble floor 20.00%"), std::string::npos)
+      << few.output;
 }
 
 TEST(CliTest, BadScheduleExitsWithStatusTwo) {

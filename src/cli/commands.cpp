@@ -3,6 +3,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <iomanip>
 #include <iostream>
 #include <algorithm>
 
@@ -358,6 +359,14 @@ int printSchedule(
   if (simulation.finished) {
     std::cout << "back-to-back steps without a barrier (post-validation): "
               << tpipe::steadyStepTime(schedule, costs) << " per step\n";
+  }
+  if (schedule.virtualStages == 1 && schedule.chains == 1) {
+    std::cout << "span bubble floor " << std::fixed << std::setprecision(2)
+              << 100.0 *
+            tpipe::spanBubbleLowerBound(
+                     schedule.ranks, schedule.microBatches, costs)
+              << "% (no one-stage-per-rank split schedule does better at "
+                 "these costs, whatever its memory)\n";
   }
   if (searchMs >= 0)
     std::cout << "auto search: " << searchMs << " ms\n";
