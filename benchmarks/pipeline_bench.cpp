@@ -724,24 +724,21 @@ nlohmann::json scheduleTableFor(int p) {
   nlohmann::json rows = nlohmann::json::array();
   for (int m : {4, 8, 16}) {
     std::map<std::string, std::vector<double>> steps, ratio, bubble;
-    const char* schedules[] = {
-        "1f1b",
-        "zb-h1",
-        "zb-h2",
-        "zb-v",
-        "zb-v-half",
-        "zb-v-min",
-        "auto",
-        "dualpipev",
-        "dualpipe"};
+    // Every built-in but fill-drain and interleaved (a table against 1F1B,
+    // one stage per device or a V).
+    std::vector<std::string> schedules;
+    for (const std::string& name : tpipe::scheduleNames()) {
+      if (name != "gpipe" && name != "interleaved-1f1b")
+        schedules.push_back(name);
+    }
     for (int round = 0; round < 3; ++round) {
-      for (const char* schedule : schedules) {
-        if (std::string(schedule) == "dualpipev" && m < 2 * p)
+      for (const std::string& schedule : schedules) {
+        if (schedule == "dualpipev" && m < 2 * p)
           continue; // it needs as many micro-batches as stages
-        if (std::string(schedule) == "dualpipe" && (m < 2 * p || p % 2))
+        if (schedule == "dualpipe" && (m < 2 * p || p % 2))
           continue; // two mirrored halves of the ranks, two chains
         tpipe::PipelineOptions options =
-            benchOptions(p, m, schedule, CheckpointMode::kNever);
+            benchOptions(p, m, schedule.c_str(), CheckpointMode::kNever);
         if (tpipe::isVShaped(tpipe::ScheduleSource(schedule).kind()))
           options.virtualStages = 2; // 2p half-size stages in a V
         const Measured r =
@@ -752,14 +749,14 @@ nlohmann::json scheduleTableFor(int p) {
         bubble[schedule].push_back(r.bubble.measuredBubble);
       }
     }
-    for (const char* schedule : schedules) {
+    for (const std::string& schedule : schedules) {
       if (steps[schedule].empty())
         continue;
       const double step = median(steps[schedule]);
       std::printf(
           "%-4d %-9s %10.2f %12.3f %13.1f%% %14.3f\n",
           m,
-          schedule,
+          schedule.c_str(),
           step,
           step / median(steps["1f1b"]),
           100 * median(bubble[schedule]),
