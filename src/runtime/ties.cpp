@@ -82,6 +82,25 @@ bool sameTensor(const at::Tensor& a, const at::Tensor& b) {
   return a.unsafeGetTensorImpl() == b.unsafeGetTensorImpl();
 }
 
+// The group's copies on the stages `isLocalStage` accepts, each tensor once
+// (uses of one tensor are summed by autograd already).
+std::vector<at::Tensor> localCopies(
+    const TiedGroup& group,
+    const std::function<bool(int stage)>& isLocalStage) {
+  std::vector<at::Tensor> copies;
+  for (size_t i = 0; i < group.tensors.size(); ++i) {
+    if (!isLocalStage(group.stages[i]))
+      continue;
+    const bool seen =
+        std::any_of(copies.begin(), copies.end(), [&](const at::Tensor& c) {
+          return sameTensor(c, group.tensors[i]);
+        });
+    if (!seen)
+      copies.push_back(group.tensors[i]);
+  }
+  return copies;
+}
+
 } // namespace
 
 void makeCopiesEqual(const std::vector<TiedGroup>& groups) {
@@ -199,17 +218,7 @@ void sumTiedGradients(
   };
   std::vector<Pending> pending;
   for (const auto& group : groups) {
-    std::vector<at::Tensor> copies; // distinct, on this process's stages
-    for (size_t i = 0; i < group.tensors.size(); ++i) {
-      if (!isLocalStage(group.stages[i]))
-        continue;
-      const bool seen = std::any_of(
-          copies.begin(), copies.end(), [&](const at::Tensor& copy) {
-            return sameTensor(copy, group.tensors[i]);
-          });
-      if (!seen)
-        copies.push_back(group.tensors[i]);
-    }
+    std::vector<at::Tensor> copies = localCopies(group, isLocalStage);
     if (copies.empty() && !communicator)
       continue;
     if (!communicator && copies.size() < 2)
@@ -308,21 +317,18 @@ void exchangeTiedGradients(
   std::set<int> peers;
   for (const TiedGroup& group : groups) {
     Held item;
-    std::set<int> holders;
-    for (size_t i = 0; i < group.tensors.size(); ++i) {
-      const std::vector<int> processes = processesOf(group.stages[i]);
-      holders.insert(processes.begin(), processes.end());
-      if (std::find(processes.begin(), processes.end(), me) == processes.end())
-        continue;
-      const bool seen = std::any_of(
-          item.copies.begin(), item.copies.end(), [&](const at::Tensor& c) {
-            return sameTensor(c, group.tensors[i]);
-          });
-      if (!seen)
-        item.copies.push_back(group.tensors[i]);
-    }
+    item.copies = localCopies(group, [&](int stage) {
+      const std::vector<int> processes = processesOf(stage);
+      return std::find(processes.begin(), processes.end(), me) !=
+          processes.end();
+    });
     if (item.copies.empty())
       continue;
+    std::set<int> holders;
+    for (int stage : group.stages) {
+      const std::vector<int> processes = processesOf(stage);
+      holders.insert(processes.begin(), processes.end());
+    }
     item.holders.assign(holders.begin(), holders.end());
     const at::Tensor& model = group.tensors.front();
     const at::Tensor& only = item.copies.front().grad();

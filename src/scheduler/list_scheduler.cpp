@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <array>
 #include <deque>
-#include <functional>
 #include <map>
 #include <utility>
 
@@ -678,7 +677,7 @@ namespace {
 
 // The V laid from a building block (Qi et al., "Pipeline Parallelism with
 // Controllable Memory", 2024): rank r's four passes of micro-batch 0 take
-// the slots `first(r)` gives (the forward of stage r, of stage 2p - 1 - r,
+// the slots `first(p, r)` gives (the forward of stage r, of stage 2p - 1 - r,
 // then the input passes of 2p - 1 - r and of r), and micro-batch k takes
 // them 6 k slots later, six passes per period with the two weight passes.
 // The block fixes how long each activation lives, so the peak memory, where
@@ -689,7 +688,7 @@ namespace {
 ComputeOrder vBlockOrder(
     int p,
     int m,
-    const std::function<std::array<int, 4>(int rank)>& first) {
+    std::array<int, 4> (*first)(int p, int rank)) {
   ComputeOrder order(p);
   for (int r = 0; r < p; ++r) {
     const int stageOf[4] = {r, 2 * p - 1 - r, 2 * p - 1 - r, r};
@@ -698,7 +697,7 @@ ComputeOrder vBlockOrder(
         Pass::kForward,
         Pass::kBackwardInput,
         Pass::kBackwardInput};
-    const std::array<int, 4> offsets = first(r);
+    const std::array<int, 4> offsets = first(p, r);
     std::map<int, ComputeStep> slots;
     for (int k = 0; k < m; ++k) {
       for (int kind = 0; kind < 4; ++kind) {
@@ -746,10 +745,9 @@ std::array<int, 4> vHalfBlock(int p, int r) {
   return {2 * r, 3 * p - r - 2, 3 * p + gap + 2 * r - 1, 6 * p + gap - r - 2};
 }
 
-// The V of zb-v, laid by the list scheduler under unit costs with at most
-// `limit` half-stage micro-batches stashed on each rank.
-// Or from the paper's building block, where that fits the limit and runs
-// faster.
+// The V of zb-v with at most `limit` half-stage micro-batches stashed on
+// each rank: from the paper's building block where that fits the limit and
+// runs faster under unit costs, else laid by the list scheduler.
 Schedule boundedV(
     const char* name,
     int ranks,
@@ -765,8 +763,7 @@ Schedule boundedV(
       microBatches,
       {StageCosts{}},
       std::vector<int>(ranks, limit));
-  const ComputeOrder built =
-      vBlockOrder(ranks, microBatches, [&](int r) { return block(ranks, r); });
+  const ComputeOrder built = vBlockOrder(ranks, microBatches, block);
   if (!built.empty()) {
     const std::vector<double> held = peakHeld(built, 1.0);
     const bool fits = std::all_of(
