@@ -271,6 +271,14 @@ class RankExecutor {
       torch::autograd::backward(roots, grads);
     if (state_.schedule->hasPrevious(op.stage))
       stash.inputGrads = inputGradients(stage, stash);
+    if (stage.pairStream) {
+      // A forward run on the pair stream has its backward kernels there
+      // too (autograd runs each on its forward's stream).
+      c10::impl::VirtualGuardImpl guard(stage.device.type());
+      for (const auto& grad : grads)
+        guard.recordDataPtrOnStream(
+            grad.storage().data_ptr(), *stage.pairStream);
+    }
     release(stash);
   }
 
@@ -403,6 +411,28 @@ class RankExecutor {
   }
 
   int64_t transferred = 0; // bytes moved by the last transfer instruction
+
+  // Tells the caching allocator that `stream` uses what the forward `op`
+  // kept (it ran on another stream), so no buffer of it is handed out
+  // again before `stream` is done with it.
+  void keepForStream(const Forward& op, c10::Stream stream) const {
+    const Stash& stash = state_.at(op.stage, op.microBatch);
+    c10::impl::VirtualGuardImpl guard(stream.device_type());
+    auto keep = [&](const at::Tensor& tensor) {
+      if (tensor.defined() && tensor.device() == stream.device())
+        guard.recordDataPtrOnStream(tensor.storage().data_ptr(), stream);
+    };
+    for (const auto& tensor : stash.inputs)
+      keep(tensor);
+    for (const auto& tensor : stash.outputs)
+      keep(tensor);
+    for (const auto& part : stash.weightParts) {
+      keep(part.input);
+      keep(part.output);
+    }
+    if (isLast(op.stage) && state_.schedule->training)
+      keep(state_.losses[op.microBatch]);
+  }
 
  private:
   StageRuntime& stageAt(int stage) {
@@ -826,41 +856,88 @@ void runRank(StepState& state, int rank) {
   c10::optional<c10::StreamGuard> onCompute;
   if (home.computeStream)
     onCompute.emplace(*home.computeStream);
-  // Kernels run asynchronously: while recording, wait for each instruction
-  // so its end time is real (recording costs overlap on accelerators).
-  auto settle = [&] {
-    if (home.computeStream) {
-      c10::impl::VirtualGuardImpl(home.device.type())
-          .synchronizeStream(*home.computeStream);
-    }
+  const c10::impl::VirtualGuardImpl device(home.device.type());
+  auto settle = [&](const c10::optional<c10::Stream>& stream) {
+    if (stream)
+      device.synchronizeStream(*stream);
   };
   auto since = [&](std::chrono::steady_clock::time_point t) {
     return std::chrono::duration<double, std::micro>(t - state.start).count();
   };
+  auto recordEvent = [&](size_t i,
+                         std::chrono::steady_clock::time_point begin,
+                         std::chrono::steady_clock::time_point end) {
+    state.events[rank].push_back(
+        {rank,
+         static_cast<int>(i),
+         since(begin),
+         since(end),
+         executor.transferred});
+  };
   const std::vector<int> finalAfter = state.gradientsFinal
       ? gradientsFinalAfter(list)
       : std::vector<int>(list.size(), -1);
+  auto ran = [&](size_t i) {
+    if (finalAfter[i] >= 0)
+      state.gradientsFinal(finalAfter[i]);
+  };
+  // An overlapped pair on an accelerator: the forward's kernels go to the
+  // pair stream, the backward's to the compute stream, so the device runs
+  // them side by side (on CPU they run one after the other). The backward
+  // must follow at once: anything between would expect the forward done.
+  auto pairedOnTwoStreams = [&](size_t i) {
+    const auto* forward = std::get_if<Forward>(&list[i]);
+    return home.pairStream && forward && forward->overlapsBackward &&
+        i + 1 < list.size() && std::holds_alternative<Backward>(list[i + 1]);
+  };
   size_t i = 0;
   try {
     for (; i < list.size(); ++i) {
-      if (!state.record) {
+      executor.transferred = 0;
+      const auto begin = std::chrono::steady_clock::now();
+      if (pairedOnTwoStreams(i)) {
+        c10::Event computed(home.device.type());
+        computed.record(*home.computeStream);
+        computed.block(*home.pairStream);
+        {
+          c10::StreamGuard onPair(*home.pairStream);
+          std::visit(executor, list[i]);
+        }
+        const size_t forward = i++;
+        const auto backwardBegin = std::chrono::steady_clock::now();
         std::visit(executor, list[i]);
-      } else {
-        const auto begin = std::chrono::steady_clock::now();
-        executor.transferred = 0;
-        std::visit(executor, list[i]);
-        settle();
-        const auto end = std::chrono::steady_clock::now();
-        state.events[rank].push_back(
-            {rank,
-             static_cast<int>(i),
-             since(begin),
-             since(end),
-             executor.transferred});
+        c10::Event paired(home.device.type());
+        paired.record(*home.pairStream);
+        paired.block(*home.computeStream);
+        executor.keepForStream(
+            std::get<Forward>(list[forward]), *home.computeStream);
+        if (state.record) {
+          // The forward's end is known only once the backward is queued
+          // too: the pair's overlap (meanCosts) is then a lower bound.
+          settle(home.pairStream);
+          const auto forwardEnd = std::chrono::steady_clock::now();
+          settle(home.computeStream);
+          recordEvent(forward, begin, forwardEnd);
+          recordEvent(i, backwardBegin, std::chrono::steady_clock::now());
+        }
+        ran(forward);
+        ran(i);
+        continue;
       }
-      if (finalAfter[i] >= 0)
-        state.gradientsFinal(finalAfter[i]);
+      std::visit(executor, list[i]);
+      if (state.record) {
+        // Kernels run asynchronously: wait for each instruction so its end
+        // time is real (recording costs overlap on accelerators).
+        settle(home.computeStream);
+        recordEvent(i, begin, std::chrono::steady_clock::now());
+      }
+      ran(i);
     }
+    // What the rank leaves (losses, gradients, received tensors) is read
+    // after the step by threads on other streams.
+    settle(home.pairStream);
+    settle(home.computeStream);
+    settle(home.copyStream);
   } catch (const StepAborted&) {
     // Another rank failed first and has recorded why.
   } catch (const std::exception& error) {

@@ -53,8 +53,10 @@ struct StageRuntime {
   bool stochastic = false; // holds a layer that draws randomness
   at::Tensor rngState;     // the stage's own generator state
   // On an accelerator: the stage computes on its own stream and ships its
-  // outputs on a second one, so transfers overlap compute. Unset on CPU.
-  c10::optional<c10::Stream> computeStream, copyStream;
+  // outputs on a second one, so transfers overlap compute; the forward of
+  // an overlapped pair runs on a third, beside the pair's backward on the
+  // compute stream. Unset on CPU.
+  c10::optional<c10::Stream> computeStream, copyStream, pairStream;
 };
 
 // What one (stage, micro-batch) keeps between its instructions, per slot

@@ -364,15 +364,17 @@ void Pipeline::Impl::placeStage(int s) {
   }
   routeSkips(stage);
   if (local && !stage.device.is_cpu()) {
-    // One pair of streams per rank: its virtual stages share them.
+    // One set of streams per rank: its virtual stages share them.
     const int first = schedule.stagesOfRank(schedule.rankOfStage(s)).front();
     if (first == s) {
       c10::impl::VirtualGuardImpl impl(stage.device.type());
       stage.computeStream = impl.getStreamFromGlobalPool(stage.device);
       stage.copyStream = impl.getStreamFromGlobalPool(stage.device);
+      stage.pairStream = impl.getStreamFromGlobalPool(stage.device);
     } else {
       stage.computeStream = stages[first].computeStream;
       stage.copyStream = stages[first].copyStream;
+      stage.pairStream = stages[first].pairStream;
     }
   }
   // The stage's own stream of random numbers, in its device's format.
