@@ -1,8 +1,9 @@
-// The middle of repeated measurements, which a busy machine's one slow run
-// does not move.
+// Figures of repeated measurements that a busy machine's one slow run does
+// not move.
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <vector>
 
 namespace tpipe {
@@ -13,6 +14,26 @@ inline double median(std::vector<double> values) {
   std::sort(values.begin(), values.end());
   const size_t n = values.size();
   return n % 2 ? values[n / 2] : 0.5 * (values[n / 2 - 1] + values[n / 2]);
+}
+
+// The lower quartile: a step on a quiet machine. A neighbour's burst only
+// ever adds time, and it may cover half of one plan's steps and none of
+// another's; the lower quartile is the step most of them could have had.
+inline double lowerQuartile(std::vector<double> values) {
+  std::sort(values.begin(), values.end());
+  return values.empty() ? 0.0 : values[(values.size() - 1) / 4];
+}
+
+// Relative spread of repeated measurements: the median absolute deviation
+// over the median. Robust to the one step a busy machine stretches.
+inline double relativeSpread(const std::vector<double>& values) {
+  if (values.size() < 2)
+    return 0.0;
+  const double middle = median(values);
+  std::vector<double> deviations;
+  for (double v : values)
+    deviations.push_back(std::abs(v - middle));
+  return middle > 0.0 ? median(deviations) / middle : 0.0;
 }
 
 } // namespace tpipe

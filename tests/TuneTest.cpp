@@ -1,6 +1,8 @@
 // The tuner: its search over a cost model with known answers, and the
 // cluster planner on a GPT-3-sized stack.
+#include <algorithm>
 #include <cmath>
+#include <stdexcept>
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -232,6 +234,88 @@ TEST(TuneTest, PredictionsAreAnchoredToThePlansMeasuredInTurn) {
   unmeasured.candidates = {plan(1, 1, 10.0, -1.0)};
   EXPECT_EQ(anchorToMeasured(unmeasured), "");
   EXPECT_EQ(unmeasured.candidates[0].predictedStepMs, 10.0);
+}
+
+namespace {
+
+TuneCandidate predictedPlan(int ranks, int microBatches, double predicted) {
+  TuneCandidate c;
+  c.ranks = ranks;
+  c.microBatches = microBatches;
+  c.predictedStepMs = predicted;
+  c.samplesPerSecond = 1000.0 / predicted;
+  return c;
+}
+
+} // namespace
+
+// The simplest plan is run in turn however its prediction came out, so a
+// noisy calibration cannot leave the fallback out of the measurement.
+TEST(TuneTest, TheSimplestPlanIsAlwaysAContender) {
+  TuneResult result;
+  result.candidates = {
+      predictedPlan(1, 4, 10.0),
+      predictedPlan(1, 2, 10.5),
+      predictedPlan(2, 8, 11.0),
+      predictedPlan(1, 8, 11.5),
+      predictedPlan(2, 4, 12.0),
+      predictedPlan(1, 1, 16.0), // the simplest, beyond the 25% band
+      predictedPlan(4, 8, 19.0),
+      predictedPlan(1, 16, 25.0)}; // beyond twice the fastest
+  result.choice = 0;
+  std::vector<size_t> contenders = measurementContenders(result);
+  std::sort(contenders.begin(), contenders.end());
+  // The top four, the four-device plan (its count's fastest) and the
+  // simplest; never a plan over twice the fastest.
+  EXPECT_EQ(contenders, (std::vector<size_t>{0, 1, 2, 3, 5, 6}));
+
+  result.candidates[5].predictedStepMs = 21.0; // now over twice: left out
+  std::swap(result.candidates[5], result.candidates[6]);
+  contenders = measurementContenders(result);
+  EXPECT_EQ(std::count(contenders.begin(), contenders.end(), 6u), 0);
+  EXPECT_EQ(std::count(contenders.begin(), contenders.end(), 5u), 1);
+}
+
+// On a machine that slows by a third for seconds at a time, with bursts on
+// single steps: the plan measured fastest by quartiles is held against the
+// others round by round.
+TEST(TuneTest, MeasuredPlansAreComparedRoundByRound) {
+  TuneResult result;
+  result.candidates = {
+      predictedPlan(1, 2, 10.0), // measured fastest
+      predictedPlan(1, 1, 11.0), // the simplest: 2% slower in every round
+      predictedPlan(2, 4, 12.0)}; // 8% slower in every round
+  result.choice = 0;
+  std::vector<double> machine;
+  for (int r = 0; r < 15; ++r)
+    machine.push_back(r % 3 == 0 ? 1.0 : 1.3); // 5 fast rounds of 15
+  std::vector<std::vector<double>> steps(3);
+  for (int r = 0; r < 15; ++r) {
+    steps[0].push_back(10.0 * machine[r]);
+    // Bursts hit three of the simplest plan's five fast rounds: its lower
+    // quartile is a slow round's, 33% above the fastest's.
+    const bool burst = r == 0 || r == 3 || r == 6;
+    steps[1].push_back(10.2 * machine[r] * (burst ? 1.5 : 1.0));
+    steps[2].push_back(10.8 * machine[r]);
+  }
+  chooseByMeasurement(result, {0, 1, 2}, steps);
+  EXPECT_EQ(result.choice, 1u) << result.notes.back();
+  EXPECT_NEAR(result.candidates[0].measuredStepMs, 10.0, 1e-9);
+  EXPECT_NEAR(result.candidates[1].measuredStepMs, 13.26, 1e-9);
+  EXPECT_NE(result.notes.back().find("round by round 2.0% faster"),
+            std::string::npos)
+      << result.notes.back();
+
+  // Without the simplest plan, the 8% slower one is not within the noise.
+  TuneResult two = result;
+  two.choice = 0;
+  chooseByMeasurement(two, {0, 2}, {steps[0], steps[2]});
+  EXPECT_EQ(two.choice, 0u) << two.notes.back();
+  EXPECT_NE(two.notes.back().find("the fastest"), std::string::npos);
+
+  EXPECT_THROW(
+      chooseByMeasurement(two, {0, 2}, {steps[0], {1.0}}),
+      std::invalid_argument);
 }
 
 TEST(TuneTest, SmallMicroBatchesPayTheirFixedCost) {

@@ -183,6 +183,32 @@ PlanRequest candidatePlanRequest(
 // measured.
 std::string anchorToMeasured(TuneResult& result);
 
+// The plans to run in turn when the prediction cannot tell them apart:
+// up to 4 within 25% of the fastest predicted, the predicted choice, the
+// fastest predicted on each device count within twice the fastest (a
+// calibration a busy second spoiled misjudges all plans of one shape
+// alike), and the simplest plan within twice the fastest, which the
+// choice falls back to when nothing measures clearly faster: measured
+// every time, so a run's noisy calibration cannot leave it out. Positions
+// in result.candidates; empty when nothing is feasible.
+std::vector<size_t> measurementContenders(const TuneResult& result);
+
+// The choice among the plans measured in turn. roundSteps[k] holds plan
+// measured[k]'s timed steps in round order, as many a round as every
+// other plan's. Each plan's measuredStepMs becomes its lower-quartile
+// step, and the lowest is the fastest. Every other plan is held against
+// the fastest round by round, by the median of its per-round ratios: a
+// machine that slows for seconds at a time slows both steps of a round
+// alike, and a burst on one step does not move a median. The simplest
+// plan within the noise of the fastest is chosen: twice the spread of
+// those ratios' median, at least 3%. A note says what was chosen and why.
+// Throws std::invalid_argument unless there is one list per plan, all as
+// long.
+void chooseByMeasurement(
+    TuneResult& result,
+    const std::vector<size_t>& measured,
+    const std::vector<std::vector<double>>& roundSteps);
+
 // The order in which plans that run equally fast are preferred: fewer
 // devices, fewer virtual stages, the plainer schedule (gpipe, 1f1b, ...),
 // less recomputation, fewer micro-batches.

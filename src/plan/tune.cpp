@@ -10,6 +10,7 @@
 #include <map>
 #include <ostream>
 #include <sstream>
+#include <stdexcept>
 
 #include <nlohmann/json.hpp>
 
@@ -242,6 +243,121 @@ std::string anchorToMeasured(TuneResult& result) {
   }
   note << ", others x" << overall;
   return note.str();
+}
+
+std::vector<size_t> measurementContenders(const TuneResult& result) {
+  std::vector<size_t> picked;
+  auto pick = [&](size_t i) {
+    if (std::find(picked.begin(), picked.end(), i) == picked.end())
+      picked.push_back(i);
+  };
+  const auto& all = result.candidates;
+  if (all.empty() || !all.front().infeasible.empty())
+    return picked;
+  const double fastest = all.front().predictedStepMs;
+  for (size_t i = 0; i < all.size() && picked.size() < 4; ++i) {
+    if (!all[i].infeasible.empty() || all[i].predictedStepMs > 1.25 * fastest)
+      break;
+    pick(i);
+  }
+  pick(result.choice);
+  std::vector<int> devicesSeen;
+  size_t simplest = 0;
+  for (size_t i = 0; i < all.size(); ++i) {
+    const int devices = all[i].ranks * all[i].dataParallel;
+    if (!all[i].infeasible.empty() || all[i].predictedStepMs > 2.0 * fastest)
+      break;
+    if (isSimplerPlan(all[i], all[simplest]))
+      simplest = i;
+    if (std::find(devicesSeen.begin(), devicesSeen.end(), devices) !=
+        devicesSeen.end())
+      continue;
+    devicesSeen.push_back(devices);
+    pick(i);
+  }
+  pick(simplest);
+  return picked;
+}
+
+namespace {
+
+// The median over rounds of a's step over b's in the same round.
+double pairedRatio(const std::vector<double>& a, const std::vector<double>& b) {
+  std::vector<double> ratios;
+  for (size_t k = 0; k < std::min(a.size(), b.size()); ++k) {
+    if (b[k] > 0.0)
+      ratios.push_back(a[k] / b[k]);
+  }
+  return median(ratios);
+}
+
+std::string fixedText(double value, int digits) {
+  std::ostringstream out;
+  out << std::fixed << std::setprecision(digits) << value;
+  return out.str();
+}
+
+} // namespace
+
+void chooseByMeasurement(
+    TuneResult& result,
+    const std::vector<size_t>& measured,
+    const std::vector<std::vector<double>>& roundSteps) {
+  const bool paired = !measured.empty() &&
+      measured.size() == roundSteps.size() &&
+      std::all_of(roundSteps.begin(), roundSteps.end(), [&](const auto& steps) {
+        return !steps.empty() && steps.size() == roundSteps.front().size();
+      });
+  if (!paired)
+    throw std::invalid_argument(
+        "chooseByMeasurement: one list of steps per measured plan, all as "
+        "long");
+  auto& all = result.candidates;
+  size_t fastest = 0; // position in `measured`
+  for (size_t k = 0; k < measured.size(); ++k) {
+    all[measured[k]].measuredStepMs = lowerQuartile(roundSteps[k]);
+    if (all[measured[k]].measuredStepMs <
+        all[measured[fastest]].measuredStepMs)
+      fastest = k;
+  }
+  std::vector<double> ratios(measured.size(), 1.0), spreads;
+  for (size_t k = 0; k < measured.size(); ++k) {
+    if (k == fastest)
+      continue;
+    ratios[k] = pairedRatio(roundSteps[k], roundSteps[fastest]);
+    std::vector<double> perRound;
+    for (size_t r = 0; r < roundSteps[k].size(); ++r)
+      perRound.push_back(roundSteps[k][r] / roundSteps[fastest][r]);
+    spreads.push_back(
+        relativeSpread(perRound) /
+        std::sqrt(static_cast<double>(std::max<size_t>(perRound.size(), 1))));
+  }
+  const double tolerance = std::max(0.03, 2.0 * median(spreads));
+  size_t best = fastest;
+  for (size_t k = 0; k < measured.size(); ++k) {
+    if (ratios[k] <= 1.0 + tolerance &&
+        isSimplerPlan(all[measured[k]], all[measured[best]]))
+      best = k;
+  }
+  const TuneCandidate& chosen = all[measured[best]];
+  const TuneCandidate& quickest = all[measured[fastest]];
+  std::string note = "measured " + std::to_string(measured.size()) +
+      " plans in turn: " + chosen.label() + " ran " +
+      fixedText(chosen.measuredStepMs, 2) + " ms per step (lower quartile)";
+  if (best != fastest) {
+    note += ", the simplest within " + fixedText(100.0 * tolerance, 1) +
+        "% (the noise) of the fastest, " + quickest.label() + " (" +
+        fixedText(quickest.measuredStepMs, 2) + " ms; round by round " +
+        fixedText(100.0 * (ratios[best] - 1.0), 1) + "% faster)";
+  } else {
+    note += ", the fastest";
+  }
+  if (measured[best] != result.choice) {
+    note += "; chosen over the predicted " + all[result.choice].label() +
+        " (" + fixedText(all[result.choice].measuredStepMs, 2) + " ms)";
+  }
+  result.notes.push_back(note);
+  result.choice = measured[best];
 }
 
 namespace {

@@ -72,26 +72,6 @@ struct StepTiming {
   double pipelineMs = 0.0; // Pipeline::trainStep alone
 };
 
-// The lower quartile: a step on a quiet machine. A neighbour's burst only
-// ever adds time, and it may cover half of one plan's steps and none of
-// another's; the lower quartile is the step most of them could have had.
-double lowerQuartile(std::vector<double> values) {
-  std::sort(values.begin(), values.end());
-  return values.empty() ? 0.0 : values[(values.size() - 1) / 4];
-}
-
-// Relative spread of repeated measurements: the median absolute deviation
-// over the median. Robust to the one step a busy machine stretches.
-double relativeSpread(const std::vector<double>& values) {
-  if (values.size() < 2)
-    return 0.0;
-  const double middle = median(values);
-  std::vector<double> deviations;
-  for (double v : values)
-    deviations.push_back(std::abs(v - middle));
-  return middle > 0.0 ? median(deviations) / middle : 0.0;
-}
-
 // One candidate built and ready to step: its pipeline, optimizer and batches
 // live as long as it does, so several can take turns, step by step.
 class PlanRun {
@@ -677,106 +657,17 @@ TuneRequest requestFor(const Config& config) {
   return request;
 }
 
-// Measured steps (lower quartiles) and their noise, per candidate.
-struct Measured {
-  std::vector<double> steps; // each plan's lower-quartile step
-  // Each plan's median step: what a user meets, bursts of a busy machine
-  // included.
-  std::vector<double> medians;
-  // How far such a figure may stray: the median relative spread of one
-  // plan's steps over the square root of their count.
-  double noise = 0.0;
-};
-
-Measured measureInTurn(
+// Each candidate's timed steps, in round order.
+std::vector<std::vector<double>> measureInTurn(
     StepMeter& meter,
     const std::vector<TuneCandidate>& candidates,
     int steps,
     int rounds,
     std::ostream* log) {
-  Measured out;
-  std::vector<double> spreads;
-  for (const auto& t : meter.interleave(candidates, 2, rounds, steps, log)) {
-    out.steps.push_back(lowerQuartile(stepTimes(t)));
-    out.medians.push_back(median(stepTimes(t)));
-    spreads.push_back(relativeSpread(stepTimes(t)));
-  }
-  out.noise = median(spreads) / std::sqrt(static_cast<double>(rounds * steps));
+  std::vector<std::vector<double>> out;
+  for (const auto& t : meter.interleave(candidates, 2, rounds, steps, log))
+    out.push_back(stepTimes(t));
   return out;
-}
-
-// The plans whose predictions the calibration cannot tell apart from the
-// fastest's: within 25% of it (the busy machine's worst seen), at most 4 of
-// them; the predicted choice; and the fastest predicted on each device
-// count within twice the fastest, since a calibration that a busy second
-// spoiled misjudges all plans of one shape alike.
-std::vector<size_t> contenders(const TuneResult& result) {
-  std::vector<size_t> picked;
-  auto pick = [&](size_t i) {
-    if (std::find(picked.begin(), picked.end(), i) == picked.end())
-      picked.push_back(i);
-  };
-  const auto& all = result.candidates;
-  const double fastest = all.front().predictedStepMs;
-  for (size_t i = 0; i < all.size() && picked.size() < 4; ++i) {
-    if (!all[i].infeasible.empty() || all[i].predictedStepMs > 1.25 * fastest)
-      break;
-    pick(i);
-  }
-  pick(result.choice);
-  std::vector<int> devicesSeen;
-  for (size_t i = 0; i < all.size(); ++i) {
-    const int devices = all[i].ranks * all[i].dataParallel;
-    if (!all[i].infeasible.empty() || all[i].predictedStepMs > 2.0 * fastest)
-      break;
-    if (std::find(devicesSeen.begin(), devicesSeen.end(), devices) !=
-        devicesSeen.end())
-      continue;
-    devicesSeen.push_back(devices);
-    pick(i);
-  }
-  return picked;
-}
-
-// The fastest measured, or the simplest of those within the noise of it:
-// twice the measurement's noise, at least 3%.
-void chooseMeasured(
-    TuneResult& result,
-    const std::vector<size_t>& measured,
-    double noise) {
-  size_t fastest = measured.front();
-  for (size_t i : measured) {
-    if (result.candidates[i].measuredStepMs <
-        result.candidates[fastest].measuredStepMs)
-      fastest = i;
-  }
-  const double tolerance = std::max(0.03, 2.0 * noise);
-  const double bound =
-      result.candidates[fastest].measuredStepMs * (1.0 + tolerance);
-  size_t best = fastest;
-  for (size_t i : measured) {
-    if (result.candidates[i].measuredStepMs <= bound &&
-        isSimplerPlan(result.candidates[i], result.candidates[best]))
-      best = i;
-  }
-  const TuneCandidate& chosen = result.candidates[best];
-  std::string note = "measured " + std::to_string(measured.size()) +
-      " plans in turn: " + chosen.label() + " ran " +
-      fixed(chosen.measuredStepMs, 2) + " ms per step (lower quartile)";
-  if (best != fastest) {
-    note += ", the simplest within " + fixed(100.0 * tolerance, 1) +
-        "% (the noise) of the fastest, " + result.candidates[fastest].label() +
-        " (" + fixed(result.candidates[fastest].measuredStepMs, 2) + " ms)";
-  } else {
-    note += ", the fastest";
-  }
-  if (best != result.choice) {
-    note += "; chosen over the predicted " +
-        result.candidates[result.choice].label() + " (" +
-        fixed(result.candidates[result.choice].measuredStepMs, 2) + " ms)";
-  }
-  result.notes.push_back(note);
-  result.choice = best;
 }
 
 } // namespace
@@ -788,7 +679,10 @@ std::vector<double> measureCandidates(
     int rounds,
     std::ostream* log) {
   StepMeter meter(config);
-  return measureInTurn(meter, candidates, steps, rounds, log).steps;
+  std::vector<double> lowerQuartiles;
+  for (const auto& times : measureInTurn(meter, candidates, steps, rounds, log))
+    lowerQuartiles.push_back(lowerQuartile(times));
+  return lowerQuartiles;
 }
 
 TuneOutcome tuneConfig(const Config& config, const TuneOptions& options) {
@@ -812,7 +706,7 @@ TuneOutcome tuneConfig(const Config& config, const TuneOptions& options) {
         measured.end())
       measured.push_back(outcome.result.choice);
   } else {
-    measured = contenders(outcome.result);
+    measured = measurementContenders(outcome.result);
   }
   if (measured.size() < 2)
     return outcome;
@@ -823,22 +717,20 @@ TuneOutcome tuneConfig(const Config& config, const TuneOptions& options) {
     *options.log << "tune: running " << plans.size()
                  << " plans the prediction cannot tell apart, in turn"
                  << std::endl;
-  const Measured times = measureInTurn(
+  const std::vector<std::vector<double>> steps = measureInTurn(
       meter,
       plans,
       1,
       options.measure ? options.measureRounds * options.measureSteps : 15,
       options.log);
-  for (size_t k = 0; k < measured.size(); ++k)
-    outcome.result.candidates[measured[k]].measuredStepMs = times.steps[k];
-  chooseMeasured(outcome.result, measured, times.noise);
+  chooseByMeasurement(outcome.result, measured, steps);
   if (options.measure)
     return outcome; // --measure shows the model's own predictions
   // Predictions of the steps a user will meet: anchored to the medians
   // (which a busy machine's bursts stretch as they will stretch training),
   // where the choice compared lower quartiles (which bursts spare).
   for (size_t k = 0; k < measured.size(); ++k)
-    outcome.result.candidates[measured[k]].measuredStepMs = times.medians[k];
+    outcome.result.candidates[measured[k]].measuredStepMs = median(steps[k]);
   const std::string anchored = anchorToMeasured(outcome.result);
   if (!anchored.empty())
     outcome.result.notes.push_back(anchored + "; measured ms: medians");
