@@ -257,6 +257,43 @@ TEST(PipelineTest, DualPipeIsTransparent) {
   }
 }
 
+namespace {
+
+// A module that does not derive from torch::nn::Cloneable.
+struct Uncopyable : torch::nn::Module {
+  torch::Tensor forward(const torch::Tensor& x) {
+    return x;
+  }
+};
+
+} // namespace
+
+// What the tuner asks before it searches dualpipe: the first layer that
+// stops a copy, named, and nothing drawn from the global generator.
+TEST(PipelineTest, LayersThatCannotBeCopiedAreNamed) {
+  torch::nn::Sequential plain(
+      torch::nn::Linear(6, 4), torch::nn::ReLU(), torch::nn::Linear(4, 3));
+  torch::manual_seed(7);
+  EXPECT_EQ(whyLayersCannotBeCopied(layersOf(plain)), "");
+  const torch::Tensor drawn = torch::rand({4});
+  torch::manual_seed(7);
+  EXPECT_TRUE(torch::equal(torch::rand({4}), drawn));
+
+  LayerList layers = layersOf(plain);
+  layers.push_back({"odd", torch::nn::AnyModule(std::make_shared<Uncopyable>())});
+  EXPECT_NE(
+      whyLayersCannotBeCopied(layers).find("layer 'odd'"), std::string::npos);
+  EXPECT_NE(
+      whyLayersCannotBeCopied(layers).find("torch::nn::Cloneable"),
+      std::string::npos);
+  torch::nn::Sequential normed(
+      torch::nn::Linear(6, 4), torch::nn::BatchNorm1d(4));
+  EXPECT_NE(
+      whyLayersCannotBeCopied(layersOf(normed))
+          .find("layer '1' keeps running statistics ('running_mean')"),
+      std::string::npos);
+}
+
 TEST(PipelineTest, SeveralOptimizerStepsTrackSequentialTraining) {
   torch::nn::Sequential reference = makeNet(torch::kDouble, 3);
   torch::nn::Sequential piped = makeNet(torch::kDouble, 3);

@@ -39,8 +39,28 @@ written = json.load(open(sys.argv[2]))["pipeline"]
 assert written["micro_batches"] == choice["micro_batches"]
 assert written["schedule"] == choice["schedule"]
 assert sum(written["balance"]) == 5 and len(written["devices"]) == choice["ranks"]
+schedules = {c["schedule"] for c in out["candidates"]}
+assert {"dualpipev", "dualpipe"} <= schedules, schedules
 PY
 then ok "--json lists ranked candidates; --write writes the choice"; else bad "--json / --write" "$(cat "$work/tune.json" | head -30)"; fi
+
+python3 -c '
+import json, sys
+c = json.load(open(sys.argv[1]))
+c["model"] = {"input_shape": [1, 8, 8], "layers": [
+    {"type": "conv2d", "out_channels": 4, "kernel_size": 3, "padding": 1},
+    {"type": "batchnorm2d"}, {"type": "relu"}, {"type": "flatten"},
+    {"type": "linear", "out_features": 10}]}
+json.dump(c, open(sys.argv[2], "w"))' "$config" "$work/normed.json"
+"$tpipe" tune "$work/normed.json" --json >"$work/normed_tune.json" 2>/dev/null
+status=$?
+if [[ $status == 0 ]] && python3 - "$work/normed_tune.json" <<'PY'
+import json, sys
+schedules = {c["schedule"] for c in json.load(open(sys.argv[1]))["candidates"]}
+assert "dualpipev" in schedules and "dualpipe" not in schedules, schedules
+PY
+then ok "dualpipe, which copies every layer, is not searched for batch norm's running statistics"
+else bad "dualpipe with batch norm" "$(head -c 2000 "$work/normed_tune.json")"; fi
 
 "$tpipe" validate "$work/chosen.json" >"$work/validate" 2>&1
 expect "the written config validates" 0 "config OK" "$work/validate" $?

@@ -64,6 +64,13 @@ LayerList layersOf(const torch::nn::Sequential& sequential);
 // Parameter elements per layer.
 std::vector<int64_t> parameterCounts(const LayerList& layers);
 
+// Why a schedule of several chains (dualpipe: each further chain runs a
+// copy of every layer) cannot run `layers`, or "" when it can: a layer
+// that keeps running statistics (the copies would update them apart), or
+// one whose module cannot be copied (not a torch::nn::Cloneable). Copies
+// each layer to find out.
+std::string whyLayersCannotBeCopied(const LayerList& layers);
+
 // Costs known without running anything: each layer's parameter bytes (what
 // PartitionMethod::kParameters balances), no times.
 std::vector<LayerCost> parameterCosts(const LayerList& layers);

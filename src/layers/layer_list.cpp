@@ -5,6 +5,7 @@
 
 #include <algorithm>
 
+#include <ATen/Context.h>
 #include <ATen/ops/cat.h>
 #include <c10/util/Exception.h>
 
@@ -118,6 +119,37 @@ torch::Tensor runSequential(const LayerList& layers, const torch::Tensor& x) {
   for (const auto& layer : layers)
     y = runLayer(layer, y, live);
   return y;
+}
+
+std::string whyLayersCannotBeCopied(const LayerList& layers) {
+  // A copy is built anew, and its reset() draws initial values: the global
+  // generator is put back, so what is drawn later does not depend on this.
+  at::Generator global = at::globalContext().defaultGenerator(at::kCPU);
+  const at::Tensor drawnSoFar = global.get_state();
+  struct Restore {
+    at::Generator& generator;
+    const at::Tensor& state;
+    ~Restore() {
+      generator.set_state(state);
+    }
+  } restore{global, drawnSoFar};
+  for (const auto& layer : layers) {
+    for (const auto& buffer : layer.module.ptr()->named_buffers()) {
+      if (buffer.key().find("running_") != std::string::npos ||
+          buffer.key().find("num_batches_tracked") != std::string::npos) {
+        return "layer '" + layer.name + "' keeps running statistics ('" +
+            buffer.key() + "') that the copies would update apart";
+      }
+    }
+    try {
+      layer.module.clone();
+    } catch (const c10::Error&) {
+      return "layer '" + layer.name + "' (" + layer.module.ptr()->name() +
+          ") cannot be copied: its module does not implement clone() (derive "
+          "it from torch::nn::Cloneable)";
+    }
+  }
+  return "";
 }
 
 LayerList layersOf(const torch::nn::Sequential& sequential) {

@@ -436,37 +436,20 @@ void Pipeline::Impl::copyLayersForChains() {
   // was, so what the caller draws later does not depend on the schedule.
   at::Generator global = at::globalContext().defaultGenerator(at::kCPU);
   const at::Tensor drawnSoFar = global.get_state();
+  const std::string why = whyLayersCannotBeCopied(layers);
+  TORCH_CHECK(
+      why.empty(),
+      "schedule '",
+      schedule.name,
+      "' runs a copy of every layer, and ",
+      why,
+      "; use a schedule with one chain (dualpipev lays the same V without "
+      "copies)");
   for (int chain = 1; chain < schedule.chains; ++chain) {
     LayerList copy;
     for (const auto& layer : layers) {
-      for (const auto& buffer : layer.module.ptr()->named_buffers()) {
-        TORCH_CHECK(
-            buffer.key().find("running_") == std::string::npos &&
-                buffer.key().find("num_batches_tracked") == std::string::npos,
-            "schedule '",
-            schedule.name,
-            "' runs a copy of every layer, and layer '",
-            layer.name,
-            "' keeps running statistics ('",
-            buffer.key(),
-            "') that the copies would update apart; use a schedule with one "
-            "chain (dualpipev lays the same V without copies)");
-      }
       NamedLayer copied = layer;
-      try {
-        copied.module = layer.module.clone();
-      } catch (const c10::Error&) {
-        TORCH_CHECK(
-            false,
-            "schedule '",
-            schedule.name,
-            "' runs a copy of every layer, and layer '",
-            layer.name,
-            "' (",
-            layer.module.ptr()->name(),
-            ") cannot be copied: its module does not implement clone() "
-            "(derive it from torch::nn::Cloneable)");
-      }
+      copied.module = layer.module.clone();
       copy.push_back(std::move(copied));
     }
     chainCopies.push_back(std::move(copy));

@@ -284,8 +284,6 @@ std::string fixed(double value, int digits) {
 
 namespace {
 
-TuneRequest requestFor(const Config& config);
-
 // Every layer at every micro-batch size the search uses, per thread count.
 void profileCurves(
     const Config& config,
@@ -633,7 +631,7 @@ void calibrateRuntime(
 
 namespace {
 
-TuneRequest requestFor(const Config& config) {
+TuneRequest requestFor(const Config& config, const LayerList& layers) {
   TuneRequest request;
   request.batchSize = config.train.batchSize;
   for (const auto& device : config.pipeline.devices)
@@ -650,7 +648,12 @@ TuneRequest requestFor(const Config& config) {
       ScheduleKind::kZeroBubbleH2,
       ScheduleKind::kZeroBubbleV,
       ScheduleKind::kZeroBubbleVHalf,
-      ScheduleKind::kZeroBubbleVMin};
+      ScheduleKind::kZeroBubbleVMin,
+      ScheduleKind::kDualPipeV};
+  // DualPipe's second chain runs a copy of every layer (its parameters
+  // counted twice in memory): searched where the layers can be copied.
+  if (whyLayersCannotBeCopied(layers).empty())
+    request.schedules.push_back(ScheduleKind::kDualPipe);
   const auto& o = config.train.optimizer;
   request.optimizerFactor = optimizerStateFactor(o.type, o.momentum);
   request.overlapSteps = config.pipeline.overlapSteps;
@@ -692,7 +695,7 @@ TuneOutcome tuneConfig(const Config& config, const TuneOptions& options) {
   warmUp(meter, options);
   profileCurves(
       config, meter.model(), options, outcome.model, outcome.calibration);
-  outcome.request = requestFor(config);
+  outcome.request = requestFor(config, meter.model().layers);
   const TuneRequest& request = outcome.request;
   calibrateRuntime(
       config, meter, options, request, outcome.model, outcome.calibration);
