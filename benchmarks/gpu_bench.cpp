@@ -160,7 +160,8 @@ int main(int argc, char** argv) {
       for (const auto& costs : bubble.measuredCosts)
         overlap = std::max(overlap, costs.overlap);
       if (schedule == "dualpipev") {
-        std::printf("%-6s %-22s overlap of pairs %.2f\n", dtypeName, "", overlap);
+        std::printf(
+            "%-6s %-22s overlap of pairs %.2f\n", dtypeName, "", overlap);
         rows.back()["pair_overlap"] = overlap;
       }
       for (auto& p : pipe.parameters())

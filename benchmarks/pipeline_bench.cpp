@@ -628,8 +628,9 @@ nlohmann::json zeroBubbleOn(
       const Measured r = timePipeline(layers, options, x, y, 1, 3, false);
       steps[schedule].push_back(r.stepMs);
       recordOps(options, ops[schedule]);
-      recordOps(benchOptions(1, m, schedule, CheckpointMode::kNever),
-                alone[schedule]);
+      recordOps(
+          benchOptions(1, m, schedule, CheckpointMode::kNever),
+          alone[schedule]);
     }
   }
   const double fused = ops["1f1b"]["backward"];

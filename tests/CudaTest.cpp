@@ -120,8 +120,7 @@ TEST(CudaTest, OverlappedPairsOnTwoStreamsAreTransparent) {
   const std::vector<std::string> two(2, "cuda:0");
   for (const char* schedule : {"dualpipev", "dualpipe"}) {
     for (auto mode : {CheckpointMode::kNever, CheckpointMode::kExceptLast}) {
-      EXPECT_GT(
-          expectTransparent(two, schedule, mode, torch::kFloat, 1e-5), 0)
+      EXPECT_GT(expectTransparent(two, schedule, mode, torch::kFloat, 1e-5), 0)
           << schedule << " has no overlapped pair to check";
     }
   }

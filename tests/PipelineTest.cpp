@@ -280,7 +280,8 @@ TEST(PipelineTest, LayersThatCannotBeCopiedAreNamed) {
   EXPECT_TRUE(torch::equal(torch::rand({4}), drawn));
 
   LayerList layers = layersOf(plain);
-  layers.push_back({"odd", torch::nn::AnyModule(std::make_shared<Uncopyable>())});
+  layers.push_back(
+      {"odd", torch::nn::AnyModule(std::make_shared<Uncopyable>())});
   EXPECT_NE(
       whyLayersCannotBeCopied(layers).find("layer 'odd'"), std::string::npos);
   EXPECT_NE(

@@ -282,8 +282,8 @@ TEST(TuneTest, TheSimplestPlanIsAlwaysAContender) {
 TEST(TuneTest, MeasuredPlansAreComparedRoundByRound) {
   TuneResult result;
   result.candidates = {
-      predictedPlan(1, 2, 10.0), // measured fastest
-      predictedPlan(1, 1, 11.0), // the simplest: 2% slower in every round
+      predictedPlan(1, 2, 10.0),  // measured fastest
+      predictedPlan(1, 1, 11.0),  // the simplest: 2% slower in every round
       predictedPlan(2, 4, 12.0)}; // 8% slower in every round
   result.choice = 0;
   std::vector<double> machine;
@@ -302,8 +302,8 @@ TEST(TuneTest, MeasuredPlansAreComparedRoundByRound) {
   EXPECT_EQ(result.choice, 1u) << result.notes.back();
   EXPECT_NEAR(result.candidates[0].measuredStepMs, 10.0, 1e-9);
   EXPECT_NEAR(result.candidates[1].measuredStepMs, 13.26, 1e-9);
-  EXPECT_NE(result.notes.back().find("round by round 2.0% faster"),
-            std::string::npos)
+  EXPECT_NE(
+      result.notes.back().find("round by round 2.0% faster"), std::string::npos)
       << result.notes.back();
 
   // Without the simplest plan, the 8% slower one is not within the noise.

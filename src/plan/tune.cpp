@@ -316,8 +316,7 @@ void chooseByMeasurement(
   size_t fastest = 0; // position in `measured`
   for (size_t k = 0; k < measured.size(); ++k) {
     all[measured[k]].measuredStepMs = lowerQuartile(roundSteps[k]);
-    if (all[measured[k]].measuredStepMs <
-        all[measured[fastest]].measuredStepMs)
+    if (all[measured[k]].measuredStepMs < all[measured[fastest]].measuredStepMs)
       fastest = k;
   }
   std::vector<double> ratios(measured.size(), 1.0), spreads;
@@ -353,8 +352,8 @@ void chooseByMeasurement(
     note += ", the fastest";
   }
   if (measured[best] != result.choice) {
-    note += "; chosen over the predicted " + all[result.choice].label() +
-        " (" + fixedText(all[result.choice].measuredStepMs, 2) + " ms)";
+    note += "; chosen over the predicted " + all[result.choice].label() + " (" +
+        fixedText(all[result.choice].measuredStepMs, 2) + " ms)";
   }
   result.notes.push_back(note);
   result.choice = measured[best];
