@@ -633,47 +633,42 @@ nlohmann::json zeroBubbleOn(
           alone[schedule]);
     }
   }
-  const double fused = ops["1f1b"]["backward"];
-  const double split =
-      ops["zb-h1"]["backward_input"] + ops["zb-h1"]["backward_weight"];
-  const double fusedAlone = alone["1f1b"]["backward"];
-  const double splitAlone =
-      alone["zb-h1"]["backward_input"] + alone["zb-h1"]["backward_weight"];
   std::printf("%-8s %12s\n", "schedule", "step ms");
   for (const char* schedule : {"1f1b", "zb-h1"})
     std::printf("%-8s %12.2f\n", schedule, median(steps[schedule]));
   const double ratio = median(steps["zb-h1"]) / median(steps["1f1b"]);
   std::printf("zb-h1 / 1f1b step: %.3f (goal <= 0.97)\n", ratio);
-  std::printf(
-      "backward per micro-batch and stage: fused %.3f ms; input %.3f + weight %.3f = %.3f ms: %.3fx "
-      "(goal <= 1.05)\n",
-      fused,
-      ops["zb-h1"]["backward_input"],
-      ops["zb-h1"]["backward_weight"],
-      split,
-      split / fused);
-  std::printf(
-      "the whole stack on one worker: fused %.3f ms; input %.3f + weight %.3f = %.3f ms: %.3fx "
-      "(goal <= 1.05)\n",
-      fusedAlone,
-      alone["zb-h1"]["backward_input"],
-      alone["zb-h1"]["backward_weight"],
-      splitAlone,
-      splitAlone / fusedAlone);
-  return {
-      {"stack", what},
-      {"step_ms",
-       {{"1f1b", median(steps["1f1b"])}, {"zb-h1", median(steps["zb-h1"])}}},
-      {"zb_h1_over_1f1b", ratio},
-      {"fused_backward_ms", fused},
-      {"input_pass_ms", ops["zb-h1"]["backward_input"]},
-      {"weight_pass_ms", ops["zb-h1"]["backward_weight"]},
-      {"split_over_fused", split / fused},
-      {"one_worker",
-       {{"fused_backward_ms", fusedAlone},
-        {"input_pass_ms", alone["zb-h1"]["backward_input"]},
-        {"weight_pass_ms", alone["zb-h1"]["backward_weight"]},
-        {"split_over_fused", splitAlone / fusedAlone}}}};
+  // The split backward against the fused one, per micro-batch, as `by`
+  // recorded them.
+  auto splitAgainstFused =
+      [](const char* where,
+         std::map<std::string, std::map<std::string, double>>& by) {
+        const double fused = by["1f1b"]["backward"];
+        const double input = by["zb-h1"]["backward_input"];
+        const double weight = by["zb-h1"]["backward_weight"];
+        std::printf(
+            "%s: fused %.3f ms; input %.3f + weight %.3f = %.3f ms: %.3fx "
+            "(goal <= 1.05)\n",
+            where,
+            fused,
+            input,
+            weight,
+            input + weight,
+            (input + weight) / fused);
+        return nlohmann::json{
+            {"fused_backward_ms", fused},
+            {"input_pass_ms", input},
+            {"weight_pass_ms", weight},
+            {"split_over_fused", (input + weight) / fused}};
+      };
+  nlohmann::json row =
+      splitAgainstFused("backward per micro-batch and stage", ops);
+  row["one_worker"] = splitAgainstFused("the whole stack on one worker", alone);
+  row["stack"] = what;
+  row["step_ms"] = {
+      {"1f1b", median(steps["1f1b"])}, {"zb-h1", median(steps["zb-h1"])}};
+  row["zb_h1_over_1f1b"] = ratio;
+  return row;
 }
 
 nlohmann::json zeroBubble() {
