@@ -275,9 +275,11 @@ class RankExecutor {
       // A forward run on the pair stream has its backward kernels there
       // too (autograd runs each on its forward's stream).
       c10::impl::VirtualGuardImpl guard(stage.device.type());
-      for (const auto& grad : grads)
-        guard.recordDataPtrOnStream(
-            grad.storage().data_ptr(), *stage.pairStream);
+      for (const auto& grad : grads) {
+        if (grad.defined() && grad.device().type() == stage.device.type())
+          guard.recordDataPtrOnStream(
+              grad.storage().data_ptr(), *stage.pairStream);
+      }
     }
     release(stash);
   }
