@@ -281,20 +281,16 @@ std::vector<size_t> measurementContenders(const TuneResult& result) {
 
 namespace {
 
-// The median over rounds of a's step over b's in the same round.
-double pairedRatio(const std::vector<double>& a, const std::vector<double>& b) {
+// a's step over b's, round by round.
+std::vector<double> perRoundRatios(
+    const std::vector<double>& a,
+    const std::vector<double>& b) {
   std::vector<double> ratios;
   for (size_t k = 0; k < std::min(a.size(), b.size()); ++k) {
     if (b[k] > 0.0)
       ratios.push_back(a[k] / b[k]);
   }
-  return median(ratios);
-}
-
-std::string fixedText(double value, int digits) {
-  std::ostringstream out;
-  out << std::fixed << std::setprecision(digits) << value;
-  return out.str();
+  return ratios;
 }
 
 } // namespace
@@ -323,10 +319,9 @@ void chooseByMeasurement(
   for (size_t k = 0; k < measured.size(); ++k) {
     if (k == fastest)
       continue;
-    ratios[k] = pairedRatio(roundSteps[k], roundSteps[fastest]);
-    std::vector<double> perRound;
-    for (size_t r = 0; r < roundSteps[k].size(); ++r)
-      perRound.push_back(roundSteps[k][r] / roundSteps[fastest][r]);
+    const std::vector<double> perRound =
+        perRoundRatios(roundSteps[k], roundSteps[fastest]);
+    ratios[k] = median(perRound);
     spreads.push_back(
         relativeSpread(perRound) /
         std::sqrt(static_cast<double>(std::max<size_t>(perRound.size(), 1))));
@@ -340,22 +335,25 @@ void chooseByMeasurement(
   }
   const TuneCandidate& chosen = all[measured[best]];
   const TuneCandidate& quickest = all[measured[fastest]];
-  std::string note = "measured " + std::to_string(measured.size()) +
-      " plans in turn: " + chosen.label() + " ran " +
-      fixedText(chosen.measuredStepMs, 2) + " ms per step (lower quartile)";
+  std::ostringstream note;
+  note << std::fixed << std::setprecision(2) << "measured " << measured.size()
+       << " plans in turn: " << chosen.label() << " ran "
+       << chosen.measuredStepMs << " ms per step (lower quartile)";
   if (best != fastest) {
-    note += ", the simplest within " + fixedText(100.0 * tolerance, 1) +
-        "% (the noise) of the fastest, " + quickest.label() + " (" +
-        fixedText(quickest.measuredStepMs, 2) + " ms; round by round " +
-        fixedText(100.0 * (ratios[best] - 1.0), 1) + "% faster)";
+    note << std::setprecision(1) << ", the simplest within "
+         << 100.0 * tolerance << "% (the noise) of the fastest, "
+         << quickest.label() << " (" << std::setprecision(2)
+         << quickest.measuredStepMs << " ms; round by round "
+         << std::setprecision(1) << 100.0 * (ratios[best] - 1.0) << "% faster)";
   } else {
-    note += ", the fastest";
+    note << ", the fastest";
   }
   if (measured[best] != result.choice) {
-    note += "; chosen over the predicted " + all[result.choice].label() + " (" +
-        fixedText(all[result.choice].measuredStepMs, 2) + " ms)";
+    note << std::setprecision(2) << "; chosen over the predicted "
+         << all[result.choice].label() << " ("
+         << all[result.choice].measuredStepMs << " ms)";
   }
-  result.notes.push_back(note);
+  result.notes.push_back(note.str());
   result.choice = measured[best];
 }
 

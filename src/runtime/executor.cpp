@@ -896,7 +896,8 @@ void runRank(StepState& state, int rank) {
   try {
     for (; i < list.size(); ++i) {
       executor.transferred = 0;
-      const auto begin = std::chrono::steady_clock::now();
+      const auto begin = state.record ? std::chrono::steady_clock::now()
+                                      : std::chrono::steady_clock::time_point();
       if (pairedOnTwoStreams(i)) {
         c10::Event computed(home.device.type());
         computed.record(*home.computeStream);
@@ -906,7 +907,9 @@ void runRank(StepState& state, int rank) {
           std::visit(executor, list[i]);
         }
         const size_t forward = i++;
-        const auto backwardBegin = std::chrono::steady_clock::now();
+        const auto backwardBegin = state.record
+            ? std::chrono::steady_clock::now()
+            : std::chrono::steady_clock::time_point();
         std::visit(executor, list[i]);
         c10::Event paired(home.device.type());
         paired.record(*home.pairStream);
