@@ -48,6 +48,16 @@ namespace {
 
 thread_local bool recomputing = false;
 
+// Tells the caching allocator that `stream` uses `tensor` (one on the
+// stream's kind of device), so its memory is not handed out again before
+// the stream is done with it.
+void usedOnStream(const at::Tensor& tensor, c10::Stream stream) {
+  if (tensor.defined() && tensor.device().type() == stream.device_type()) {
+    c10::impl::VirtualGuardImpl(stream.device_type())
+        .recordDataPtrOnStream(tensor.storage().data_ptr(), stream);
+  }
+}
+
 class RecomputeScope {
  public:
   RecomputeScope() {
@@ -274,12 +284,8 @@ class RankExecutor {
     if (stage.pairStream) {
       // A forward run on the pair stream has its backward kernels there
       // too (autograd runs each on its forward's stream).
-      c10::impl::VirtualGuardImpl guard(stage.device.type());
-      for (const auto& grad : grads) {
-        if (grad.defined() && grad.device().type() == stage.device.type())
-          guard.recordDataPtrOnStream(
-              grad.storage().data_ptr(), *stage.pairStream);
-      }
+      for (const auto& grad : grads)
+        usedOnStream(grad, *stage.pairStream);
     }
     release(stash);
   }
@@ -419,21 +425,16 @@ class RankExecutor {
   // again before `stream` is done with it.
   void keepForStream(const Forward& op, c10::Stream stream) const {
     const Stash& stash = state_.at(op.stage, op.microBatch);
-    c10::impl::VirtualGuardImpl guard(stream.device_type());
-    auto keep = [&](const at::Tensor& tensor) {
-      if (tensor.defined() && tensor.device() == stream.device())
-        guard.recordDataPtrOnStream(tensor.storage().data_ptr(), stream);
-    };
     for (const auto& tensor : stash.inputs)
-      keep(tensor);
+      usedOnStream(tensor, stream);
     for (const auto& tensor : stash.outputs)
-      keep(tensor);
+      usedOnStream(tensor, stream);
     for (const auto& part : stash.weightParts) {
-      keep(part.input);
-      keep(part.output);
+      usedOnStream(part.input, stream);
+      usedOnStream(part.output, stream);
     }
     if (isLast(op.stage) && state_.schedule->training)
-      keep(state_.losses[op.microBatch]);
+      usedOnStream(state_.losses[op.microBatch], stream);
   }
 
  private:
@@ -475,10 +476,8 @@ class RankExecutor {
             tensor.to(to.device, /*non_blocking=*/!to.device.is_cpu()));
       }
     }
-    for (const auto& tensor : tensors) {
-      c10::impl::VirtualGuardImpl(type).recordDataPtrOnStream(
-          tensor.storage().data_ptr(), *from.copyStream);
-    }
+    for (const auto& tensor : tensors)
+      usedOnStream(tensor, *from.copyStream);
     payload.ready = std::make_shared<c10::Event>(type);
     payload.ready->record(*from.copyStream);
     return payload;
@@ -498,9 +497,7 @@ class RankExecutor {
     for (auto& tensor : payload.tensors) {
       if (tensor.device() != here.device)
         tensor = tensor.to(here.device);
-      c10::impl::VirtualGuardImpl(here.device.type())
-          .recordDataPtrOnStream(
-              tensor.storage().data_ptr(), *here.computeStream);
+      usedOnStream(tensor, *here.computeStream);
     }
     return std::move(payload.tensors);
   }
