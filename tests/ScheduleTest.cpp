@@ -322,6 +322,41 @@ TEST(ScheduleTest, PeakStashedMicroBatches) {
   EXPECT_EQ(remat.peakLive[0], 1);
 }
 
+// Workers sharing cores slow alike, so the timeline only stretches where
+// more of them compute than there are cores (free transfers here: some rank
+// computes at every moment of these steps).
+TEST(ScheduleTest, SharedCoresStretchOnlyTheTimeThatOversubscribes) {
+  const StageCosts unit;
+  // One micro-batch: one rank computes at a time, two cores never run short.
+  const Schedule single = gpipeSchedule(4, 1, CheckpointMode::kNever);
+  const Simulation alone = simulate(single, {unit});
+  EXPECT_DOUBLE_EQ(
+      sharedCoresMakespan(single, alone, {2.0, 1.0}), alone.makespan);
+  for (const Schedule& s :
+       {gpipeSchedule(4, 8, CheckpointMode::kNever),
+        oneFOneBSchedule(4, 8, CheckpointMode::kNever),
+        zeroBubbleH1Schedule(4, 8, CheckpointMode::kNever)}) {
+    SCOPED_TRACE(s.name);
+    const Simulation sim = simulate(s, {unit});
+    double work = 0.0;
+    for (double busy : sim.busy)
+      work += busy;
+    // One core runs every pass in turn; a core per rank changes nothing.
+    EXPECT_NEAR(sharedCoresMakespan(s, sim, {1.0, 1.0}), work, 1e-9);
+    EXPECT_NEAR(sharedCoresMakespan(s, sim, {2.0, 2.0}), work, 1e-9);
+    EXPECT_DOUBLE_EQ(sharedCoresMakespan(s, sim, {4.0, 1.0}), sim.makespan);
+    EXPECT_DOUBLE_EQ(sharedCoresMakespan(s, sim, {}), sim.makespan);
+    // Two cores: slower than four, yet faster than charging every pass
+    // workers / cores, since fill and drain run fewer workers than cores.
+    const double two = sharedCoresMakespan(s, sim, {2.0, 1.0});
+    EXPECT_GE(two, work / 2.0 - 1e-9);
+    EXPECT_GT(two, sim.makespan);
+    EXPECT_LT(two, 2.0 * sim.makespan);
+    // Back-to-back steps on one core: each step is all of its work.
+    EXPECT_NEAR(steadyStepTime(s, {unit}, {1.0, 1.0}), work, 1e-9);
+  }
+}
+
 TEST(ScheduleTest, TransferAndStageCostsShiftTheTimeline) {
   const Schedule s = gpipeSchedule(2, 1, CheckpointMode::kNever);
   StageCosts slow;

@@ -332,22 +332,35 @@ TEST(TuneTest, SmallMicroBatchesPayTheirFixedCost) {
 }
 
 TEST(TuneTest, StagesBeyondTheCoresShareThemAndPredictSlower) {
-  const CostModel model = equalLayers(4, 1.0);
+  CostModel model = equalLayers(4, 1.0);
   const TuneResult result = tunePlans(model, twoCores(4));
   EXPECT_LE(choiceOf(result).ranks, 2);
-  // Four workers on two cores: each computes at half speed, so four stages
-  // predict no better than two.
   TuneCandidate two, four;
   two.ranks = 2;
   four.ranks = 4;
   two.microBatches = four.microBatches = 16;
   two.threadsPerStage = four.threadsPerStage = 1;
   two.schedule = four.schedule = ScheduleKind::kOneFOneB;
-  const double twoMs =
-      predictCandidate(model, twoCores(4), two).predictedStepMs;
-  const double fourMs =
-      predictCandidate(model, twoCores(4), four).predictedStepMs;
-  EXPECT_GE(fourMs, twoMs);
+  TuneRequest ownCores = twoCores(4);
+  ownCores.cores = 4;
+  auto predict = [&](const TuneCandidate& c, const TuneRequest& request) {
+    return predictCandidate(model, request, c).predictedStepMs;
+  };
+  // Four workers on two cores run at half speed while all four compute,
+  // not during fill and drain: slower than with a core each, faster than
+  // every pass charged twice.
+  const double shared = predict(four, twoCores(4));
+  const double own = predict(four, ownCores);
+  EXPECT_GT(shared, 1.5 * own);
+  EXPECT_LT(shared, 2.0 * own);
+  // What sharing costs beyond that is charged to the oversubscribed plan
+  // alone, per pass a worker is woken for.
+  model.sharedInstructionMs = 0.25;
+  EXPECT_GE(predict(four, twoCores(4)), shared + 2 * 16 * 0.25);
+  EXPECT_DOUBLE_EQ(predict(four, ownCores), own);
+  const double twoCharged = predict(two, twoCores(4));
+  model.sharedInstructionMs = 0.0;
+  EXPECT_DOUBLE_EQ(twoCharged, predict(two, twoCores(4)));
 }
 
 TEST(TuneTest, MemoryCapsAreHardAndTheFastestPlanThatFitsIsChosen) {

@@ -413,14 +413,33 @@ Simulation simulate(
     const Schedule& schedule,
     const std::vector<StageCosts>& costs);
 
+// Ranks that compute on shared CPU cores (more stage workers than cores):
+// while the ranks computing at once ask for more cores than there are, the
+// operating system shares them fairly and every one of them runs slower by
+// demand / cores. All computing ranks slow alike, so the schedule unfolds
+// in the same order, only stretched where it oversubscribes; a rank waiting
+// for a transfer takes no core.
+struct CoreSharing {
+  double cores = 0.0;        // 0 or less: each rank computes on its own
+  double coresPerRank = 1.0; // what one computing rank takes (its threads)
+};
+// The simulation's makespan stretched by that sharing: the integral over
+// the step of max(1, computing ranks x coresPerRank / cores).
+double sharedCoresMakespan(
+    const Schedule& schedule,
+    const Simulation& simulation,
+    const CoreSharing& sharing);
+
 // The time per step of back-to-back steps when no barrier separates them
 // (optimizer post-validation): each rank starts its part of the next step
 // as soon as its own part of this one is done. Simulates three steps in a
 // row and returns the mean of the last two; compare with makespan, the
-// step with a barrier. Throws ScheduleError when the schedule stalls.
+// step with a barrier. With `sharing`, each run's makespan is stretched as
+// sharedCoresMakespan does. Throws ScheduleError when the schedule stalls.
 double steadyStepTime(
     const Schedule& schedule,
-    const std::vector<StageCosts>& costs);
+    const std::vector<StageCosts>& costs,
+    const CoreSharing& sharing = {});
 
 // The textbook bubble (p - 1) / (m + p - 1) of fill-drain and 1F1B.
 double theoreticalBubble(int stages, int microBatches);

@@ -74,6 +74,12 @@ struct CostModel {
   // Stages of one process run at once on shared memory bandwidth: their
   // compute is this much slower than the layers measured alone.
   double concurrentSlowdown = 1.0;
+  // Per forward and (input) backward, added where stage workers outnumber
+  // the cores (TuneRequest::cores): a worker woken by a peer's activation or
+  // gradient waits for a core, among workers evicting one another's caches.
+  // The fair sharing of the cores themselves is the simulation's
+  // (CoreSharing).
+  double sharedInstructionMs = 0.0;
   double noise = 0.0; // relative; plans closer than it are equal
   std::string source; // "measured now", "cluster.json", ...
 

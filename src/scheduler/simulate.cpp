@@ -197,9 +197,37 @@ Simulation simulate(
   return Simulator(schedule, costs).run();
 }
 
+double sharedCoresMakespan(
+    const Schedule& schedule,
+    const Simulation& simulation,
+    const CoreSharing& sharing) {
+  if (sharing.cores <= 0.0)
+    return simulation.makespan;
+  // +1 where a compute starts, -1 where one ends; the ends first at a tie.
+  std::vector<std::pair<double, int>> edges;
+  for (const TimedInstruction& t : simulation.timeline) {
+    if (t.end > t.start &&
+        isCompute(schedule.perRank[t.rank][static_cast<size_t>(t.index)])) {
+      edges.emplace_back(t.start, 1);
+      edges.emplace_back(t.end, -1);
+    }
+  }
+  std::sort(edges.begin(), edges.end());
+  double stretched = 0.0, last = 0.0;
+  int computing = 0;
+  for (const auto& [time, change] : edges) {
+    const double demand = computing * sharing.coresPerRank / sharing.cores;
+    stretched += (time - last) * std::max(1.0, demand);
+    last = time;
+    computing += change;
+  }
+  return stretched + (simulation.makespan - last);
+}
+
 double steadyStepTime(
     const Schedule& schedule,
-    const std::vector<StageCosts>& costs) {
+    const std::vector<StageCosts>& costs,
+    const CoreSharing& sharing) {
   // Step k's micro-batches are numbered k m .. k m + m - 1, so transfers of
   // different steps never meet; each rank's lists simply follow each other.
   constexpr int kSteps = 3;
@@ -220,7 +248,7 @@ double steadyStepTime(
     const Simulation simulation = simulate(run, costs);
     if (!simulation.finished)
       throw ScheduleError("steady step: stalls: " + simulation.stuck);
-    return simulation.makespan;
+    return sharedCoresMakespan(run, simulation, sharing);
   };
   return (repeated(kSteps) - repeated(1)) / (kSteps - 1);
 }
