@@ -207,6 +207,12 @@ std::vector<TuneCandidate> gridOf(
   return grid;
 }
 
+std::string fixedText(double ms) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%.2f", ms);
+  return text;
+}
+
 struct Summary {
   int sameChoice = 0, repeats = 0;
   double othersSlower = 0.0;  // the other choices against the usual one
@@ -272,30 +278,47 @@ nlohmann::json benchConfig(
     runs.push_back(row);
   }
   // The grid's predictions are the last run's (the choices' are their own).
-  std::map<std::string, double> predictedOf;
-  for (const auto& c : ranked)
+  // Beside them, the last run's own measurement of the plans it ran in turn
+  // (the median of one step a round, each after another plan's step): how
+  // far that figure, which anchors the predictions, is from training's.
+  std::map<std::string, double> predictedOf, tunedOf;
+  for (const auto& c : ranked) {
     predictedOf[keyOf(c)] = c.predictedStepMs;
+    if (c.measuredStepMs >= 0)
+      tunedOf[keyOf(c)] = c.measuredStepMs;
+  }
   std::vector<double> errors;
   nlohmann::json rows = nlohmann::json::array();
-  std::printf("%-48s %10s %10s %8s\n", "plan", "pred ms", "meas ms", "error");
+  std::printf(
+      "%-48s %10s %10s %8s %10s\n",
+      "plan",
+      "pred ms",
+      "meas ms",
+      "error",
+      "tuner ms");
   for (size_t g = 0; g < grid.size(); ++g) {
     const std::string key = keyOf(grid[g]);
     const double predicted =
         predictedOf.count(key) ? predictedOf[key] : grid[g].predictedStepMs;
     const double error = (predicted - measured[g]) / measured[g];
     errors.push_back(std::abs(error));
+    const std::string tuned =
+        tunedOf.count(key) ? fixedText(tunedOf[key]) : std::string("-");
     std::printf(
-        "%-48s %10.2f %10.2f %+7.1f%%%s\n",
+        "%-48s %10.2f %10.2f %+7.1f%% %10s%s\n",
         grid[g].label().c_str(),
         predicted,
         measured[g],
         100.0 * error,
+        tuned.c_str(),
         counts.count(key)
             ? ("  <- chosen " + std::to_string(counts[key]) + "x").c_str()
             : "");
     nlohmann::json row = tuneCandidateToJson(grid[g]);
     row["predicted_step_ms"] = predicted;
     row["measured_step_ms"] = measured[g];
+    if (tunedOf.count(key))
+      row["tuner_measured_step_ms"] = tunedOf[key];
     rows.push_back(row);
   }
   summary.medianError = median(errors);
