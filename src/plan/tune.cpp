@@ -462,7 +462,7 @@ int virtualStagesIn(const Setting& s) {
 // same timeline at once, each computing rank with its threads. Stretching
 // only the time that oversubscribes charges a plan for the workers that
 // really compute together; charging every layer workers / cores as if all
-// always did over-predicted plans of 3 and 4 stages on 2 cores by 30-50%,
+// always did over-predicted plans of 3 and 4 stages on 2 cores by 30-120%,
 // the more the larger their bubble. What sharing costs beyond the fair
 // share is charged per instruction (CostModel::sharedInstructionMs).
 CoreSharing coreSharing(const TuneRequest& request, const Setting& s) {
@@ -481,7 +481,8 @@ PlanRequest planRequestFor(
     double microBatchSize) {
   PlanRequest plan;
   plan.layers = model.costsAt(microBatchSize, s.threads);
-  // Stage workers more than the cores hold share them: see coreSharing.
+  // Stages computing at once slow one another on shared memory bandwidth
+  // and caches; sharing the cores themselves is coreSharing's.
   if (s.ranks > 1 && model.concurrentSlowdown != 1.0) {
     for (auto& layer : plan.layers) {
       layer.forwardMs *= model.concurrentSlowdown;
@@ -617,9 +618,9 @@ TuneCandidate evaluate(
     return c;
   PlanRequest costed = withStageCosts(planRequest, plan);
   const CoreSharing sharing = coreSharing(request, s);
-  const bool oversubscribed =
-      sharing.cores > 0 && s.ranks * sharing.coresPerRank > sharing.cores;
-  if (oversubscribed) {
+  const bool charged = model.sharedInstructionMs > 0 && sharing.cores > 0 &&
+      s.ranks * sharing.coresPerRank > sharing.cores;
+  if (charged) {
     // Charged to the passes a worker is woken for (a peer's activation or
     // gradient); a weight pass follows its input pass on the same worker.
     for (StageCosts& stage : costed.stageCosts) {
@@ -628,7 +629,7 @@ TuneCandidate evaluate(
       stage.backwardInput += model.sharedInstructionMs;
     }
   }
-  const bool resimulated = oversubscribed && s.schedule != ScheduleKind::kAuto;
+  const bool resimulated = charged && s.schedule != ScheduleKind::kAuto;
   const Plan run =
       s.schedule == ScheduleKind::kAuto ? resolvePlan(costed) : plan;
   // Under calibrated costs.
