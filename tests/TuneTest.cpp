@@ -355,11 +355,11 @@ TEST(TuneTest, StagesBeyondTheCoresShareThemAndPredictSlower) {
   EXPECT_LT(shared, 2.0 * own);
   // What sharing costs beyond that is charged to the oversubscribed plan
   // alone, per pass a worker is woken for.
-  model.sharedInstructionMs = 0.25;
+  model.sharedWakeupMs = 0.25;
   EXPECT_GE(predict(four, twoCores(4)), shared + 2 * 16 * 0.25);
   EXPECT_DOUBLE_EQ(predict(four, ownCores), own);
   const double twoCharged = predict(two, twoCores(4));
-  model.sharedInstructionMs = 0.0;
+  model.sharedWakeupMs = 0.0;
   EXPECT_DOUBLE_EQ(twoCharged, predict(two, twoCores(4)));
 }
 

@@ -79,7 +79,7 @@ struct CostModel {
   // gradient waits for a core, among workers evicting one another's caches.
   // The fair sharing of the cores themselves is the simulation's
   // (CoreSharing).
-  double sharedInstructionMs = 0.0;
+  double sharedWakeupMs = 0.0;
   double noise = 0.0; // relative; plans closer than it are equal
   std::string source; // "measured now", "cluster.json", ...
 

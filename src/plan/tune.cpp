@@ -464,7 +464,7 @@ int virtualStagesIn(const Setting& s) {
 // really compute together; charging every layer workers / cores as if all
 // always did over-predicted plans of 3 and 4 stages on 2 cores by 30-120%,
 // the more the larger their bubble. What sharing costs beyond the fair
-// share is charged per instruction (CostModel::sharedInstructionMs).
+// share is charged per instruction (CostModel::sharedWakeupMs).
 CoreSharing coreSharing(const TuneRequest& request, const Setting& s) {
   CoreSharing sharing;
   if (request.cores > 0) {
@@ -618,15 +618,15 @@ TuneCandidate evaluate(
     return c;
   PlanRequest costed = withStageCosts(planRequest, plan);
   const CoreSharing sharing = coreSharing(request, s);
-  const bool charged = model.sharedInstructionMs > 0 && sharing.cores > 0 &&
+  const bool charged = model.sharedWakeupMs > 0 && sharing.cores > 0 &&
       s.ranks * sharing.coresPerRank > sharing.cores;
   if (charged) {
     // Charged to the passes a worker is woken for (a peer's activation or
     // gradient); a weight pass follows its input pass on the same worker.
     for (StageCosts& stage : costed.stageCosts) {
-      stage.forward += model.sharedInstructionMs;
-      stage.backward += model.sharedInstructionMs;
-      stage.backwardInput += model.sharedInstructionMs;
+      stage.forward += model.sharedWakeupMs;
+      stage.backward += model.sharedWakeupMs;
+      stage.backwardInput += model.sharedWakeupMs;
     }
   }
   const bool resimulated = charged && s.schedule != ScheduleKind::kAuto;

@@ -196,10 +196,10 @@ class StepMeter {
         *log << "tune: measuring " << candidates.size()
              << " plans in turn, round " << round + 1 << "/" << rounds
              << std::endl;
-      // Each group turned by one place a round: a plan's step runs a little
-      // faster or slower for the plan before it, and no plan may keep the
-      // same neighbour (the first of the round measured 3% above training,
-      // the others 6-33%).
+      // Each group turned by one place a round: a plan's step runs faster
+      // or slower for the plan before it, so no plan keeps one neighbour
+      // (with a fixed order the round's first plan measured 3% above
+      // training, the other one-stage plans 12-21%).
       if (round > 0) {
         for (auto [first, last] :
              {std::pair(order.begin(), others),
@@ -403,8 +403,8 @@ double instructionCostMs() {
 // Where the config has more devices than the machine has cores, twice as
 // many one-thread stages as cores (1F1B, 4 micro-batches per stage) give
 // what oversubscription costs beyond the simulation's fair sharing of the
-// cores: each worker woken for its next instruction waits for a core among
-// workers evicting its caches, charged per compute instruction. Without it
+// cores: a worker woken for its next pass waits for a core among workers
+// evicting its caches, charged per pass it is woken for. Without it
 // plans of 4 stages on 2 cores predicted 15-35% fast at 16-64
 // micro-batches. Both run in the same rounds, so a machine that slows
 // between them moves the slowdown, not the charge.
@@ -421,7 +421,7 @@ void calibrateConcurrency(
   if (devices < 2 || layers < 2 || (cores > 0 && cores < 2))
     return;
   model.concurrentSlowdown = 1.0;
-  model.sharedInstructionMs = 0.0;
+  model.sharedWakeupMs = 0.0;
   TuneCandidate two;
   two.ranks = 2;
   two.threadsPerStage = cores > 0 ? cores / 2 : 1;
@@ -460,21 +460,30 @@ void calibrateConcurrency(
       fixed(model.concurrentSlowdown, 2));
   if (runs.size() < 2)
     return;
-  // The prediction is linear in the charge: two predictions place it.
-  constexpr double kProbeMs = 0.1;
-  const double fair = predictCandidate(model, request, shared).predictedStepMs;
-  model.sharedInstructionMs = kProbeMs;
-  const double probed =
-      predictCandidate(model, request, shared).predictedStepMs;
-  model.sharedInstructionMs = probed > fair
-      ? std::clamp(kProbeMs * (measured[1] - fair) / (probed - fair), 0.0, 2.0)
-      : 0.0;
+  // The prediction grows with the charge, though not in proportion (the
+  // critical path moves): bisected within 0-2 ms.
+  auto predicted = [&](double chargeMs) {
+    model.sharedWakeupMs = chargeMs;
+    return predictCandidate(model, request, shared).predictedStepMs;
+  };
+  const double fair = predicted(0.0);
+  double low = 0.0, high = 2.0;
+  if (predicted(high) <= measured[1]) {
+    low = high;
+  } else if (fair < measured[1]) {
+    for (int step = 0; step < 20; ++step) {
+      const double middle = (low + high) / 2.0;
+      (predicted(middle) < measured[1] ? low : high) = middle;
+    }
+  }
+  model.sharedWakeupMs = low;
   lines.push_back(
       std::to_string(shared.ranks) + " stages on " + std::to_string(cores) +
       " cores: measured " + fixed(measured[1], 2) + " ms against " +
       fixed(fair, 2) + " ms predicted with the cores shared fairly; " +
-      fixed(1000.0 * model.sharedInstructionMs, 1) +
-      " us more per compute instruction where stages outnumber cores");
+      fixed(1000.0 * model.sharedWakeupMs, 1) +
+      " us more per pass a worker is woken for, where stages outnumber "
+      "cores");
 }
 
 // Scales the curves of one thread count by a factor per micro-batch size,
