@@ -199,7 +199,7 @@ class StepMeter {
       // Each group turned by one place a round: a plan's step runs faster
       // or slower for the plan before it, so no plan keeps one neighbour
       // (with a fixed order the round's first plan measured 3% above
-      // training, the other one-stage plans 12-21%).
+      // training, the other one-stage plans 6-17%).
       if (round > 0) {
         for (auto [first, last] :
              {std::pair(order.begin(), others),
