@@ -464,7 +464,7 @@ int virtualStagesIn(const Setting& s) {
 // really compute together; charging every layer workers / cores as if all
 // always did over-predicted plans of 3 and 4 stages on 2 cores by 30-120%,
 // the more the larger their bubble. What sharing costs beyond the fair
-// share is charged per instruction (CostModel::sharedWakeupMs).
+// share is charged per pass a worker is woken for (sharedWakeupMs).
 CoreSharing coreSharing(const TuneRequest& request, const Setting& s) {
   CoreSharing sharing;
   if (request.cores > 0) {
