@@ -21,6 +21,14 @@ expect "tune shows its calibration" 0 "calibration: size curves" "$work/table" 0
 expect "tune shows progress on stderr" 0 "tune: profiling" "$work/progress" 0
 expect "tune anchors its predictions to the plans it measured in turn" 0 \
   "note: predictions anchored to the" "$work/table" 0
+if (($(nproc) >= 2)); then
+  # Two-stage runs at several micro-batch counts correct the stage threads'
+  # curves at each size: every one of them then predicts what it measured.
+  fit=$(sed -n 's/^calibration: two stages at once: measured .* at \([0-9, ]*\) micro-batches;.* within \([0-9.]*\)%$/\1|\2/p' "$work/table")
+  if [[ $fit == *,*,*"|"* ]] && python3 -c 'import sys; sys.exit(0 if float(sys.argv[1]) <= 5.0 else 1)' "${fit#*|}"; then
+    ok "the two-stage calibration runs 3 micro-batch counts and each predicts its own run (${fit#*|}%)"
+  else bad "two-stage calibration (got '$fit')" "$(grep '^calibration' "$work/table")"; fi
+fi
 
 "$tpipe" tune "$config" --json --write "$work/chosen.json" >"$work/tune.json" 2>/dev/null
 status=$?
