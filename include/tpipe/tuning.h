@@ -40,9 +40,9 @@ struct TuneOutcome {
 // the fastest predicted per device count within 2x) or with measure (the
 // top candidates), they run in turn, built once, two steps each per round
 // (the second timed) over 15 rounds, and the fastest measured becomes the
-// choice, or the
-// simplest within the measurement's noise of it (at least 3%). The config's
-// devices are the devices a plan may use; its pipeline settings are ignored.
+// choice, or the simplest within the measurement's noise of it (at least
+// 3%). The config's devices are the devices a plan may use; its pipeline
+// settings are ignored.
 TuneOutcome tuneConfig(const Config& config, const TuneOptions& options);
 
 // Plans for a described cluster, nothing measured: per-layer FLOPs and

@@ -534,9 +534,12 @@ void calibrateConcurrency(
   const std::vector<int>& threads = model.threads;
   const auto found =
       std::find(threads.begin(), threads.end(), two.threadsPerStage);
+  const size_t threadIndex = static_cast<size_t>(found - threads.begin());
   // The one-stage runs calibrated the first thread count's curves, which
   // one-stage plans use too: those only take the common slowdown.
-  const bool ownCurves = found != threads.end() && found != threads.begin();
+  const bool ownCurves = found != threads.end() && threadIndex > 0;
+  // Per run (ascending micro-batches) its factor so far; the curves take
+  // them by size, ascending: the run of the most micro-batches first.
   std::vector<double> sizes, total(pairs, 1.0);
   for (size_t i = pairs; i-- > 0;)
     sizes.push_back(
@@ -544,25 +547,21 @@ void calibrateConcurrency(
   // The prediction is not linear in the curves (instructions and held
   // activations are not scaled): a few rounds of correction.
   for (int round = 0; round < (ownCurves ? 3 : 1); ++round) {
-    std::vector<double> ratios;
-    for (size_t i = pairs; i-- > 0;)
-      ratios.push_back(ratioAt(i));
-    for (size_t i = 0; i < pairs; ++i)
-      total[pairs - 1 - i] *= ratios[i];
+    std::vector<double> bySize(pairs);
+    for (size_t i = 0; i < pairs; ++i) {
+      const double ratio = ratioAt(i);
+      total[i] *= ratio;
+      bySize[pairs - 1 - i] = ratio;
+    }
     if (ownCurves)
-      scaleCurvesBySize(
-          model, static_cast<size_t>(found - threads.begin()), sizes, ratios);
+      scaleCurvesBySize(model, threadIndex, sizes, bySize);
   }
   // Unclamped: the curves keep total / slowdown, so a plan the calibration
   // ran predicts what it ran (each factor is bounded by its rounds).
   model.concurrentSlowdown = median(total);
-  if (ownCurves) {
+  if (ownCurves)
     scaleCurvesBySize(
-        model,
-        static_cast<size_t>(found - threads.begin()),
-        {1.0},
-        {1.0 / model.concurrentSlowdown});
-  }
+        model, threadIndex, {1.0}, {1.0 / model.concurrentSlowdown});
   std::string at, scaled, fits;
   double worst = 0.0;
   for (size_t i = 0; i < pairs; ++i) {
