@@ -1,12 +1,14 @@
 // The tuner checked by measurement. For each config, `tpipe tune --quick`
 // (what pipeline.auto runs before training) chooses a plan `--repeat` times,
-// each in a fresh process; then a grid of plans (every distinct choice, the
-// top predicted, a spread over the rest of the ranking) is trained in turn
-// by `tpipe train` of the config with each plan, a fresh process per run,
-// in 5 alternating rounds (a fresh process here runs up to 10% faster or
-// slower than the next): the step a user meets. With --busy, everything is
-// done again while another process spins one core in bursts of 0.1-0.9 s, as
-// jobs starting and stopping do. Reports, per config and machine state:
+// each in a fresh process; a grid of plans (every distinct choice, the top
+// predicted, a spread over the rest of the ranking) is trained in turn by
+// `tpipe train` of the config with each plan, a fresh process per run, in 5
+// alternating rounds (a fresh process here runs up to 10% faster or slower
+// than the next): the step a user meets. Tunes and rounds alternate, so
+// that predictions and measurements span the same minutes. With --busy,
+// everything is done again while another process spins one core in bursts of
+// 0.1-0.9 s, as jobs starting and stopping do. Reports, per config and machine
+// state:
 // - how often the most frequent choice was chosen, and how much slower the
 //   other choices measured;
 // - each choice's measured step over the best measured in the grid;
@@ -159,31 +161,6 @@ double trainedStepMs(
   return median(secondHalf);
 }
 
-// Every plan of the grid trained in turn, `rounds` times: the median of
-// its runs.
-std::vector<double> measureByTraining(
-    const std::string& tpipe,
-    const std::string& path,
-    const std::vector<TuneCandidate>& grid,
-    int rounds) {
-  nlohmann::json config;
-  std::ifstream(path) >> config;
-  char pattern[] = "/tmp/tune-bench-XXXXXX";
-  const char* scratch = ::mkdtemp(pattern);
-  if (!scratch)
-    throw std::runtime_error("cannot make a scratch directory");
-  std::vector<std::vector<double>> runs(grid.size());
-  for (int round = 0; round < rounds; ++round) {
-    for (size_t g = 0; g < grid.size(); ++g)
-      runs[g].push_back(trainedStepMs(tpipe, config, grid[g], scratch));
-  }
-  std::system(("rm -rf '" + std::string(scratch) + "'").c_str());
-  std::vector<double> out;
-  for (auto& r : runs)
-    out.push_back(median(r));
-  return out;
-}
-
 // Every distinct choice, the top 5 predicted, then every few places down
 // the ranking: about 10 plans.
 std::vector<TuneCandidate> gridOf(
@@ -205,6 +182,71 @@ std::vector<TuneCandidate> gridOf(
   for (size_t k = 1; k <= 5 && rest > 0; ++k)
     add(ranked[5 + (rest - 1) * k / 5]);
   return grid;
+}
+
+// The tunes and the grid's training runs, interleaved: round r runs tune r
+// (while r < repeats), then every grid plan once, so that the predictions
+// and the measurements they are held against span the same minutes. The
+// machine drifts by 10-30% over minutes: a grid trained after all the tunes
+// carried that drift into every error (one reference grid trained 7.5-37.5%
+// slower than every tune had predicted). The grid is built from the first
+// tune; a later tune's new choice joins it then, and is trained again at the
+// end until it has 3 runs.
+struct TunedAndTrained {
+  std::vector<TuneCandidate> choices;             // each tune's
+  std::vector<std::vector<TuneCandidate>> ranked; // each tune's ranking
+  std::vector<TuneCandidate> grid;
+  std::vector<double> measured; // per grid plan, the median of its runs
+  std::vector<std::vector<double>> runs; // per grid plan, in run order
+};
+
+TunedAndTrained tuneAndTrainInTurn(
+    const std::string& tpipe,
+    const std::string& path,
+    int repeats,
+    int rounds) {
+  nlohmann::json config;
+  std::ifstream(path) >> config;
+  char pattern[] = "/tmp/tune-bench-XXXXXX";
+  const char* scratch = ::mkdtemp(pattern);
+  if (!scratch)
+    throw std::runtime_error("cannot make a scratch directory");
+  TunedAndTrained out;
+  std::vector<std::vector<double>>& runs = out.runs;
+  auto train = [&](size_t g) {
+    runs[g].push_back(trainedStepMs(tpipe, config, out.grid[g], scratch));
+  };
+  for (int round = 0; round < std::max(repeats, rounds); ++round) {
+    if (round < repeats) {
+      std::vector<TuneCandidate> run = tuneInAFreshProcess(tpipe, path);
+      out.choices.push_back(run.front());
+      out.ranked.emplace_back(run.begin() + 1, run.end());
+      std::cout << "run " << round + 1 << ": " << run.front().label()
+                << ", predicted " << run.front().predictedStepMs << " ms"
+                << std::endl;
+      const bool inGrid = std::any_of(
+          out.grid.begin(), out.grid.end(), [&](const TuneCandidate& g) {
+            return keyOf(g) == keyOf(run.front());
+          });
+      if (round == 0)
+        out.grid = gridOf(out.choices, out.ranked.front());
+      else if (!inGrid)
+        out.grid.push_back(run.front());
+      runs.resize(out.grid.size());
+    }
+    if (round < rounds) {
+      for (size_t g = 0; g < out.grid.size(); ++g)
+        train(g);
+    }
+  }
+  for (size_t g = 0; g < out.grid.size(); ++g) {
+    while (runs[g].size() < std::min<size_t>(3, rounds))
+      train(g);
+  }
+  std::system(("rm -rf '" + std::string(scratch) + "'").c_str());
+  for (auto& r : runs)
+    out.measured.push_back(median(r));
+  return out;
 }
 
 std::string fixedText(double ms) {
@@ -234,17 +276,10 @@ nlohmann::json benchConfig(
   loadConfig(path); // a bad config is refused before any run
   std::cout << "== " << path << (busy ? " (busy)" : " (quiet)") << std::endl;
   const pid_t neighbour = busy ? startBusyNeighbour() : 0;
-  std::vector<TuneCandidate> choices, ranked;
-  for (int r = 0; r < repeats; ++r) {
-    std::vector<TuneCandidate> run = tuneInAFreshProcess(tpipe, path);
-    choices.push_back(run.front());
-    ranked.assign(run.begin() + 1, run.end());
-    std::cout << "run " << r + 1 << ": " << run.front().label()
-              << ", predicted " << run.front().predictedStepMs << " ms"
-              << std::endl;
-  }
-  const std::vector<TuneCandidate> grid = gridOf(choices, ranked);
-  const std::vector<double> measured = measureByTraining(tpipe, path, grid, 5);
+  const TunedAndTrained runs5 = tuneAndTrainInTurn(tpipe, path, repeats, 5);
+  const std::vector<TuneCandidate>& choices = runs5.choices;
+  const std::vector<TuneCandidate>& grid = runs5.grid;
+  const std::vector<double>& measured = runs5.measured;
   stopBusyNeighbour(neighbour);
   std::map<std::string, double> measuredOf;
   for (size_t g = 0; g < grid.size(); ++g)
@@ -277,18 +312,23 @@ nlohmann::json benchConfig(
     row["measured_step_ms"] = ms;
     runs.push_back(row);
   }
-  // The grid's predictions are the last run's (the choices' are their own).
-  // Beside them, the last run's own measurement of the plans it ran in turn
-  // (the median of one step a round, each after another plan's step): how
-  // far that figure, which anchors the predictions, is from training's.
-  std::map<std::string, double> predictedOf, tunedOf;
-  for (const auto& c : ranked) {
-    predictedOf[keyOf(c)] = c.predictedStepMs;
-    if (c.measuredStepMs >= 0)
-      tunedOf[keyOf(c)] = c.measuredStepMs;
+  // Every tune's prediction of every grid plan it ranked, and its own
+  // measurement of those it ran in turn (the median of one step a round,
+  // each after another plan's step): how far that figure, which anchors the
+  // predictions, is from training's. The grid's error pools every tune's.
+  std::map<std::string, std::vector<double>> predictedOf, tunedOf;
+  for (const auto& ranked : runs5.ranked) {
+    for (const auto& c : ranked) {
+      predictedOf[keyOf(c)].push_back(c.predictedStepMs);
+      if (c.measuredStepMs >= 0)
+        tunedOf[keyOf(c)].push_back(c.measuredStepMs);
+    }
   }
   std::vector<double> errors;
+  std::vector<std::vector<double>> errorsOfTune(runs5.ranked.size());
   nlohmann::json rows = nlohmann::json::array();
+  std::printf(
+      "pred ms and tuner ms: the tunes' median; error: of that median\n");
   std::printf(
       "%-48s %10s %10s %8s %10s\n",
       "plan",
@@ -298,12 +338,20 @@ nlohmann::json benchConfig(
       "tuner ms");
   for (size_t g = 0; g < grid.size(); ++g) {
     const std::string key = keyOf(grid[g]);
-    const double predicted =
-        predictedOf.count(key) ? predictedOf[key] : grid[g].predictedStepMs;
+    for (size_t t = 0; t < runs5.ranked.size(); ++t) {
+      for (const auto& c : runs5.ranked[t]) {
+        if (keyOf(c) != key)
+          continue;
+        const double e =
+            std::abs(c.predictedStepMs - measured[g]) / measured[g];
+        errors.push_back(e);
+        errorsOfTune[t].push_back(e);
+      }
+    }
+    const double predicted = median(predictedOf[key]);
     const double error = (predicted - measured[g]) / measured[g];
-    errors.push_back(std::abs(error));
     const std::string tuned =
-        tunedOf.count(key) ? fixedText(tunedOf[key]) : std::string("-");
+        tunedOf.count(key) ? fixedText(median(tunedOf[key])) : std::string("-");
     std::printf(
         "%-48s %10.2f %10.2f %+7.1f%% %10s%s\n",
         grid[g].label().c_str(),
@@ -317,11 +365,17 @@ nlohmann::json benchConfig(
     nlohmann::json row = tuneCandidateToJson(grid[g]);
     row["predicted_step_ms"] = predicted;
     row["measured_step_ms"] = measured[g];
+    row["predicted_step_ms_each_tune"] = predictedOf[key];
+    row["measured_step_ms_each_run"] = runs5.runs[g];
     if (tunedOf.count(key))
-      row["tuner_measured_step_ms"] = tunedOf[key];
+      row["tuner_measured_step_ms"] = median(tunedOf[key]);
     rows.push_back(row);
   }
   summary.medianError = median(errors);
+  std::printf("grid |error| median per tune:");
+  for (const auto& e : errorsOfTune)
+    std::printf(" %.1f%%", e.empty() ? 0.0 : 100.0 * median(e));
+  std::printf(" (pooled below)\n");
   std::printf(
       "same choice %d/%d, others +%.1f%%; choice / best measured <= %.3f; "
       "|error| median %.1f%%, choice's worst %.1f%% (as measured by the "
