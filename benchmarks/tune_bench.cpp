@@ -276,10 +276,10 @@ nlohmann::json benchConfig(
   loadConfig(path); // a bad config is refused before any run
   std::cout << "== " << path << (busy ? " (busy)" : " (quiet)") << std::endl;
   const pid_t neighbour = busy ? startBusyNeighbour() : 0;
-  const TunedAndTrained runs5 = tuneAndTrainInTurn(tpipe, path, repeats, 5);
-  const std::vector<TuneCandidate>& choices = runs5.choices;
-  const std::vector<TuneCandidate>& grid = runs5.grid;
-  const std::vector<double>& measured = runs5.measured;
+  const TunedAndTrained trial = tuneAndTrainInTurn(tpipe, path, repeats, 5);
+  const std::vector<TuneCandidate>& choices = trial.choices;
+  const std::vector<TuneCandidate>& grid = trial.grid;
+  const std::vector<double>& measured = trial.measured;
   stopBusyNeighbour(neighbour);
   std::map<std::string, double> measuredOf;
   for (size_t g = 0; g < grid.size(); ++g)
@@ -317,7 +317,7 @@ nlohmann::json benchConfig(
   // each after another plan's step): how far that figure, which anchors the
   // predictions, is from training's. The grid's error pools every tune's.
   std::map<std::string, std::vector<double>> predictedOf, tunedOf;
-  for (const auto& ranked : runs5.ranked) {
+  for (const auto& ranked : trial.ranked) {
     for (const auto& c : ranked) {
       predictedOf[keyOf(c)].push_back(c.predictedStepMs);
       if (c.measuredStepMs >= 0)
@@ -325,7 +325,7 @@ nlohmann::json benchConfig(
     }
   }
   std::vector<double> errors;
-  std::vector<std::vector<double>> errorsOfTune(runs5.ranked.size());
+  std::vector<std::vector<double>> errorsOfTune(trial.ranked.size());
   nlohmann::json rows = nlohmann::json::array();
   std::printf(
       "pred ms and tuner ms: the tunes' median; error: of that median\n");
@@ -338,8 +338,8 @@ nlohmann::json benchConfig(
       "tuner ms");
   for (size_t g = 0; g < grid.size(); ++g) {
     const std::string key = keyOf(grid[g]);
-    for (size_t t = 0; t < runs5.ranked.size(); ++t) {
-      for (const auto& c : runs5.ranked[t]) {
+    for (size_t t = 0; t < trial.ranked.size(); ++t) {
+      for (const auto& c : trial.ranked[t]) {
         if (keyOf(c) != key)
           continue;
         const double e =
@@ -366,7 +366,7 @@ nlohmann::json benchConfig(
     row["predicted_step_ms"] = predicted;
     row["measured_step_ms"] = measured[g];
     row["predicted_step_ms_each_tune"] = predictedOf[key];
-    row["measured_step_ms_each_run"] = runs5.runs[g];
+    row["measured_step_ms_each_run"] = trial.runs[g];
     if (tunedOf.count(key))
       row["tuner_measured_step_ms"] = median(tunedOf[key]);
     rows.push_back(row);
