@@ -594,7 +594,7 @@ TEST(TrainTest, TiedGptMatchesTheSequentialModel) {
 // (9.5 in all), so the clip binds while two ranks sit below it, and at most
 // one of them is the last to end (the one that decides and never
 // speculates). A clip of 3.0 left only rank 0 below it: whether a step ran
-// again depended on rank 0 not ending last, and 1 run in 4 it did.
+// again depended on rank 0 not ending last, and in 4-7 of 30 runs it did.
 TEST(TrainTest, TiedGptOverlapsItsStepsAsStepsWithABarrier) {
   for (const char* schedule : {"zb-h2", "1f1b"}) {
     SCOPED_TRACE(schedule);
