@@ -312,17 +312,16 @@ nlohmann::json benchConfig(
     row["measured_step_ms"] = ms;
     runs.push_back(row);
   }
-  // Every tune's prediction of every grid plan it ranked, and its own
-  // measurement of those it ran in turn (the median of one step a round,
-  // each after another plan's step): how far that figure, which anchors the
-  // predictions, is from training's. The grid's error pools every tune's.
-  std::map<std::string, std::vector<double>> predictedOf, tunedOf;
-  for (const auto& ranked : trial.ranked) {
-    for (const auto& c : ranked) {
-      predictedOf[keyOf(c)].push_back(c.predictedStepMs);
-      if (c.measuredStepMs >= 0)
-        tunedOf[keyOf(c)].push_back(c.measuredStepMs);
-    }
+  // Each tune's ranking by plan: its prediction of every grid plan it
+  // ranked, and its own measurement of those it ran in turn (the median of
+  // one step a round, each after another plan's step): how far that figure,
+  // which anchors the predictions, is from training's. The grid's error
+  // pools every tune's.
+  std::vector<std::map<std::string, const TuneCandidate*>> rankingOf(
+      trial.ranked.size());
+  for (size_t t = 0; t < trial.ranked.size(); ++t) {
+    for (const auto& c : trial.ranked[t])
+      rankingOf[t][keyOf(c)] = &c;
   }
   std::vector<double> errors;
   std::vector<std::vector<double>> errorsOfTune(trial.ranked.size());
@@ -338,20 +337,24 @@ nlohmann::json benchConfig(
       "tuner ms");
   for (size_t g = 0; g < grid.size(); ++g) {
     const std::string key = keyOf(grid[g]);
-    for (size_t t = 0; t < trial.ranked.size(); ++t) {
-      for (const auto& c : trial.ranked[t]) {
-        if (keyOf(c) != key)
-          continue;
-        const double e =
-            std::abs(c.predictedStepMs - measured[g]) / measured[g];
-        errors.push_back(e);
-        errorsOfTune[t].push_back(e);
-      }
+    std::vector<double> predictions, tunedMs;
+    for (size_t t = 0; t < rankingOf.size(); ++t) {
+      const auto found = rankingOf[t].find(key);
+      if (found == rankingOf[t].end())
+        continue;
+      const TuneCandidate& c = *found->second;
+      predictions.push_back(c.predictedStepMs);
+      if (c.measuredStepMs >= 0)
+        tunedMs.push_back(c.measuredStepMs);
+      const double e = std::abs(c.predictedStepMs - measured[g]) / measured[g];
+      errors.push_back(e);
+      errorsOfTune[t].push_back(e);
     }
-    const double predicted = median(predictedOf[key]);
+    const double predicted =
+        predictions.empty() ? grid[g].predictedStepMs : median(predictions);
     const double error = (predicted - measured[g]) / measured[g];
     const std::string tuned =
-        tunedOf.count(key) ? fixedText(median(tunedOf[key])) : std::string("-");
+        tunedMs.empty() ? std::string("-") : fixedText(median(tunedMs));
     std::printf(
         "%-48s %10.2f %10.2f %+7.1f%% %10s%s\n",
         grid[g].label().c_str(),
@@ -365,10 +368,10 @@ nlohmann::json benchConfig(
     nlohmann::json row = tuneCandidateToJson(grid[g]);
     row["predicted_step_ms"] = predicted;
     row["measured_step_ms"] = measured[g];
-    row["predicted_step_ms_each_tune"] = predictedOf[key];
+    row["predicted_step_ms_each_tune"] = predictions;
     row["measured_step_ms_each_run"] = trial.runs[g];
-    if (tunedOf.count(key))
-      row["tuner_measured_step_ms"] = median(tunedOf[key]);
+    if (!tunedMs.empty())
+      row["tuner_measured_step_ms"] = median(tunedMs);
     rows.push_back(row);
   }
   summary.medianError = median(errors);
