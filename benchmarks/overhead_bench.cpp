@@ -1,7 +1,8 @@
 // What pipelining costs when there is nothing to pipeline: tpipe's trainer
 // with one stage, one micro-batch and every core, beside a plain LibTorch
 // loop with the same model (built by tpipe from the same config, so the
-// same layers and initial weights), threads, optimizer and data, and the
+// same layers and initial weights), threads, optimizer and data (shuffled
+// each epoch where the config says so, as tpipe's trainer does), and the
 // same loop in PyTorch when /usr/bin/python3 has torch. Rounds alternate
 // the contenders; each figure is the median over rounds of per-step
 // medians. The step is split into forward and backward, the update
@@ -110,6 +111,8 @@ Split timeLoopHere(const Job& job) {
   const bool mse = config.train.loss == "mse";
   const int64_t batch = config.train.batchSize;
   const int64_t samples = data.trainInputs.size(0);
+  const int64_t batchesPerEpoch = samples / batch;
+  torch::Tensor order; // this epoch's sample order, when the config shuffles
   const int previous = at::get_num_threads();
   at::set_num_threads(kCores);
   std::vector<double> steps, compute, update;
@@ -119,9 +122,18 @@ Split timeLoopHere(const Job& job) {
     if (step > 0)
       steps.push_back(ms(begin - last));
     last = begin;
-    const int64_t from = (step * batch) % (samples - batch + 1);
-    const torch::Tensor x = data.trainInputs.narrow(0, from, batch);
-    const torch::Tensor y = data.trainTargets.narrow(0, from, batch);
+    // The batches tpipe's trainer draws: in order, or gathered in a new
+    // order each epoch.
+    const int64_t from = (step % batchesPerEpoch) * batch;
+    torch::Tensor x = data.trainInputs.narrow(0, from, batch);
+    torch::Tensor y = data.trainTargets.narrow(0, from, batch);
+    if (config.data.shuffle) {
+      if (from == 0)
+        order = torch::randperm(samples, torch::kLong);
+      const torch::Tensor index = order.narrow(0, from, batch);
+      x = data.trainInputs.index_select(0, index);
+      y = data.trainTargets.index_select(0, index);
+    }
     const auto fetched = Clock::now();
     torch::Tensor out = x;
     for (auto& layer : model.layers)
