@@ -20,7 +20,7 @@ struct TuneOptions {
   bool measure = false;        // run the top ones and rank them by measurement
   int measureSteps = 4;        // timed steps per candidate and round (after 2)
   int measureRounds = 2;       // rounds over the candidates, in turn
-  bool quick = false;          // fewer profiling repeats (for pipeline.auto)
+  bool quick = false;          // fewer calibration rounds (for pipeline.auto)
   std::ostream* log = nullptr; // progress lines; null: none
 };
 
