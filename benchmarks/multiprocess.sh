@@ -83,6 +83,12 @@ cat > "$scratch/posted.json" <<'JSON'
            "optimizer": {"type": "sgd", "lr": 0.01}}}
 JSON
 median() { sort -n | awk '{ v[NR] = $1 } END { print v[int((NR + 1) / 2)] }'; }
+# The median step (ms) of a run's second half, from its --metrics lines.
+steady_ms() {
+  sed -n 's/.*"elapsed_s":\([0-9.e+-]*\).*/\1/p' "$1" |
+    awk '{ t[NR] = $1 } END { for (i = int(NR / 2) + 1; i <= NR; ++i) print 1000 * (t[i] - t[i - 1]) }' |
+    median
+}
 posted_table() {
   printf '\nacross 2 processes: steps with a barrier against steps without one (pipeline.overlap_steps),\n'
   printf '6 x (Linear 768 + GELU), batch 192, 8 micro-batches; medians of %d rounds, alternating\n' "$rounds"
@@ -108,7 +114,10 @@ rounds=3
 printf 'processes on one host talk over Unix sockets; TPIPE_P2P=gloo is the Gloo path (loopback TCP).\n'
 printf 'medians of %d rounds, contenders alternating; %s cores; 4 ranks on 2 cores are oversubscribed 2x\n' \
   "$rounds" "$(nproc)"
-printf '%-20s %6s %12s %12s %12s %9s %9s\n' config ranks "threads s/s" "sockets s/s" "gloo s/s" sockets gloo
+printf 'samples/s over whole runs (their first steps too); "steady": the threads'"'"' median step over\n'
+printf 'the contender'"'"'s in the runs'"'"' second halves, paired by round\n'
+printf '%-20s %6s %12s %12s %12s %9s %9s %9s %9s\n' config ranks "threads s/s" "sockets s/s" "gloo s/s" sockets gloo \
+  "steady s" "steady g"
 echo '[' > "$out"
 only=("${@:2}")
 echo '{"config": "legend", "what": "samples/s, medians of alternating rounds"}' >> "$out"
@@ -125,22 +134,32 @@ for spec in "mlp_synthetic 2 300" "mid_mlp 2 200" "char_transformer 4 40" "fashi
     config="$root/configs/fashion_mnist_cnn.json"
     common+=(--set 'pipeline.devices=["cpu:0","cpu:1"]')
   fi
-  threads=() sockets=() gloo=()
+  threads=() sockets=() gloo=() steady_s=() steady_g=()
   for ((round = 0; round < rounds; round++)); do
     report() { [[ $1 == dispatch ]] && echo --report "$scratch/$2-$round.json"; true; }
-    threads+=("$("$tpipe" train "$config" "${common[@]}" $(report "$1" threads) | rate)")
-    sockets+=("$("$tpipe" launch --nproc "$2" "$config" "${common[@]}" $(report "$1" sockets) | rate)")
-    gloo+=("$(TPIPE_P2P=gloo "$tpipe" launch --nproc "$2" "$config" "${common[@]}" $(report "$1" gloo) | rate)")
+    metrics() { echo --metrics "$scratch/$1-steps"; }
+    threads+=("$("$tpipe" train "$config" "${common[@]}" $(report "$1" threads) $(metrics threads) | rate)")
+    sockets+=("$("$tpipe" launch --nproc "$2" "$config" "${common[@]}" $(report "$1" sockets) $(metrics sockets) | rate)")
+    gloo+=("$(TPIPE_P2P=gloo "$tpipe" launch --nproc "$2" "$config" "${common[@]}" $(report "$1" gloo) $(metrics gloo) | rate)")
+    # Steady state, paired within the round: the threads' median step over
+    # each contender's (second halves of the runs, as training spends most
+    # of its steps).
+    t_ms=$(steady_ms "$scratch/threads-steps")
+    steady_s+=("$(awk -v a="$t_ms" -v b="$(steady_ms "$scratch/sockets-steps")" 'BEGIN { printf "%.3f", a / b }')")
+    steady_g+=("$(awk -v a="$t_ms" -v b="$(steady_ms "$scratch/gloo-steps")" 'BEGIN { printf "%.3f", a / b }')")
   done
   t=$(printf '%s\n' "${threads[@]}" | median)
   s=$(printf '%s\n' "${sockets[@]}" | median)
   g=$(printf '%s\n' "${gloo[@]}" | median)
   ratio_s=$(awk -v a="$s" -v b="$t" 'BEGIN { printf "%.2f", a / b }')
   ratio_g=$(awk -v a="$g" -v b="$t" 'BEGIN { printf "%.2f", a / b }')
-  printf '%-20s %6s %12s %12s %12s %9s %9s\n' "$1" "$2" "$t" "$s" "$g" "$ratio_s" "$ratio_g"
+  ss=$(printf '%s\n' "${steady_s[@]}" | median)
+  sg=$(printf '%s\n' "${steady_g[@]}" | median)
+  printf '%-20s %6s %12s %12s %12s %9s %9s %9.2f %9.2f\n' "$1" "$2" "$t" "$s" "$g" "$ratio_s" "$ratio_g" "$ss" "$sg"
   echo ',' >> "$out"
-  printf '{"config": "%s", "ranks": %s, "rounds": %s, "threads_samples_per_s": %s, "sockets_samples_per_s": %s, "gloo_samples_per_s": %s, "sockets_vs_threads": %s, "gloo_vs_threads": %s}' \
-    "$1" "$2" "$rounds" "$t" "$s" "$g" "$ratio_s" "$ratio_g" >> "$out"
+  printf '{"config": "%s", "ranks": %s, "rounds": %s, "threads_samples_per_s": %s, "sockets_samples_per_s": %s, "gloo_samples_per_s": %s, "sockets_vs_threads": %s, "gloo_vs_threads": %s, "steady_sockets_vs_threads": %s, "steady_gloo_vs_threads": %s, "steady_sockets_vs_threads_each_round": [%s], "steady_gloo_vs_threads_each_round": [%s]}' \
+    "$1" "$2" "$rounds" "$t" "$s" "$g" "$ratio_s" "$ratio_g" "$ss" "$sg" \
+    "$(IFS=,; echo "${steady_s[*]}")" "$(IFS=,; echo "${steady_g[*]}")" >> "$out"
   if [[ $1 == dispatch ]]; then
     # From each run's bubble report (its recorded steps): the mean time of a
     # send or receive instruction (4 bytes: nothing but dispatch and the
