@@ -564,6 +564,53 @@ nlohmann::json randomnessCost() {
   return rows;
 }
 
+// Steps back to back, with a barrier (trainStep, then one optimizer step)
+// and without (postStep: each rank steps its own optimizer when its part
+// ends, and starts the next step behind it). Staggered schedules (ZB-H2,
+// ZB-V) end their ranks at different times, which only the second collects.
+double msPerStep(
+    const tpipe::LayerList& layers,
+    const tpipe::PipelineOptions& options,
+    const torch::Tensor& x,
+    const torch::Tensor& y,
+    bool overlap,
+    int steps) {
+  tpipe::Pipeline pipe(layers, options);
+  const auto sgd = torch::optim::SGDOptions(0.001).momentum(0.9);
+  std::vector<std::unique_ptr<torch::optim::SGD>> perRank(
+      pipe.schedule().ranks);
+  for (int rank : pipe.localRanks())
+    perRank[rank] =
+        std::make_unique<torch::optim::SGD>(pipe.rankParameters(rank), sgd);
+  torch::optim::SGD all(pipe.parameters(), sgd);
+  tpipe::Pipeline::Update update;
+  update.apply = [&](int rank) { perRank[rank]->step(); };
+  auto run = [&](int count) {
+    if (!overlap) {
+      for (int s = 0; s < count; ++s) {
+        pipe.trainStep(x, y, crossEntropy);
+        pipe.runOnWorker([&] {
+          all.step();
+          all.zero_grad();
+        });
+      }
+      return;
+    }
+    pipe.postStep(x, y, crossEntropy, update);
+    for (int s = 0; s < count; ++s) {
+      if (s + 1 < count)
+        pipe.postStep(x, y, crossEntropy, update);
+      pipe.finishStep();
+    }
+  };
+  run(2); // warm-up
+  const auto start = Clock::now();
+  run(steps);
+  return std::chrono::duration<double, std::milli>(Clock::now() - start)
+             .count() /
+      steps;
+}
+
 // Mean duration (ms) of each op kind over the recorded steps.
 std::map<std::string, double> meanOpMs(const tpipe::Trace& trace) {
   std::map<std::string, double> sum;
@@ -590,11 +637,14 @@ std::map<std::string, double> meanOpMs(const tpipe::Trace& trace) {
 // own cost.
 // `balance`: layers per stage, so that both stages hold equal blocks (a
 // uniform split by layer count would give one stage the head's layers and
-// an unequal share of blocks, and a bubble no schedule can fill).
+// an unequal share of blocks, and a bubble no schedule can fill);
+// `halfBalance`: the same for zb-v's four half-size stages.
+// zb-h2 and zb-v run in the same rounds, against zb-h1.
 nlohmann::json zeroBubbleOn(
     const std::string& what,
     const tpipe::LayerList& layers,
     const std::vector<int>& balance,
+    const std::vector<int>& halfBalance,
     const torch::Tensor& x,
     const torch::Tensor& y) {
   const int p = 2, m = 8;
@@ -608,6 +658,11 @@ nlohmann::json zeroBubbleOn(
   std::map<std::string, std::vector<double>> steps, simulated;
   std::map<std::string, std::map<std::string, double>> ops, alone;
   std::vector<double> ratios; // zb-h1 over 1f1b, per round
+  std::map<std::string, std::vector<double>> overH1; // per round
+  // Back to back (postStep), where ZB-H2's and ZB-V's staggered ends are
+  // collected: per round against zb-h1's, and the simulation's steady step.
+  std::map<std::string, std::vector<double>> backToBack, steady;
+  std::map<std::string, std::vector<double>> backToBackOverH1;
   const int rounds = 7;
   auto recordOps = [&](tpipe::PipelineOptions options,
                        std::map<std::string, double>& into) {
@@ -624,23 +679,38 @@ nlohmann::json zeroBubbleOn(
     // Who goes first alternates, and each round's ratio pairs two
     // measurements taken seconds apart, so the machine's drift over the
     // rounds cancels out of it.
-    std::vector<const char*> order{"1f1b", "zb-h1"};
+    std::vector<std::string> order{"1f1b", "zb-h1", "zb-h2", "zb-v"};
     if (round % 2)
-      std::swap(order[0], order[1]);
-    for (const char* schedule : order) {
+      std::reverse(order.begin(), order.end());
+    for (const std::string& schedule : order) {
       tpipe::PipelineOptions options =
-          benchOptions(p, m, schedule, CheckpointMode::kNever);
+          benchOptions(p, m, schedule.c_str(), CheckpointMode::kNever);
       options.partition = tpipe::PartitionMethod::kBalance;
-      options.balance = balance;
+      options.balance = schedule == "zb-v" ? halfBalance : balance;
+      if (schedule == "zb-v")
+        options.virtualStages = 2;
       const Measured r = timePipeline(layers, options, x, y, 2, 5, false);
       steps[schedule].push_back(r.stepMs);
       simulated[schedule].push_back(r.bubble.simulatedStepMs);
+      if (schedule != "1f1b") {
+        backToBack[schedule].push_back(
+            msPerStep(layers, options, x, y, /*overlap=*/true, 5));
+        steady[schedule].push_back(r.bubble.simulatedSteadyStepMs);
+      }
+      if (schedule != "1f1b" && schedule != "zb-h1")
+        continue; // the split's parts: those two suffice
       recordOps(options, ops[schedule]);
       recordOps(
-          benchOptions(1, m, schedule, CheckpointMode::kNever),
+          benchOptions(1, m, schedule.c_str(), CheckpointMode::kNever),
           alone[schedule]);
     }
     ratios.push_back(steps["zb-h1"].back() / steps["1f1b"].back());
+    for (const char* schedule : {"zb-h2", "zb-v"}) {
+      overH1[schedule].push_back(
+          steps[schedule].back() / steps["zb-h1"].back());
+      backToBackOverH1[schedule].push_back(
+          backToBack[schedule].back() / backToBack["zb-h1"].back());
+    }
   }
   std::printf(
       "%-8s %12s %14s %14s\n",
@@ -648,7 +718,7 @@ nlohmann::json zeroBubbleOn(
       "step ms",
       "simulated ms",
       "meas./sim.");
-  for (const char* schedule : {"1f1b", "zb-h1"}) {
+  for (const char* schedule : {"1f1b", "zb-h1", "zb-h2", "zb-v"}) {
     std::printf(
         "%-8s %12.2f %14.2f %14.3f\n",
         schedule,
@@ -667,6 +737,28 @@ nlohmann::json zeroBubbleOn(
       *std::min_element(ratios.begin(), ratios.end()),
       *std::max_element(ratios.begin(), ratios.end()),
       simulatedRatio);
+  for (const char* schedule : {"zb-h2", "zb-v"}) {
+    const auto& each = overH1[schedule];
+    std::printf(
+        "%s / zb-h1 step: %.3f, median of %d paired rounds (%.3f-%.3f); "
+        "simulated %.3f (goal <= 1)\n",
+        schedule,
+        median(each),
+        rounds,
+        *std::min_element(each.begin(), each.end()),
+        *std::max_element(each.begin(), each.end()),
+        median(simulated[schedule]) / median(simulated["zb-h1"]));
+    const auto& posted = backToBackOverH1[schedule];
+    std::printf(
+        "  back to back (postStep, SGD): %.2f against zb-h1's %.2f ms: "
+        "%.3f (%.3f-%.3f); simulated %.3f\n",
+        median(backToBack[schedule]),
+        median(backToBack["zb-h1"]),
+        median(posted),
+        *std::min_element(posted.begin(), posted.end()),
+        *std::max_element(posted.begin(), posted.end()),
+        median(steady[schedule]) / median(steady["zb-h1"]));
+  }
   // The split backward against the fused one, per micro-batch, as `by`
   // recorded them.
   auto splitAgainstFused =
@@ -694,11 +786,19 @@ nlohmann::json zeroBubbleOn(
       splitAgainstFused("backward per micro-batch and stage", ops);
   row["one_worker"] = splitAgainstFused("the whole stack on one worker", alone);
   row["stack"] = what;
-  row["step_ms"] = {
-      {"1f1b", median(steps["1f1b"])}, {"zb-h1", median(steps["zb-h1"])}};
-  row["simulated_step_ms"] = {
-      {"1f1b", median(simulated["1f1b"])},
-      {"zb-h1", median(simulated["zb-h1"])}};
+  for (const char* schedule : {"1f1b", "zb-h1", "zb-h2", "zb-v"}) {
+    row["step_ms"][schedule] = median(steps[schedule]);
+    row["simulated_step_ms"][schedule] = median(simulated[schedule]);
+  }
+  for (const char* schedule : {"zb-h2", "zb-v"}) {
+    const std::string name(schedule);
+    row[name + "_over_zb_h1"] = median(overH1[schedule]);
+    row[name + "_over_zb_h1_each_round"] = overH1[schedule];
+    row[name + "_over_zb_h1_back_to_back"] =
+        median(backToBackOverH1[schedule]);
+    row[name + "_over_zb_h1_back_to_back_simulated"] =
+        median(steady[schedule]) / median(steady["zb-h1"]);
+  }
   row["zb_h1_over_1f1b"] = ratio;
   row["zb_h1_over_1f1b_each_round"] = ratios;
   row["simulated_zb_h1_over_1f1b"] = simulatedRatio;
@@ -717,6 +817,7 @@ nlohmann::json zeroBubble() {
       "4 x (Linear 1024 + ReLU)",
       tpipe::layersOf(linear),
       {8, 8},
+      {4, 4, 4, 4},
       torch::randn({256, 1024}),
       torch::randint(0, 1024, {256}, torch::kLong)));
   torch::nn::Sequential conv;
@@ -731,6 +832,7 @@ nlohmann::json zeroBubble() {
       "4 x (Conv2d 32->32 3x3 + ReLU) on 16 x 16",
       tpipe::layersOf(conv),
       {8, 10},
+      {4, 4, 4, 6},
       torch::randn({64, 32, 16, 16}),
       torch::randint(0, 10, {64}, torch::kLong)));
   // The registry's pre-LN GPT block: it reports its four Linear products as
@@ -750,6 +852,7 @@ nlohmann::json zeroBubble() {
       "2 x transformer_block (64 x 256, 4 heads)",
       tpipe::buildModel(blocks, 3).layers,
       {2, 4},
+      {1, 1, 1, 3},
       torch::randn({32, 64, 256}),
       torch::randint(0, 10, {32}, torch::kLong)));
   return rows;
@@ -835,53 +938,6 @@ nlohmann::json scheduleTable() {
   for (auto& row : scheduleTableFor(4))
     rows.push_back(row);
   return rows;
-}
-
-// Steps back to back, with a barrier (trainStep, then one optimizer step)
-// and without (postStep: each rank steps its own optimizer when its part
-// ends, and starts the next step behind it). Staggered schedules (ZB-H2,
-// ZB-V) end their ranks at different times, which only the second collects.
-double msPerStep(
-    const tpipe::LayerList& layers,
-    const tpipe::PipelineOptions& options,
-    const torch::Tensor& x,
-    const torch::Tensor& y,
-    bool overlap,
-    int steps) {
-  tpipe::Pipeline pipe(layers, options);
-  const auto sgd = torch::optim::SGDOptions(0.001).momentum(0.9);
-  std::vector<std::unique_ptr<torch::optim::SGD>> perRank(
-      pipe.schedule().ranks);
-  for (int rank : pipe.localRanks())
-    perRank[rank] =
-        std::make_unique<torch::optim::SGD>(pipe.rankParameters(rank), sgd);
-  torch::optim::SGD all(pipe.parameters(), sgd);
-  tpipe::Pipeline::Update update;
-  update.apply = [&](int rank) { perRank[rank]->step(); };
-  auto run = [&](int count) {
-    if (!overlap) {
-      for (int s = 0; s < count; ++s) {
-        pipe.trainStep(x, y, crossEntropy);
-        pipe.runOnWorker([&] {
-          all.step();
-          all.zero_grad();
-        });
-      }
-      return;
-    }
-    pipe.postStep(x, y, crossEntropy, update);
-    for (int s = 0; s < count; ++s) {
-      if (s + 1 < count)
-        pipe.postStep(x, y, crossEntropy, update);
-      pipe.finishStep();
-    }
-  };
-  run(2); // warm-up
-  const auto start = Clock::now();
-  run(steps);
-  return std::chrono::duration<double, std::milli>(Clock::now() - start)
-             .count() /
-      steps;
 }
 
 nlohmann::json overlappedSteps() {
