@@ -794,8 +794,7 @@ nlohmann::json zeroBubbleOn(
     const std::string name(schedule);
     row[name + "_over_zb_h1"] = median(overH1[schedule]);
     row[name + "_over_zb_h1_each_round"] = overH1[schedule];
-    row[name + "_over_zb_h1_back_to_back"] =
-        median(backToBackOverH1[schedule]);
+    row[name + "_over_zb_h1_back_to_back"] = median(backToBackOverH1[schedule]);
     row[name + "_over_zb_h1_back_to_back_simulated"] =
         median(steady[schedule]) / median(steady["zb-h1"]);
   }
