@@ -1335,6 +1335,31 @@ TEST(PipelineTest, AScriptedTorchvisionResNetKeepsPyTorchsBuffersUnderRemat) {
   fs::remove_all(dir);
 }
 
+// Trains a copy of `reference` (whose gradients `expected` already put in
+// place) one step under `options`: the same loss and gradients.
+void expectSameGradientsAsSequential(
+    const torch::nn::Sequential& reference,
+    PipelineOptions options,
+    const torch::Tensor& x,
+    const torch::Tensor& y,
+    const torch::Tensor& expected) {
+  torch::nn::Sequential piped =
+      std::dynamic_pointer_cast<torch::nn::SequentialImpl>(reference->clone());
+  for (auto& p : piped->parameters())
+    p.mutable_grad() = torch::Tensor();
+  Pipeline pipe(layersOf(piped), std::move(options));
+  const torch::Tensor loss = pipe.trainStep(x, y, crossEntropy);
+  EXPECT_LE(relativeError(loss, expected.detach()), 1e-12);
+  const auto want = reference->parameters();
+  const auto got = pipe.parameters();
+  ASSERT_EQ(want.size(), got.size());
+  for (size_t i = 0; i < want.size(); ++i) {
+    ASSERT_TRUE(got[i].grad().defined()) << "parameter " << i;
+    EXPECT_LE(relativeError(got[i].grad(), want[i].grad()), 1e-12)
+        << "parameter " << i;
+  }
+}
+
 // The split backward on convolutions (the input pass, then the weight pass:
 // convolution_backward called directly for numeric zero padding, autograd's
 // walk of the layer's graph for "same"): under zb-h1, zb-h2 and zb-v the
@@ -1364,27 +1389,60 @@ TEST(PipelineTest, ConvolutionWeightPassesEqualAutogradsUnderSplitBackward) {
        std::vector<std::tuple<std::string, int, int>>{
            {"zb-h1", 3, 1}, {"zb-h2", 2, 1}, {"zb-v", 2, 2}}) {
     SCOPED_TRACE(schedule);
-    torch::nn::Sequential piped =
-        std::dynamic_pointer_cast<torch::nn::SequentialImpl>(
-            reference->clone());
-    for (auto& p : piped->parameters())
-      p.mutable_grad() = torch::Tensor();
     PipelineOptions options;
     options.devices = cpuDevices(ranks);
     options.virtualStages = v;
     options.microBatches = 4;
     options.schedule = schedule;
     options.checkpoint = CheckpointMode::kNever;
-    Pipeline pipe(layersOf(piped), options);
-    const torch::Tensor loss = pipe.trainStep(x, y, crossEntropy);
-    EXPECT_LE(relativeError(loss, expected.detach()), 1e-12);
-    const auto want = reference->parameters();
-    const auto got = pipe.parameters();
-    ASSERT_EQ(want.size(), got.size());
-    for (size_t i = 0; i < want.size(); ++i) {
-      ASSERT_TRUE(got[i].grad().defined()) << "parameter " << i;
-      EXPECT_LE(relativeError(got[i].grad(), want[i].grad()), 1e-12)
-          << "parameter " << i;
+    expectSameGradientsAsSequential(reference, options, x, y, expected);
+  }
+}
+
+// The weight gradients tpipe computes itself (fused backwards of stages of
+// Linear and Conv2d alone, and every weight pass) equal autograd's, with an
+// in-place activation after each product: the gradient at a product's
+// output is taken where it arrives at the product's node, not at the
+// tensor the activation then changed. With directWeightGradients off,
+// autograd computes every fused backward, to the same gradients.
+TEST(PipelineTest, DirectWeightGradientsEqualAutogradsAfterInPlaceActivations) {
+  torch::manual_seed(21);
+  torch::nn::Sequential reference(
+      torch::nn::Linear(6, 8),
+      torch::nn::ReLU(torch::nn::ReLUOptions().inplace(true)),
+      torch::nn::Linear(8, 8),
+      torch::nn::LeakyReLU(torch::nn::LeakyReLUOptions().inplace(true)),
+      torch::nn::Linear(8, 8),
+      torch::nn::ReLU(torch::nn::ReLUOptions().inplace(true)),
+      torch::nn::Linear(8, 3));
+  reference->to(torch::kDouble);
+  const torch::Tensor x = torch::randn({12, 6}, torch::kDouble);
+  const torch::Tensor y = torch::randint(0, 3, {12}, torch::kLong);
+  const torch::Tensor expected = crossEntropy(reference->forward(x), y);
+  expected.backward();
+  for (const auto& [schedule, ranks, v] :
+       std::vector<std::tuple<std::string, int, int>>{
+           {"gpipe", 1, 1},
+           {"1f1b", 2, 1},
+           {"interleaved-1f1b", 2, 2},
+           {"zb-h1", 2, 1},
+           {"zb-v", 2, 2},
+           {"dualpipev", 2, 2}}) {
+    for (const bool direct : {true, false}) {
+      for (const auto mode :
+           {CheckpointMode::kNever, CheckpointMode::kAlways}) {
+        SCOPED_TRACE(
+            schedule + (direct ? " direct " : " autograd ") +
+            checkpointModeName(mode));
+        PipelineOptions options;
+        options.devices = cpuDevices(ranks);
+        options.virtualStages = v;
+        options.microBatches = 4;
+        options.schedule = schedule;
+        options.checkpoint = mode;
+        options.directWeightGradients = direct;
+        expectSameGradientsAsSequential(reference, options, x, y, expected);
+      }
     }
   }
 }

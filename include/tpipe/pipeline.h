@@ -131,6 +131,17 @@ struct PipelineOptions {
   // autocast to this dtype (at::kBFloat16), parameters and gradients stay
   // in their own dtype, and the loss is computed in float. Unset: off.
   c10::optional<at::ScalarType> autocast;
+  // The weight gradients of LibTorch's Linear and Conv2d (numeric zero
+  // padding), computed by tpipe from each layer's input and the gradient at
+  // its output, as the zero-bubble schedules' weight pass does: a stage
+  // whose every parameter is theirs runs a fused backward as the walk to
+  // the inputs and those outputs, then those products (0.80-0.84x of
+  // autograd's walk on a stack of Linear 1024 at 32 rows, one thread).
+  // Gradient hooks on those parameters are not called. Off by default: the
+  // memory model still charges every stage's backward a weight-sized
+  // gradient before it is accumulated, which the in-place products do not
+  // allocate (MemoryTest's gpipe and 1F1B then predict 26% over).
+  bool directWeightGradients = false;
   // Tied parameters, as groups of names ("0.weight", "9.weight"): one weight
   // the model uses in several layers, e.g. a GPT's token embedding and LM
   // head. Each layer keeps its own tensor (the pipeline copies the first's

@@ -14,6 +14,7 @@
 #include <c10/core/Device.h>
 #include <c10/core/Stream.h>
 #include <c10/util/Optional.h>
+#include <torch/csrc/autograd/edge.h>
 #include <torch/nn/modules/container/any.h>
 
 #include "runtime/transport.h"
@@ -69,13 +70,17 @@ struct Stash {
   at::Tensor rngState; // generator state at the forward, for recompute
   bool checkpointed = false;
   // Split backward: per part that owns parameters (a layer, or a part a
-  // layer reported: layers/parts.h), its output as recorded at the forward
-  // or recompute, and the gradient the input pass found there, where the
-  // weight pass starts. A plain Linear or Conv2d keeps its input too: the
-  // weight pass computes its gradients itself, without autograd's engine;
-  // any other part's pass walks its own graph to its parameters.
+  // layer reported: layers/parts.h), where its output's gradient arrives
+  // (the edge into its autograd node) as recorded at the forward or
+  // recompute, and the gradient the input pass found there, where the
+  // weight pass starts. A plain Linear or Conv2d keeps its input too (which
+  // its node keeps anyway): the weight pass computes its gradients itself,
+  // without autograd's engine. Any other part keeps its output, and its
+  // pass walks its own graph from there to its parameters.
   struct WeightPart {
-    at::Tensor output, outputGrad;
+    torch::autograd::Edge outputEdge;
+    at::Tensor output; // without linear or conv
+    at::Tensor outputGrad;
     at::Tensor input;                        // with linear or conv
     torch::nn::LinearImpl* linear = nullptr; // computed directly
     torch::nn::Conv2dImpl* conv = nullptr;   // computed directly
@@ -100,6 +105,10 @@ struct StepState {
   // The schedule splits backwards into input and weight passes: forwards
   // record what the weight pass needs.
   bool splitBackward = false;
+  // A fused backward of a stage whose every weight gradient the weight pass
+  // computes directly (Linear, Conv2d) runs as the input pass then the
+  // weight pass: forwards record for it too.
+  bool directBackward = false;
   std::vector<Stash> stash;        // [stage * m + micro-batch]
   std::vector<at::Tensor> losses;  // weighted, detached, per micro-batch
   std::vector<at::Tensor> outputs; // inference outputs per micro-batch

@@ -172,6 +172,7 @@ void Pipeline::Impl::prepare(runtime::StepState& state, const Schedule& plan) {
   state.outputs.assign(m, {});
   state.record = options.record && plan.training;
   state.splitBackward = splitsBackward(plan);
+  state.directBackward = options.directWeightGradients;
   state.autocast = options.autocast;
   state.copyOnReceive = !memorySlots.empty() && !remoteTransport;
   if (state.record)
