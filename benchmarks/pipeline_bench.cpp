@@ -639,7 +639,9 @@ std::map<std::string, double> meanOpMs(const tpipe::Trace& trace) {
 // uniform split by layer count would give one stage the head's layers and
 // an unequal share of blocks, and a bubble no schedule can fill);
 // `halfBalance`: the same for zb-v's four half-size stages.
-// zb-h2 and zb-v run in the same rounds, against zb-h1.
+// zb-h2 and zb-v run in the same rounds, against zb-h1, and 1F1B with
+// autograd computing its fused backward (PipelineOptions::
+// directWeightGradients off), against 1F1B as tpipe runs it.
 nlohmann::json zeroBubbleOn(
     const std::string& what,
     const tpipe::LayerList& layers,
@@ -658,6 +660,7 @@ nlohmann::json zeroBubbleOn(
   std::map<std::string, std::vector<double>> steps, simulated;
   std::map<std::string, std::map<std::string, double>> ops, alone;
   std::vector<double> ratios; // zb-h1 over 1f1b, per round
+  std::vector<double> directOverAutograd;            // 1f1b's, per round
   std::map<std::string, std::vector<double>> overH1; // per round
   // Back to back (postStep), where ZB-H2's and ZB-V's staggered ends are
   // collected: per round against zb-h1's, and the simulation's steady step.
@@ -679,12 +682,16 @@ nlohmann::json zeroBubbleOn(
     // Who goes first alternates, and each round's ratio pairs two
     // measurements taken seconds apart, so the machine's drift over the
     // rounds cancels out of it.
-    std::vector<std::string> order{"1f1b", "zb-h1", "zb-h2", "zb-v"};
+    std::vector<std::string> order{
+        "1f1b", "1f1b-autograd", "zb-h1", "zb-h2", "zb-v"};
     if (round % 2)
       std::reverse(order.begin(), order.end());
     for (const std::string& schedule : order) {
+      const bool autogradFused = schedule == "1f1b-autograd";
+      const std::string kind = autogradFused ? "1f1b" : schedule;
       tpipe::PipelineOptions options =
-          benchOptions(p, m, schedule.c_str(), CheckpointMode::kNever);
+          benchOptions(p, m, kind.c_str(), CheckpointMode::kNever);
+      options.directWeightGradients = !autogradFused;
       options.partition = tpipe::PartitionMethod::kBalance;
       options.balance = schedule == "zb-v" ? halfBalance : balance;
       if (schedule == "zb-v")
@@ -692,19 +699,22 @@ nlohmann::json zeroBubbleOn(
       const Measured r = timePipeline(layers, options, x, y, 2, 5, false);
       steps[schedule].push_back(r.stepMs);
       simulated[schedule].push_back(r.bubble.simulatedStepMs);
-      if (schedule != "1f1b") {
+      if (kind != "1f1b") {
         backToBack[schedule].push_back(
             msPerStep(layers, options, x, y, /*overlap=*/true, 5));
         steady[schedule].push_back(r.bubble.simulatedSteadyStepMs);
       }
-      if (schedule != "1f1b" && schedule != "zb-h1")
-        continue; // the split's parts: those two suffice
+      if (kind != "1f1b" && schedule != "zb-h1")
+        continue; // the split's parts: those suffice
       recordOps(options, ops[schedule]);
-      recordOps(
-          benchOptions(1, m, schedule.c_str(), CheckpointMode::kNever),
-          alone[schedule]);
+      tpipe::PipelineOptions oneWorker =
+          benchOptions(1, m, kind.c_str(), CheckpointMode::kNever);
+      oneWorker.directWeightGradients = !autogradFused;
+      recordOps(oneWorker, alone[schedule]);
     }
     ratios.push_back(steps["zb-h1"].back() / steps["1f1b"].back());
+    directOverAutograd.push_back(
+        steps["1f1b"].back() / steps["1f1b-autograd"].back());
     for (const char* schedule : {"zb-h2", "zb-v"}) {
       overH1[schedule].push_back(
           steps[schedule].back() / steps["zb-h1"].back());
@@ -713,14 +723,15 @@ nlohmann::json zeroBubbleOn(
     }
   }
   std::printf(
-      "%-8s %12s %14s %14s\n",
+      "%-13s %12s %14s %14s\n",
       "schedule",
       "step ms",
       "simulated ms",
       "meas./sim.");
-  for (const char* schedule : {"1f1b", "zb-h1", "zb-h2", "zb-v"}) {
+  for (const char* schedule :
+       {"1f1b", "1f1b-autograd", "zb-h1", "zb-h2", "zb-v"}) {
     std::printf(
-        "%-8s %12.2f %14.2f %14.3f\n",
+        "%-13s %12.2f %14.2f %14.3f\n",
         schedule,
         median(steps[schedule]),
         median(simulated[schedule]),
@@ -759,6 +770,24 @@ nlohmann::json zeroBubbleOn(
         *std::max_element(posted.begin(), posted.end()),
         median(steady[schedule]) / median(steady["zb-h1"]));
   }
+  std::printf(
+      "1f1b / 1f1b-autograd step: %.3f, median of %d paired rounds "
+      "(%.3f-%.3f): the direct weight gradients in a fused backward\n",
+      median(directOverAutograd),
+      rounds,
+      *std::min_element(directOverAutograd.begin(), directOverAutograd.end()),
+      *std::max_element(directOverAutograd.begin(), directOverAutograd.end()));
+  for (auto* by : {&ops, &alone}) {
+    const double direct = (*by)["1f1b"]["backward"];
+    const double autograd = (*by)["1f1b-autograd"]["backward"];
+    std::printf(
+        "  fused backward per micro-batch, %s: %.3f ms direct, %.3f ms "
+        "autograd: %.3fx\n",
+        by == &ops ? "in the pipeline" : "the whole stack on one worker",
+        direct,
+        autograd,
+        direct / autograd);
+  }
   // The split backward against the fused one, per micro-batch, as `by`
   // recorded them.
   auto splitAgainstFused =
@@ -786,7 +815,11 @@ nlohmann::json zeroBubbleOn(
       splitAgainstFused("backward per micro-batch and stage", ops);
   row["one_worker"] = splitAgainstFused("the whole stack on one worker", alone);
   row["stack"] = what;
-  for (const char* schedule : {"1f1b", "zb-h1", "zb-h2", "zb-v"}) {
+  row["one_f_one_b_direct_over_autograd"] = median(directOverAutograd);
+  row["fused_backward_direct_over_autograd_one_worker"] =
+      alone["1f1b"]["backward"] / alone["1f1b-autograd"]["backward"];
+  for (const char* schedule :
+       {"1f1b", "1f1b-autograd", "zb-h1", "zb-h2", "zb-v"}) {
     row["step_ms"][schedule] = median(steps[schedule]);
     row["simulated_step_ms"][schedule] = median(simulated[schedule]);
   }
