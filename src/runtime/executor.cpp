@@ -281,11 +281,12 @@ class RankExecutor {
   void operator()(const Backward& op) {
     const StageRuntime& stage = stageAt(op.stage);
     Stash& stash = state_.at(op.stage, op.microBatch);
-    if (computesWeightsDirectly(stash) && !stage.pairStream) {
+    if (state_.directBackward && computesWeightsDirectly(stash) &&
+        !stage.pairStream) {
       // Every weight gradient here is computed directly: the input pass,
       // whose walk computes none, then the weight pass at once. On a stack
-      // of Linear 1024 at 32 rows that is 0.80-0.84x of autograd's fused
-      // walk (benchmarks/run pipeline zero-bubble: "split / fused").
+      // of Linear 1024 at 32 rows that is 0.84-0.90x of autograd's fused
+      // walk (pipeline_bench zero-bubble: "1f1b-autograd").
       inputPass(op.stage, stash, /*keepGraph=*/false);
       weightPass(stash);
       release(stash);
