@@ -659,8 +659,8 @@ nlohmann::json zeroBubbleOn(
       m);
   std::map<std::string, std::vector<double>> steps, simulated;
   std::map<std::string, std::map<std::string, double>> ops, alone;
-  std::vector<double> ratios; // zb-h1 over 1f1b, per round
-  std::vector<double> directOverAutograd;            // 1f1b's, per round
+  std::vector<double> ratios;             // zb-h1 over 1f1b, per round
+  std::vector<double> directOverAutograd; // 1f1b's, per round
   std::map<std::string, std::vector<double>> overH1; // per round
   // Back to back (postStep), where ZB-H2's and ZB-V's staggered ends are
   // collected: per round against zb-h1's, and the simulation's steady step.
