@@ -189,6 +189,31 @@ TEST(PartitionTest, ProfileOnlyPlanSumsForwardAndBackward) {
   EXPECT_DOUBLE_EQ(plan.bottleneckMs, 18.0);
 }
 
+// A stage's backward workspace holds one weight-sized gradient before it is
+// added, unless every parameter-owning layer adds its own in place.
+TEST(PartitionTest, WeightGradientsAddedInPlaceNeedNoWorkspace) {
+  PartitionProblem problem;
+  for (int i = 0; i < 4; ++i) // parameters 1000, output 10, nothing kept
+    problem.layers.push_back({"l" + std::to_string(i), 1, 1, 1000, 10, 0});
+  problem.layers[1].paramBytes = 0; // an activation
+  for (auto& layer : problem.layers)
+    layer.weightGradientInPlace = true;
+  problem.layers[3].weightGradientInPlace = false;
+  problem.devices.assign(2, DeviceSpec{"cpu", 1.0, 0, 0.0});
+  problem.stages = 2;
+  auto activations = [&](bool inPlace) {
+    problem.memory.weightGradientsInPlace = inPlace;
+    const PartitionPlan plan = evaluatePartition(problem, {0, 2, 4});
+    return std::make_pair(
+        plan.stages[0].activationBytes, plan.stages[1].activationBytes);
+  };
+  // Input of each micro-batch held (10), two layers' gradients of input and
+  // output (2 x 10), and the weight gradient where one is allocated: stage
+  // 1 holds a layer that adds none in place, so autograd walks it all.
+  EXPECT_EQ(activations(true), std::make_pair(int64_t{20}, int64_t{1030}));
+  EXPECT_EQ(activations(false), std::make_pair(int64_t{1020}, int64_t{1030}));
+}
+
 TEST(PartitionTest, InfeasibleRequestsAreExplained) {
   PartitionProblem problem;
   for (int i = 0; i < 4; ++i)
@@ -250,6 +275,17 @@ TEST(PartitionTest, InFlightMicroBatchesFollowTheSchedule) {
   EXPECT_EQ(remat.stashed, (std::vector<int>{8, 8, 8, 8}));
   EXPECT_EQ(remat.live, (std::vector<int>{1, 1, 1, 1}));
   EXPECT_FALSE(remat.keepsEverything());
+  // A split backward's weight pass adds Linear gradients in place, as the
+  // direct weight gradients do.
+  EXPECT_FALSE(memoryModelOf(oneFOneBSchedule(4, 8, never), 0, 0)
+                   .weightGradientsInPlace);
+  EXPECT_TRUE(memoryModelOf(oneFOneBSchedule(4, 8, never), 0, 0, true)
+                  .weightGradientsInPlace);
+  ScheduleSpec zeroBubble{ScheduleKind::kZeroBubbleH1};
+  zeroBubble.ranks = 4;
+  zeroBubble.microBatches = 8;
+  EXPECT_TRUE(
+      memoryModelOf(makeSchedule(zeroBubble), 0, 0).weightGradientsInPlace);
   EXPECT_EQ(formatBytes(512LL << 20), "512.00 MiB");
   EXPECT_EQ(formatBytes(12), "12 B");
 }

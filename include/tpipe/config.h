@@ -83,6 +83,9 @@ struct PipelineConfig {
   // step's work behind it (optimizer post-validation,
   // Pipeline::postStep); results equal synchronous steps bit for bit.
   bool overlapSteps = true;
+  // PipelineOptions::directWeightGradients: the weight gradients of Linear
+  // and Conv2d layers computed directly in every backward.
+  bool directWeightGradients = true;
   // Across processes: GPU tensors go over NCCL where it can pair the two
   // GPUs; false stages them through host memory over Gloo.
   bool nccl = true;

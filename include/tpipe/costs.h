@@ -19,6 +19,11 @@ struct LayerCost {
   int64_t activationBytes = 0;
   // Bytes the layer keeps alive for its backward when not rematerialized.
   int64_t stashBytes = 0;
+  // Its backward adds the weight gradient into the parameter's gradient in
+  // place (direct weight gradients of a LibTorch Linear), allocating no
+  // weight-sized gradient first. It holds only where the stage's every
+  // parameter-owning layer is such a layer: else autograd walks the stage.
+  bool weightGradientInPlace = false;
 };
 
 // Time against micro-batch size n, through measured (size, ms) points:

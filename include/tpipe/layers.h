@@ -72,7 +72,16 @@ std::vector<int64_t> parameterCounts(const LayerList& layers);
 std::string whyLayersCannotBeCopied(const LayerList& layers);
 
 // Costs known without running anything: each layer's parameter bytes (what
-// PartitionMethod::kParameters balances), no times.
+// PartitionMethod::kParameters balances) and weightGradientInPlace, no
+// times.
 std::vector<LayerCost> parameterCosts(const LayerList& layers);
+
+// Whether the runtime's direct weight gradients
+// (PipelineOptions::directWeightGradients) add this layer's weight gradient
+// into the parameter's in place: a LibTorch Linear that merges no skip.
+// parameterCosts and the profiler record it (LayerCost::
+// weightGradientInPlace); planning clears it where the option is off or
+// autocast runs (which keeps autograd's backward).
+bool addsWeightGradientInPlace(const NamedLayer& layer);
 
 } // namespace tpipe

@@ -54,6 +54,11 @@ struct MemoryModel {
   // optimizer state) the devices hold: 2 under a bidirectional schedule
   // (dualpipe), charged to the stage.
   int parameterCopies = 1;
+  // Backwards add the weight gradients of layers marked
+  // LayerCost::weightGradientInPlace in place (direct weight gradients, or
+  // a schedule's weight pass): a stage of such layers alone allocates no
+  // weight-sized gradient.
+  bool weightGradientsInPlace = false;
 
   int stashedAt(int stage) const;
   int liveAt(int stage) const;

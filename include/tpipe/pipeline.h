@@ -135,13 +135,13 @@ struct PipelineOptions {
   // padding), computed by tpipe from each layer's input and the gradient at
   // its output, as the zero-bubble schedules' weight pass does: a stage
   // whose every parameter is theirs runs a fused backward as the walk to
-  // the inputs and those outputs, then those products (0.80-0.84x of
-  // autograd's walk on a stack of Linear 1024 at 32 rows, one thread).
-  // Gradient hooks on those parameters are not called. Off by default: the
-  // memory model still charges every stage's backward a weight-sized
-  // gradient before it is accumulated, which the in-place products do not
-  // allocate (MemoryTest's gpipe and 1F1B then predict 26% over).
-  bool directWeightGradients = false;
+  // the inputs and those outputs, then those products (0.84-0.90x of
+  // autograd's walk on a stack of Linear 1024 at 32 rows). A Linear's is
+  // added into its gradient in place, so such a stage allocates no
+  // weight-sized gradient (the memory model knows: LayerCost::
+  // weightGradientInPlace). Gradient hooks on those parameters are not
+  // called; false keeps autograd's walk for fused backwards.
+  bool directWeightGradients = true;
   // Tied parameters, as groups of names ("0.weight", "9.weight"): one weight
   // the model uses in several layers, e.g. a GPT's token embedding and LM
   // head. Each layer keeps its own tensor (the pipeline copies the first's

@@ -76,6 +76,8 @@ struct PlanRequest {
   // its memory.
   int inFlightLimit = 0;
   double optimizerFactor = 0.0;
+  // PipelineOptions::directWeightGradients, for the memory model.
+  bool directWeightGradients = true;
   // The runtime's own costs, where calibrated (tpipe/tune.h): per compute
   // instruction, and the split backward's (input + weight) over the fused.
   double instructionMs = 0.0;
@@ -137,11 +139,14 @@ std::vector<StageCosts> stageCostsOf(
     double splitBackward = 1.0);
 
 // The partitioner's memory model for a schedule: each stage's peak held and
-// live micro-batches from its unit-cost simulation.
+// live micro-batches from its unit-cost simulation. Weight gradients are
+// added in place under directWeightGradients or a split backward (whose
+// weight pass computes them directly).
 MemoryModel memoryModelOf(
     const Schedule& schedule,
     double optimizerFactor,
-    int64_t inputBytes);
+    int64_t inputBytes,
+    bool directWeightGradients = false);
 
 // Whether a request's plan fits: every stage within its device's memory
 // and, when hostBytes > 0, all stages together within what this host has

@@ -172,6 +172,16 @@ struct Schedule {
   int rankOfStage(int stage) const {
     return placement.empty() ? stage % ranks : placement[stage];
   }
+  // Some backward runs as an input pass and a weight pass.
+  bool splitsBackward() const {
+    for (const auto& list : perRank) {
+      for (const auto& instruction : list) {
+        if (std::holds_alternative<BackwardInput>(instruction))
+          return true;
+      }
+    }
+    return false;
+  }
   // The stages rank `rank` runs, in increasing order.
   std::vector<int> stagesOfRank(int rank) const {
     std::vector<int> stages;

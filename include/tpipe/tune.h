@@ -45,6 +45,7 @@ struct LayerModel {
   int64_t paramBytes = 0;
   double activationBytesPerSample = 0.0; // the output, what crosses a link
   double stashBytesPerSample = 0.0;      // kept for the backward
+  bool weightGradientInPlace = false;    // LayerCost's
 };
 
 struct Link {
@@ -119,6 +120,8 @@ struct TuneRequest {
   // several ranks and one replica is predicted by its back-to-back step
   // (steadyStepTime), which staggered schedules (ZB-H2, ZB-V) shorten.
   bool overlapSteps = false;
+  // PipelineOptions::directWeightGradients, for the memory model.
+  bool directWeightGradients = true;
 };
 
 struct TuneCandidate {

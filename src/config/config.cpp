@@ -669,6 +669,7 @@ void parsePipeline(const Json& json, Config& config) {
       "timeout_s", 60.0, 0.1, 86400.0, "a number of seconds in [0.1, 86400]");
   p.overlapGradSync = pipeline.boolean("overlap_grad_sync", true);
   p.overlapSteps = pipeline.boolean("overlap_steps", true);
+  p.directWeightGradients = pipeline.boolean("direct_weight_gradients", true);
   p.nccl = pipeline.boolean("nccl", true);
   p.autoTune = pipeline.boolean("auto", false);
   if (const Json* elastic = pipeline.find("elastic")) {
@@ -940,6 +941,7 @@ nlohmann::json describeConfig(const Config& config) {
         {"timeout_s", p.timeoutS},
         {"overlap_grad_sync", p.overlapGradSync},
         {"overlap_steps", p.overlapSteps},
+        {"direct_weight_gradients", p.directWeightGradients},
         {"nccl", p.nccl},
         {"auto", p.autoTune},
         {"elastic", {{"min_ranks", p.elasticMinRanks}}}}},

@@ -8,6 +8,7 @@
 #include <ATen/Context.h>
 #include <ATen/ops/cat.h>
 #include <c10/util/Exception.h>
+#include <torch/nn/modules/linear.h>
 
 namespace tpipe {
 
@@ -169,9 +170,15 @@ std::vector<LayerCost> parameterCosts(const LayerList& layers) {
     for (const auto& parameter : layer.module.ptr()->parameters()) {
       cost.paramBytes += static_cast<int64_t>(parameter.nbytes());
     }
+    cost.weightGradientInPlace = addsWeightGradientInPlace(layer);
     costs.push_back(cost);
   }
   return costs;
+}
+
+bool addsWeightGradientInPlace(const NamedLayer& layer) {
+  return layer.pop.empty() &&
+      layer.module.ptr()->as<torch::nn::LinearImpl>() != nullptr;
 }
 
 std::vector<int64_t> parameterCounts(const LayerList& layers) {

@@ -148,15 +148,21 @@ namespace {
 struct Prefix {
   std::vector<double> time; // forward + backward
   std::vector<int64_t> params, stash;
+  // Layers whose backward allocates a weight-sized gradient before adding
+  // it to the parameter's (all that own parameters, but in-place ones).
+  std::vector<int> gradientBuffers;
 
   explicit Prefix(const std::vector<LayerCost>& layers)
       : time(layers.size() + 1, 0.0),
         params(layers.size() + 1, 0),
-        stash(layers.size() + 1, 0) {
+        stash(layers.size() + 1, 0),
+        gradientBuffers(layers.size() + 1, 0) {
     for (size_t i = 0; i < layers.size(); ++i) {
       time[i + 1] = time[i] + layers[i].forwardMs + layers[i].backwardMs;
       params[i + 1] = params[i] + layers[i].paramBytes;
       stash[i + 1] = stash[i] + layers[i].stashBytes;
+      gradientBuffers[i + 1] = gradientBuffers[i] +
+          (layers[i].paramBytes > 0 && !layers[i].weightGradientInPlace);
     }
   }
 };
@@ -234,11 +240,15 @@ class Costs {
   // The stage inputs of the micro-batches it holds, the whole activation
   // graphs of those not rematerialized, plus the backward's workspace: one
   // layer's weight gradient before it is accumulated and the gradients of one
-  // layer's input and output.
+  // layer's input and output. A stage whose every weight gradient is added
+  // in place allocates none; one other layer makes autograd walk the whole
+  // stage, and then any of its layers may.
   int64_t activationMemory(int first, int end, int stage) const {
     const int64_t stash = prefix_.stash[end] - prefix_.stash[first];
-    const int64_t workspace =
-        largestParams_.over(first, end) + 2 * largestOutput_.over(first, end);
+    const bool inPlace = problem_.memory.weightGradientsInPlace &&
+        prefix_.gradientBuffers[end] == prefix_.gradientBuffers[first];
+    const int64_t workspace = (inPlace ? 0 : largestParams_.over(first, end)) +
+        2 * largestOutput_.over(first, end);
     const int64_t input = inputBytes(first); // each micro-batch's stage input
     return problem_.memory.stashedAt(stage) * input +
         problem_.memory.liveAt(stage) * stash + workspace;

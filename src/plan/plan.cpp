@@ -70,8 +70,11 @@ PartitionProblem problemFor(
   problem.stages = schedule.chainLength();
   for (int k = 0; k < problem.stages; ++k)
     problem.devices.push_back(request.devices[schedule.rankOfStage(k)]);
-  problem.memory =
-      memoryModelOf(schedule, request.optimizerFactor, request.inputBytes);
+  problem.memory = memoryModelOf(
+      schedule,
+      request.optimizerFactor,
+      request.inputBytes,
+      request.directWeightGradients);
   return problem;
 }
 
@@ -449,7 +452,8 @@ std::vector<StageCosts> stageCostsOf(
 MemoryModel memoryModelOf(
     const Schedule& schedule,
     double optimizerFactor,
-    int64_t inputBytes) {
+    int64_t inputBytes,
+    bool directWeightGradients) {
   const Simulation unit = simulate(schedule, {StageCosts{}});
   MemoryModel memory;
   memory.stashed = unit.peakStashed;
@@ -467,6 +471,8 @@ MemoryModel memoryModelOf(
   }
   memory.optimizerFactor = optimizerFactor;
   memory.inputBytes = inputBytes;
+  memory.weightGradientsInPlace =
+      directWeightGradients || schedule.splitsBackward();
   return memory;
 }
 

@@ -77,6 +77,7 @@ std::vector<LayerCost> CostModel::costsAt(double size, int threadCount) const {
     LayerCost cost;
     cost.name = layer.name;
     cost.paramBytes = layer.paramBytes;
+    cost.weightGradientInPlace = layer.weightGradientInPlace;
     costs.push_back(layerCostAt(
         cost,
         layer.forward[t],
@@ -510,6 +511,7 @@ PlanRequest planRequestFor(
   plan.microBatches = s.microBatches;
   plan.checkpoint = s.checkpoint;
   plan.optimizerFactor = request.optimizerFactor;
+  plan.directWeightGradients = request.directWeightGradients;
   plan.instructionMs = model.instructionMsAt(s.threads);
   plan.splitBackward = model.splitBackward;
   plan.inputBytes = static_cast<int64_t>(

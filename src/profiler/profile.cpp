@@ -279,6 +279,7 @@ void measureRound(
         for (const auto& item : m.after.items())
           cost.activationBytes += static_cast<int64_t>(item.second.nbytes());
         cost.stashBytes = stashBytes(layers[l], x, skips, slot);
+        cost.weightGradientInPlace = addsWeightGradientInPlace(layers[l]);
       }
       x = m.output;
       skips = std::move(m.after);

@@ -232,10 +232,10 @@ class RankExecutor {
       at::AutoGradMode gradMode(training && !op.checkpointed);
       StageGeneratorScope generator(
           training && stage.stochastic, stage.rngState, stage.device);
-      const bool record = training && !op.checkpointed && recordsParts();
+      const bool record = training && !op.checkpointed && recordsParts(stage);
       outputs = runLayers(stage, stash.inputs, record ? &stash : nullptr);
       if (record)
-        keepPartsForBackward(stash);
+        keepPartsForBackward(stage, stash);
       if (training && stage.stochastic)
         stage.rngState = generator.current();
       if (isLast(op.stage) && training)
@@ -267,10 +267,11 @@ class RankExecutor {
     BufferRestoreScope buffers(stage.buffers);
     StageGeneratorScope generator(
         stage.stochastic, stash.rngState, stage.device);
+    const bool record = recordsParts(stage);
     std::vector<at::Tensor> outputs =
-        runLayers(stage, stash.inputs, recordsParts() ? &stash : nullptr);
-    if (recordsParts())
-      keepPartsForBackward(stash);
+        runLayers(stage, stash.inputs, record ? &stash : nullptr);
+    if (record)
+      keepPartsForBackward(stage, stash);
     if (isLast(op.stage)) {
       outputs.front() =
           weightedLoss(outputs.front(), Forward{op.stage, op.microBatch, true});
@@ -579,15 +580,19 @@ class RankExecutor {
     return outputs;
   }
 
-  bool recordsParts() const {
-    return state_.splitBackward || state_.directBackward;
+  bool recordsParts(const StageRuntime& stage) const {
+    return state_.splitBackward ||
+        (state_.directBackward && stage.weightsDirect.value_or(true));
   }
 
   // Under a fused backward the parts are kept only where the weight pass
   // computes every one directly; elsewhere autograd's walk does it all, and
   // the outputs other parts keep would only be held longer.
-  void keepPartsForBackward(Stash& stash) const {
-    if (!state_.splitBackward && !computesWeightsDirectly(stash))
+  void keepPartsForBackward(StageRuntime& stage, Stash& stash) const {
+    if (state_.splitBackward)
+      return;
+    stage.weightsDirect = computesWeightsDirectly(stash);
+    if (!*stage.weightsDirect)
       stash.weightParts.clear();
   }
 

@@ -53,6 +53,11 @@ struct StageRuntime {
   std::vector<at::Tensor> buffers;
   bool stochastic = false; // holds a layer that draws randomness
   at::Tensor rngState;     // the stage's own generator state
+  // With direct weight gradients and fused backwards: whether the weight
+  // pass computes every parameter's gradient here (StepState::
+  // directBackward), as the stage's first recorded forward found. Once
+  // false its forwards record nothing more. Unset before that forward.
+  c10::optional<bool> weightsDirect;
   // On an accelerator: the stage computes on its own stream and ships its
   // outputs on a second one, so transfers overlap compute; the forward of
   // an overlapped pair runs on a third, beside the pair's backward on the

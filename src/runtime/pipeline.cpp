@@ -254,6 +254,11 @@ PlanRequest Pipeline::Impl::planRequest(size_t deviceCount) const {
       "profileLayers' costs (as the trainer does)");
   PlanRequest request;
   request.layers = parameterCosts(layers);
+  if (options.autocast) { // keeps autograd's backward
+    for (auto& layer : request.layers)
+      layer.weightGradientInPlace = false;
+  }
+  request.directWeightGradients = options.directWeightGradients;
   for (size_t d = 0; d < deviceCount; ++d)
     request.devices.push_back({options.devices[d]});
   request.stages = options.stages;

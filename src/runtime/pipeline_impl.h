@@ -200,7 +200,6 @@ struct Pipeline::Impl {
       const at::Tensor& input,
       const at::Tensor& target) const;
   // Whether the schedule splits backwards into input and weight passes.
-  static bool splitsBackward(const Schedule& schedule);
   // The parameters whose gradients `rank` computes, each tensor once.
   std::vector<at::Tensor> rankParameters(int rank) const;
 };

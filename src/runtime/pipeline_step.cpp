@@ -50,16 +50,6 @@ void Pipeline::Impl::splitBatch(
   }
 }
 
-bool Pipeline::Impl::splitsBackward(const Schedule& schedule) {
-  for (const auto& list : schedule.perRank) {
-    for (const auto& instruction : list) {
-      if (std::holds_alternative<BackwardInput>(instruction))
-        return true;
-    }
-  }
-  return false;
-}
-
 // Across processes a failed step is explained by every rank: each posts its
 // account and waits (up to the timeout) for the others'; ranks that never
 // report are the lost ones, named in the error every live rank exits with.
@@ -171,7 +161,7 @@ void Pipeline::Impl::prepare(runtime::StepState& state, const Schedule& plan) {
   state.losses.assign(m, {});
   state.outputs.assign(m, {});
   state.record = options.record && plan.training;
-  state.splitBackward = splitsBackward(plan);
+  state.splitBackward = plan.splitsBackward();
   state.directBackward = options.directWeightGradients;
   state.autocast = options.autocast;
   state.copyOnReceive = !memorySlots.empty() && !remoteTransport;

@@ -55,11 +55,16 @@ TrainingCosts savedCosts(
           "' (a profile of another model?)");
     }
   }
-  return costsFromProfile(
+  TrainingCosts costs = costsFromProfile(
       config,
       profile,
       path + " (profiled at " + std::to_string(profile.microBatchSize) +
           " samples per micro-batch)");
+  // A fact of the model the saved numbers do not carry.
+  for (size_t i = 0; i < model.layers.size(); ++i)
+    costs.layers[i].weightGradientInPlace =
+        addsWeightGradientInPlace(model.layers[i]);
+  return costs;
 }
 
 // Measured costs are measured once, on rank 0, and sent to every rank as
@@ -298,6 +303,12 @@ PlanRequest planRequest(const Config& config, const TrainingCosts& costs) {
   const auto& p = config.pipeline;
   PlanRequest request;
   request.layers = costs.layers;
+  // Autocast keeps autograd's backward: nothing is added in place.
+  if (config.train.precision == "bf16") {
+    for (auto& layer : request.layers)
+      layer.weightGradientInPlace = false;
+  }
+  request.directWeightGradients = config.pipeline.directWeightGradients;
   request.costSource = costs.source;
   request.costNoise = costs.noise;
   request.inputBytes = costs.inputBytes;

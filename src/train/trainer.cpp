@@ -979,6 +979,7 @@ PipelineOptions pipelineOptions(
   if (config.train.precision == "bf16")
     options.autocast = at::kBFloat16;
   options.overlapGradientSync = p.overlapGradSync;
+  options.directWeightGradients = p.directWeightGradients;
   options.nccl = p.nccl;
   for (const auto& device : p.devices) {
     if (device.memoryBytes > 0)

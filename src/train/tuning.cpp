@@ -350,6 +350,9 @@ void profileCurves(
           static_cast<double>(layer.cost.activationBytes) / batch;
       out.stashBytesPerSample =
           static_cast<double>(layer.cost.stashBytes) / batch;
+      // Autocast keeps autograd's backward: nothing is added in place.
+      out.weightGradientInPlace =
+          layer.cost.weightGradientInPlace && config.train.precision != "bf16";
       worst = std::max(
           {worst, layer.forward.worstResidual, layer.backward.worstResidual});
       weighted += layer.forward.worstResidual * layer.cost.forwardMs +
@@ -827,6 +830,7 @@ TuneRequest requestFor(const Config& config, const LayerList& layers) {
   const auto& o = config.train.optimizer;
   request.optimizerFactor = optimizerStateFactor(o.type, o.momentum);
   request.overlapSteps = config.pipeline.overlapSteps;
+  request.directWeightGradients = config.pipeline.directWeightGradients;
   return request;
 }
 
