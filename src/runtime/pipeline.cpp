@@ -552,6 +552,7 @@ c10::optional<at::ScalarType> Pipeline::Impl::fixedTransferDtype() const {
 }
 
 bool keepFreedHostMemory() {
+  memory::useHugePages();
 #if defined(__GLIBC__)
   static const bool kept = [] {
     for (const char* name :
