@@ -109,6 +109,10 @@ Profile profileModelWith(
 struct ResolvedPlan {
   PlanRequest request;
   Plan plan;
+  // pipeline.auto: the tune's prediction of its choice (anchored to what it
+  // measured), which the run reports instead of the plan's own simulation
+  // over unanchored costs; negative: none.
+  double tunedStepMs = -1.0;
 };
 
 // The plan this run trains with: costs measured (or read) once, on rank 0,

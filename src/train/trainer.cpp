@@ -153,6 +153,7 @@ ResolvedPlan tunedPlan(const Config& config, std::ostream& log) {
   resolved.request =
       candidatePlanRequest(outcome.model, outcome.request, choice);
   resolved.plan = resolvePlan(resolved.request);
+  resolved.tunedStepMs = choice.predictedStepMs;
   return resolved;
 }
 
@@ -253,6 +254,7 @@ class TrainingRun {
               world());
     planRequest_ = resolved.request;
     plan_ = resolved.plan;
+    tunedStepMs_ = resolved.tunedStepMs;
     // pipeline.auto's plan chooses its own count.
     setBatchNormMicroBatches(model_, plan_.schedule.microBatches);
     if (world()) {
@@ -430,9 +432,13 @@ class TrainingRun {
       log << "steps: without a barrier between them (pipeline.overlap_steps)\n";
     log << "plan: partition " << partitionMethodName(plan_.partition)
         << ", costs from " << plan_.costSource;
-    if (plan_.simulation.makespan > 0) {
+    // One prediction per run: the tune's where it chose the plan.
+    const double predicted =
+        tunedStepMs_ > 0 ? tunedStepMs_ : plan_.simulation.makespan;
+    if (predicted > 0) {
       log << ", predicted step " << std::fixed << std::setprecision(2)
-          << plan_.simulation.makespan << " ms" << std::defaultfloat;
+          << predicted << " ms" << std::defaultfloat
+          << (tunedStepMs_ > 0 ? " (the tune's)" : "");
     }
     log << "\n";
     for (const auto& note : plan_.notes)
@@ -929,6 +935,7 @@ class TrainingRun {
   Dataset data_;
   PlanRequest planRequest_; // what plan_ was resolved from
   Plan plan_;
+  double tunedStepMs_ = -1.0; // ResolvedPlan::tunedStepMs
   bool measureMemory_ = false;
   // Before pipe_: a posted step's update steps these on the workers, which
   // end when pipe_ does.
