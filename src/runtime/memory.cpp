@@ -68,16 +68,6 @@ void release(void* data) {
   baseDeleter(block);
 }
 
-// The CPU allocators here: host memory, copied as plain bytes.
-class HostAllocator : public c10::Allocator {
- public:
-  // Pure virtual from LibTorch 2.3 on; a plain member before.
-  void copy_data(void* destination, const void* source, std::size_t count)
-      const {
-    std::memcpy(destination, source, count);
-  }
-};
-
 // Host tensors of a huge page or more start on a huge-page boundary in
 // memory marked for transparent huge pages (where the kernel takes the hint:
 // THP "madvise" or "always"), so that their first touch maps 2 MiB pages:
@@ -91,7 +81,7 @@ void freeHostBlock(void* data) {
   std::free(data);
 }
 
-class HugePageAllocator final : public HostAllocator {
+class HugePageAllocator final : public c10::Allocator {
  public:
   c10::DataPtr allocate(size_t n) TPIPE_ALLOCATE_CONST override {
     void* data = nullptr;
@@ -112,6 +102,12 @@ class HugePageAllocator final : public HostAllocator {
   c10::DeleterFnPtr raw_deleter() const override {
     return &freeHostBlock;
   }
+
+  // Pure virtual from LibTorch 2.3 on; a plain member before.
+  void copy_data(void* destination, const void* source, std::size_t count)
+      const {
+    std::memcpy(destination, source, count);
+  }
 };
 
 // The kernel's transparent huge page mode allows a hint, and no one opted
@@ -127,7 +123,7 @@ bool hugePagesWanted() {
       line.find("[always]") != std::string::npos;
 }
 
-class CountingAllocator final : public HostAllocator {
+class CountingAllocator final : public c10::Allocator {
  public:
   explicit CountingAllocator(c10::Allocator* base) : base_(base) {}
 
@@ -148,6 +144,12 @@ class CountingAllocator final : public HostAllocator {
 
   c10::DeleterFnPtr raw_deleter() const override {
     return &release;
+  }
+
+  // Pure virtual from LibTorch 2.3 on; a plain member before.
+  void copy_data(void* destination, const void* source, std::size_t count)
+      const {
+    std::memcpy(destination, source, count);
   }
 
  private:
