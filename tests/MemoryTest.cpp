@@ -1,9 +1,7 @@
 #include <gtest/gtest.h>
 
-#include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
 #include <sstream>
 #include <torch/torch.h>
 
@@ -11,7 +9,6 @@
 #include <malloc.h>
 #endif
 
-#include "runtime/memory.h"
 #include "tpipe/pipeline.h"
 #include "tpipe/trainer.h"
 
@@ -63,42 +60,6 @@ TEST(MemoryTest, APipelineKeepsFreedHostMemoryForTheNextStep) {
   for (char* block : blocks)
     std::free(block);
   EXPECT_GE(mallinfo2().arena, held.arena) << "the heap was trimmed";
-}
-#endif
-
-#if defined(__linux__)
-// The kernel's word on the mapping that holds `address` (/proc/self/smaps:
-// "THPeligible: 1" where huge pages may back it); -1 when it says nothing.
-int thpEligible(uintptr_t address) {
-  std::ifstream smaps("/proc/self/smaps");
-  bool inside = false;
-  for (std::string line; std::getline(smaps, line);) {
-    unsigned long long start = 0, end = 0;
-    if (std::sscanf(line.c_str(), "%llx-%llx ", &start, &end) == 2 &&
-        line.find('-') < line.find(' ')) {
-      inside = start <= address && address < end;
-      continue;
-    }
-    if (inside && line.rfind("THPeligible:", 0) == 0)
-      return std::atoi(line.c_str() + std::strlen("THPeligible:"));
-  }
-  return -1;
-}
-
-// Host tensors of 2 MiB and more start on a 2 MiB boundary, in memory
-// marked for huge pages, where the kernel's THP mode takes the hint.
-TEST(MemoryTest, LargeHostTensorsAreMarkedForHugePages) {
-  keepFreedHostMemory();
-  if (!memory::useHugePages())
-    GTEST_SKIP() << "THP is off here, or TPIPE_HUGE_PAGES=0";
-  const torch::Tensor large = torch::ones({1 << 20}); // 4 MiB
-  const auto address = reinterpret_cast<uintptr_t>(large.data_ptr());
-  if (!memory::installed()) // the counting wrapper puts a header first
-    EXPECT_EQ(address % (uintptr_t{2} << 20), 0u);
-  const int eligible = thpEligible(address);
-  if (eligible < 0)
-    GTEST_SKIP() << "this kernel's smaps has no THPeligible";
-  EXPECT_EQ(eligible, 1);
 }
 #endif
 
