@@ -186,10 +186,6 @@ bool isRecomputing();
 // glibc, and when MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_,
 // MALLOC_TOP_PAD_ or a glibc.malloc tunable in GLIBC_TUNABLES is set
 // (yours are kept; set one to opt out).
-// It also sets a CPU allocator in LibTorch's place that starts host tensors
-// of 2 MiB and more on a 2 MiB boundary marked for transparent huge pages,
-// where the kernel's THP mode takes the hint (not "never"); TPIPE_HUGE_PAGES=0
-// opts out.
 bool keepFreedHostMemory();
 
 class Pipeline {

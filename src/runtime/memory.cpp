@@ -2,15 +2,8 @@
 
 #include <array>
 #include <atomic>
-#include <cstdlib>
 #include <cstring>
-#include <fstream>
 #include <mutex>
-#include <string>
-
-#if defined(__linux__)
-#include <sys/mman.h>
-#endif
 
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
@@ -66,61 +59,6 @@ void release(void* data) {
   if (header->device >= 0)
     counters()[header->device].live -= header->bytes;
   baseDeleter(block);
-}
-
-// Host tensors of a huge page or more start on a huge-page boundary in
-// memory marked for transparent huge pages (where the kernel takes the hint:
-// THP "madvise" or "always"), so that their first touch maps 2 MiB pages:
-// fewer TLB misses, and the same physical layout from one process to the
-// next. Smaller ones are aligned as LibTorch's own allocator aligns them.
-// Both are freed with std::free, as posix_memalign's memory is.
-constexpr size_t kHugePage = size_t{2} << 20;
-constexpr size_t kAlignment = 64;
-
-void freeHostBlock(void* data) {
-  std::free(data);
-}
-
-class HugePageAllocator final : public c10::Allocator {
- public:
-  c10::DataPtr allocate(size_t n) TPIPE_ALLOCATE_CONST override {
-    void* data = nullptr;
-    if (n > 0) {
-      const size_t alignment = n >= kHugePage ? kHugePage : kAlignment;
-      TORCH_CHECK(
-          posix_memalign(&data, alignment, n) == 0 && data != nullptr,
-          "out of host memory: allocating ",
-          formatBytes(static_cast<int64_t>(n)));
-#if defined(MADV_HUGEPAGE)
-      if (n >= kHugePage)
-        madvise(data, n, MADV_HUGEPAGE); // a hint; refused is fine
-#endif
-    }
-    return c10::DataPtr(data, data, &freeHostBlock, c10::Device(c10::kCPU));
-  }
-
-  c10::DeleterFnPtr raw_deleter() const override {
-    return &freeHostBlock;
-  }
-
-  // Pure virtual from LibTorch 2.3 on; a plain member before.
-  void copy_data(void* destination, const void* source, std::size_t count)
-      const {
-    std::memcpy(destination, source, count);
-  }
-};
-
-// The kernel's transparent huge page mode allows a hint, and no one opted
-// out with TPIPE_HUGE_PAGES=0.
-bool hugePagesWanted() {
-  const char* wanted = std::getenv("TPIPE_HUGE_PAGES");
-  if (wanted != nullptr && std::string(wanted) == "0")
-    return false;
-  std::ifstream mode("/sys/kernel/mm/transparent_hugepage/enabled");
-  std::string line;
-  std::getline(mode, line);
-  return line.find("[madvise]") != std::string::npos ||
-      line.find("[always]") != std::string::npos;
 }
 
 class CountingAllocator final : public c10::Allocator {
@@ -216,22 +154,9 @@ void releaseSlot(int slot) {
   }
 }
 
-bool useHugePages() {
-  static const bool used = [] {
-    if (!hugePagesWanted())
-      return false;
-    static HugePageAllocator allocator;
-    // Below the counting wrapper's priority, which wraps whatever is set.
-    c10::SetCPUAllocator(&allocator, /*priority=*/50);
-    return c10::GetCPUAllocator() == &allocator;
-  }();
-  return used;
-}
-
 void install() {
   static std::once_flag once;
   std::call_once(once, [] {
-    useHugePages(); // the base the counts wrap
     c10::Allocator* base = c10::GetCPUAllocator();
     baseDeleter = base->raw_deleter();
     TORCH_CHECK(

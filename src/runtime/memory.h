@@ -20,12 +20,6 @@ constexpr int kUnattributed = -1;
 int acquireSlot();
 void releaseSlot(int slot);
 
-// Host tensors of 2 MiB and more start on a 2 MiB boundary, marked
-// MADV_HUGEPAGE, from a CPU allocator set in LibTorch's place (unless
-// /sys/kernel/mm/transparent_hugepage/enabled says never, or
-// TPIPE_HUGE_PAGES=0). Idempotent and permanent; returns whether it is set.
-bool useHugePages();
-
 // Wraps LibTorch's CPU allocator; idempotent and permanent for the process.
 void install();
 bool installed();

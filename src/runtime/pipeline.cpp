@@ -552,7 +552,6 @@ c10::optional<at::ScalarType> Pipeline::Impl::fixedTransferDtype() const {
 }
 
 bool keepFreedHostMemory() {
-  memory::useHugePages();
 #if defined(__GLIBC__)
   static const bool kept = [] {
     for (const char* name :
