@@ -87,6 +87,10 @@ class BatchSource {
 
 // ---- planning.cpp: the world and the plan --------------------------------
 
+// train.precision bf16: forwards run under autocast, whose backward stays
+// autograd's (no weight gradient is added in place).
+bool autocasts(const Config& config);
+
 // pipeline.elastic across processes: the config with as many pipeline ranks
 // as the world holds (WORLD_SIZE / data_parallel), on the first devices
 // listed; a world below min_ranks, or larger than the devices or the model

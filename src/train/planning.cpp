@@ -299,12 +299,15 @@ TrainingCosts costsFromProfile(
   return costs;
 }
 
+bool autocasts(const Config& config) {
+  return config.train.precision == "bf16";
+}
+
 PlanRequest planRequest(const Config& config, const TrainingCosts& costs) {
   const auto& p = config.pipeline;
   PlanRequest request;
   request.layers = costs.layers;
-  // Autocast keeps autograd's backward: nothing is added in place.
-  if (config.train.precision == "bf16") {
+  if (autocasts(config)) {
     for (auto& layer : request.layers)
       layer.weightGradientInPlace = false;
   }

@@ -983,7 +983,7 @@ PipelineOptions pipelineOptions(
       model.shapes.begin() + 1, model.shapes.end());
   options.communicator = communicator;
   options.tiedParameters = model.tiedParameters;
-  if (config.train.precision == "bf16")
+  if (autocasts(config))
     options.autocast = at::kBFloat16;
   options.overlapGradientSync = p.overlapGradSync;
   options.directWeightGradients = p.directWeightGradients;

@@ -350,9 +350,8 @@ void profileCurves(
           static_cast<double>(layer.cost.activationBytes) / batch;
       out.stashBytesPerSample =
           static_cast<double>(layer.cost.stashBytes) / batch;
-      // Autocast keeps autograd's backward: nothing is added in place.
       out.weightGradientInPlace =
-          layer.cost.weightGradientInPlace && config.train.precision != "bf16";
+          layer.cost.weightGradientInPlace && !autocasts(config);
       worst = std::max(
           {worst, layer.forward.worstResidual, layer.backward.worstResidual});
       weighted += layer.forward.worstResidual * layer.cost.forwardMs +
