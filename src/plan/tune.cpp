@@ -350,8 +350,10 @@ void chooseByMeasurement(
     note << ", the fastest";
   }
   if (measured[best] != result.choice) {
-    note << std::setprecision(2) << "; chosen over the predicted "
-         << all[result.choice].label() << " ("
+    // Its measured step, as the chosen plan's above: not its prediction,
+    // which the ranking shows.
+    note << std::setprecision(2) << "; chosen over the prediction's choice, "
+         << all[result.choice].label() << " (measured "
          << all[result.choice].measuredStepMs << " ms)";
   }
   result.notes.push_back(note.str());
