@@ -80,8 +80,9 @@ std::vector<LayerCost> parameterCosts(const LayerList& layers);
 // (PipelineOptions::directWeightGradients) add this layer's weight gradient
 // into the parameter's in place: a LibTorch Linear that merges no skip.
 // parameterCosts and the profiler record it (LayerCost::
-// weightGradientInPlace); planning clears it where the option is off or
-// autocast runs (which keeps autograd's backward).
+// weightGradientInPlace); planning clears it under autocast (which keeps
+// autograd's backward), and the memory model uses it where the option is on
+// or a schedule splits its backward. The runtime asks the same.
 bool addsWeightGradientInPlace(const NamedLayer& layer);
 
 } // namespace tpipe

@@ -786,7 +786,7 @@ class RankExecutor {
     const NamedLayer& layer = stage.layers[l];
     Stash::WeightPart part;
     part.parameters = own;
-    part.linear = direct && layer.pop.empty()
+    part.linear = direct && addsWeightGradientInPlace(layer)
         ? layer.module.ptr()->as<torch::nn::LinearImpl>()
         : nullptr;
     part.conv =

@@ -199,7 +199,6 @@ struct Pipeline::Impl {
       runtime::StepState& state,
       const at::Tensor& input,
       const at::Tensor& target) const;
-  // Whether the schedule splits backwards into input and weight passes.
   // The parameters whose gradients `rank` computes, each tensor once.
   std::vector<at::Tensor> rankParameters(int rank) const;
 };
