@@ -518,6 +518,75 @@ nlohmann::json memoryBySchedule() {
 
 } // namespace
 
+// Dropout from the stage's own generator (the registry's, as a config
+// builds it) against LibTorch's Dropout, which draws from the process-wide
+// generator with the stage's state swapped in under one lock: the same
+// weights and masks, side by side, alternating. Under GPipe the two
+// stages' forwards overlap, which the lock serializes.
+nlohmann::json dropoutGenerators() {
+  const int p = 2, m = 8;
+  nlohmann::json layers = nlohmann::json::array();
+  for (int block = 0; block < 4; ++block) {
+    layers.push_back({{"type", "linear"}, {"out_features", 512}});
+    layers.push_back({{"type", "tanh"}});
+    layers.push_back({{"type", "dropout"}, {"p", 0.1}});
+  }
+  layers.push_back({{"type", "linear"}, {"out_features", 512}});
+  const tpipe::ModelConfig model =
+      tpipe::parseConfig(
+          {{"model", {{"input_shape", {512}}, {"layers", layers}}},
+           {"data", {{"dataset", "synthetic"}, {"samples", 256}}},
+           {"pipeline", {{"devices", {"cpu:0"}}}},
+           {"train",
+            {{"batch_size", 256}, {"steps", 1}, {"loss", "cross_entropy"}}}})
+          .model;
+  torch::manual_seed(1);
+  const torch::Tensor x = torch::randn({256, 512});
+  const torch::Tensor y = torch::randint(0, 512, {256}, torch::kLong);
+  std::printf(
+      "\ndropout 0.1, %d stages x 2 x (Linear 512 + Tanh + Dropout), batch 256, "
+      "%d micro-batches, gpipe\n",
+      p,
+      m);
+  std::printf(
+      "%-12s %14s %14s %8s\n",
+      "checkpoint",
+      "own gen. ms",
+      "LibTorch ms",
+      "ratio");
+  nlohmann::json rows = nlohmann::json::array();
+  for (auto mode : {CheckpointMode::kNever, CheckpointMode::kAlways}) {
+    std::vector<double> own, shared, ratios;
+    for (int round = 0; round < 5; ++round) {
+      for (bool libtorch : {round % 2 == 1, round % 2 == 0}) {
+        tpipe::LayerList net = tpipe::buildModel(model, 3).layers;
+        if (libtorch) {
+          for (auto& layer : net) {
+            if (layer.module.ptr()->name().find("Dropout") != std::string::npos)
+              layer.module = torch::nn::AnyModule(torch::nn::Dropout(0.1));
+          }
+        }
+        tpipe::PipelineOptions options = benchOptions(p, m, "gpipe", mode);
+        const double ms = timePipeline(net, options, x, y, 1, 3, false).stepMs;
+        (libtorch ? shared : own).push_back(ms);
+      }
+      ratios.push_back(own.back() / shared.back());
+    }
+    std::printf(
+        "%-12s %14.2f %14.2f %8.3f\n",
+        tpipe::checkpointModeName(mode),
+        median(own),
+        median(shared),
+        median(ratios));
+    rows.push_back(
+        {{"checkpoint", tpipe::checkpointModeName(mode)},
+         {"own_generator_ms", median(own)},
+         {"libtorch_dropout_ms", median(shared)},
+         {"own_over_libtorch", median(ratios)}});
+  }
+  return rows;
+}
+
 // The cost of replaying random numbers: every layer declared as drawing
 // (each forward swaps the stage's generator in under the shared lock) against
 // declared deterministic, side by side, alternating.
@@ -561,7 +630,7 @@ nlohmann::json randomnessCost() {
          {"draws_ms", median(draws)},
          {"relative_cost", cost}});
   }
-  return rows;
+  return {{"declared", rows}, {"dropout", dropoutGenerators()}};
 }
 
 // Steps back to back, with a barrier (trainStep, then one optimizer step)

@@ -5,11 +5,13 @@
 
 #include <torch/torch.h>
 
+#include <condition_variable>
 #include <cstddef>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <mutex>
 #include <sstream>
 #include <thread>
 #include <nlohmann/json.hpp>
@@ -17,6 +19,8 @@
 #include "runtime/placement.h"
 #include "runtime/socket_channels.h"
 #include "support/skip_net.h"
+#include "tpipe/config.h"
+#include "tpipe/model.h"
 #include "tpipe/pipeline.h"
 #include "tpipe/torchscript.h"
 
@@ -357,6 +361,117 @@ TEST(PipelineTest, DropoutMasksReplayUnderRecompute) {
           << schedule << " parameter " << i;
     }
   }
+}
+
+// The registry's dropout, built from a config (2 stages, two dropouts).
+LayerList registryDropoutNet() {
+  const Config config = parseConfig(nlohmann::json::parse(R"({
+    "model": {"input_shape": [6], "layers": [
+      {"type": "linear", "out_features": 16}, {"type": "dropout", "p": 0.5},
+      {"type": "tanh"}, {"type": "linear", "out_features": 16},
+      {"type": "dropout", "p": 0.3}, {"type": "linear", "out_features": 3}]},
+    "data": {"dataset": "synthetic", "samples": 12},
+    "pipeline": {"devices": ["cpu:0", "cpu:1"]},
+    "train": {"batch_size": 12, "steps": 1, "loss": "cross_entropy"}})"));
+  return buildModel(config.model, 4).layers;
+}
+
+std::vector<torch::Tensor> gradientsOfOneStep(
+    const LayerList& layers,
+    CheckpointMode mode,
+    const std::string& schedule) {
+  PipelineOptions options;
+  options.devices = cpuDevices(2);
+  options.microBatches = 3;
+  options.checkpoint = mode;
+  options.schedule = schedule;
+  options.seed = 11;
+  Pipeline pipe(layers, options);
+  torch::manual_seed(6);
+  const torch::Tensor x = torch::randn({12, 6});
+  const torch::Tensor y = torch::randint(0, 3, {12}, torch::kLong);
+  pipe.trainStep(x, y, crossEntropy);
+  std::vector<torch::Tensor> grads;
+  for (const auto& p : pipe.parameters())
+    grads.push_back(p.grad().clone());
+  return grads;
+}
+
+// The registry's dropout draws from its stage's own generator, without the
+// shared lock, exactly the numbers LibTorch's Dropout draws from the
+// default generator with the stage's state swapped in, and replays them
+// under recompute.
+TEST(PipelineTest, TheRegistrysDropoutDrawsTheStagesStreamWithoutTheLock) {
+  for (const char* schedule : {"gpipe", "1f1b", "zb-h1"}) {
+    for (CheckpointMode mode :
+         {CheckpointMode::kNever, CheckpointMode::kAlways}) {
+      SCOPED_TRACE(std::string(schedule) + " " + checkpointModeName(mode));
+      const auto own = gradientsOfOneStep(registryDropoutNet(), mode, schedule);
+      LayerList libtorch = registryDropoutNet();
+      libtorch[1].module = torch::nn::AnyModule(torch::nn::Dropout(0.5));
+      libtorch[4].module = torch::nn::AnyModule(torch::nn::Dropout(0.3));
+      const auto swapped = gradientsOfOneStep(libtorch, mode, schedule);
+      ASSERT_EQ(own.size(), swapped.size());
+      for (size_t i = 0; i < own.size(); ++i)
+        EXPECT_TRUE(torch::equal(own[i], swapped[i])) << "parameter " << i;
+      const auto kept = gradientsOfOneStep(
+          registryDropoutNet(), CheckpointMode::kNever, schedule);
+      for (size_t i = 0; i < own.size(); ++i)
+        EXPECT_TRUE(torch::equal(own[i], kept[i])) << "parameter " << i;
+    }
+  }
+}
+
+// Holds its stage's forward until the other stage's forward has entered
+// its own instance: on its `call`-th call (counting from 1), each instance
+// arrives and waits for the other. Throws after 20 s instead of hanging.
+struct RendezvousImpl : torch::nn::Module {
+  struct Shared {
+    std::mutex mutex;
+    std::condition_variable arrived;
+    int count = 0;
+  };
+  RendezvousImpl(std::shared_ptr<Shared> shared, int call)
+      : shared(std::move(shared)), call(call) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    if (++calls != call)
+      return x;
+    std::unique_lock<std::mutex> lock(shared->mutex);
+    ++shared->count;
+    shared->arrived.notify_all();
+    TORCH_CHECK(
+        shared->arrived.wait_for(
+            lock, std::chrono::seconds(20), [&] { return shared->count == 2; }),
+        "the two stages' forwards never ran at the same time");
+    return x;
+  }
+  std::shared_ptr<Shared> shared;
+  int call, calls = 0;
+};
+TORCH_MODULE(Rendezvous);
+
+// Two stages with the registry's dropout run forwards side by side: under
+// GPipe, stage 0's second forward and stage 1's first meet.
+TEST(PipelineTest, StagesWithTheRegistrysDropoutRunForwardsTogether) {
+  LayerList layers = registryDropoutNet();
+  auto shared = std::make_shared<RendezvousImpl::Shared>();
+  NamedLayer first{"meet0", torch::nn::AnyModule(Rendezvous(shared, 2))};
+  NamedLayer second{"meet1", torch::nn::AnyModule(Rendezvous(shared, 1))};
+  first.randomness = second.randomness = Randomness::kNone;
+  layers.insert(layers.begin() + 2, first); // stage 0: layers 0-2
+  layers.push_back(second);
+  PipelineOptions options;
+  options.devices = cpuDevices(2);
+  options.microBatches = 3;
+  options.schedule = "gpipe";
+  options.checkpoint = CheckpointMode::kNever;
+  options.partition = PartitionMethod::kBalance;
+  options.balance = {3, 5};
+  Pipeline pipe(layers, options);
+  const torch::Tensor x = torch::randn({12, 6});
+  const torch::Tensor y = torch::randint(0, 3, {12}, torch::kLong);
+  EXPECT_NO_THROW(pipe.trainStep(x, y, crossEntropy));
+  EXPECT_EQ(shared->count, 2);
 }
 
 // A user's own random layer, unknown to tpipe by name: x + noise.

@@ -34,21 +34,24 @@
 // more forward per stage but frees every intermediate activation between the
 // two. So that random layers (dropout) draw the same numbers twice, each
 // stage owns its random generator: its state is saved at the forward and
-// replayed at the recompute. LibTorch's dropout draws from the process-wide
-// generator, so a stage that may draw swaps its own state into it under one
-// lock while it runs: such forwards are serialized against each other, and
-// masks differ from the unpartitioned model's (it draws from one stream).
+// replayed at the recompute. The config registry's dropout (the "dropout"
+// layer and the transformer block's) draws from the running stage's own
+// generator, so stages draw side by side. LibTorch's dropout draws from the
+// process-wide generator, so a stage holding one (or any module that may
+// draw) swaps its own state into it under one lock while it runs: such
+// forwards are serialized against each other. Either way masks differ from
+// the unpartitioned model's (it draws from one stream).
 //
 // Which stages may draw does not depend on layer names: NamedLayer::randomness
 // says it, and kAuto (the default) treats every module that is not one of
-// LibTorch's or tpipe's known deterministic layers as drawing; a user's own
-// module is therefore replayed exactly unless declared kNone. The cost is a
-// generator-state copy per forward and recompute, and the lock, which
-// serializes the forwards of stages that draw: on this project's 2-core
-// machine (benchmarks/run pipeline, "randomness" table), 2 stages of
-// 4 x (Linear 512 + Tanh), batch 256, 8 micro-batches, every layer declared
-// kDraws against kNone: +3.6% per step with checkpoint never, +12% with
-// checkpoint always.
+// LibTorch's or tpipe's known deterministic layers (or a LibTorch dropout
+// with p = 0) as drawing; a user's own module is therefore replayed exactly
+// unless declared kNone. The cost is a generator-state copy per forward and
+// recompute, and the lock, which serializes the forwards of stages that
+// draw: on this project's 2-core machine (benchmarks/run pipeline,
+// "randomness" table), 2 stages of 4 x (Linear 512 + Tanh), batch 256,
+// 8 micro-batches, every layer declared kDraws against kNone: +3.6% per step
+// with checkpoint never, +12% with checkpoint always.
 #pragma once
 
 #include <cstdint>

@@ -2,11 +2,14 @@
 // checked) and described without running (names, parameter counts, costs).
 #include "layers/skips.h"
 #include "layers/parts.h"
+#include "layers/random.h"
 
 #include <algorithm>
 
 #include <ATen/Context.h>
 #include <ATen/ops/cat.h>
+#include <ATen/ops/dropout.h>
+#include <ATen/ops/empty_like.h>
 #include <c10/util/Exception.h>
 #include <torch/nn/modules/linear.h>
 
@@ -195,6 +198,21 @@ std::vector<int64_t> parameterCounts(const LayerList& layers) {
 std::vector<PartUse>*& partSink() {
   thread_local std::vector<PartUse>* sink = nullptr;
   return sink;
+}
+
+c10::optional<at::Generator>& stageGenerator() {
+  thread_local c10::optional<at::Generator> generator;
+  return generator;
+}
+
+at::Tensor stageDropout(const at::Tensor& x, double p, bool training) {
+  TORCH_CHECK(
+      p >= 0 && p <= 1, "dropout probability must be in [0, 1], got ", p);
+  const c10::optional<at::Generator>& generator = stageGenerator();
+  if (!training || p == 0 || x.numel() == 0 || !generator)
+    return at::dropout(x, p, training);
+  at::Tensor keep = at::empty_like(x).bernoulli_(1 - p, *generator);
+  return p == 1 ? x * keep : x * keep.div_(1 - p);
 }
 
 } // namespace tpipe

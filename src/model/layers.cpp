@@ -5,7 +5,6 @@
 #include <torch/nn/functional/activation.h>
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/conv.h>
-#include <torch/nn/modules/dropout.h>
 #include <torch/nn/modules/embedding.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/modules/normalization.h>
@@ -14,6 +13,7 @@
 #include <torch/utils.h>
 
 #include "layers/parts.h"
+#include "layers/random.h"
 #include "model/layer_types.h"
 #include "tpipe/model.h"
 
@@ -26,6 +26,24 @@ struct BuiltLayer {
 namespace {
 
 using Shape = std::vector<int64_t>;
+
+// Dropout drawn from the running stage's own generator (layers/random.h),
+// so stages draw side by side; outside a pipeline, LibTorch's Dropout.
+class StageDropoutImpl : public torch::nn::Cloneable<StageDropoutImpl> {
+ public:
+  explicit StageDropoutImpl(double p) : p_(p) {}
+  void reset() override {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    return stageDropout(x, p_, is_training());
+  }
+  double p() const {
+    return p_;
+  }
+
+ private:
+  double p_;
+};
+TORCH_MODULE(StageDropout);
 
 // Pre-LayerNorm GPT block: x + attn(ln1(x)), then x + mlp(ln2(x)), with a
 // causal mask. Input and output [batch, time, dim]. Cloneable, so a
@@ -52,7 +70,7 @@ class TransformerBlockImpl : public torch::nn::Cloneable<TransformerBlockImpl> {
         "ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({dim_})));
     fc1 = register_module("fc1", torch::nn::Linear(dim_, mlpRatio_ * dim_));
     fc2 = register_module("fc2", torch::nn::Linear(mlpRatio_ * dim_, dim_));
-    drop = register_module("drop", torch::nn::Dropout(dropout_));
+    drop = register_module("drop", StageDropout(dropout_));
   }
 
   // Each part with parameters is reported (layers/parts.h): a split
@@ -91,7 +109,7 @@ class TransformerBlockImpl : public torch::nn::Cloneable<TransformerBlockImpl> {
   torch::nn::Linear qkv{nullptr}, proj{nullptr};
   torch::nn::LayerNorm ln2{nullptr};
   torch::nn::Linear fc1{nullptr}, fc2{nullptr};
-  torch::nn::Dropout drop{nullptr};
+  StageDropout drop{nullptr};
 };
 TORCH_MODULE(TransformerBlock);
 
@@ -236,8 +254,7 @@ BuiltLayer flatten(const LayerInput&, const LayerFacts&) {
 }
 
 BuiltLayer dropout(const LayerInput& in, const LayerFacts&) {
-  return {
-      torch::nn::AnyModule(torch::nn::Dropout(in.params["p"].get<double>()))};
+  return {torch::nn::AnyModule(StageDropout(in.params["p"].get<double>()))};
 }
 
 BuiltLayer layernorm(const LayerInput& in, const LayerFacts&) {

@@ -1,6 +1,7 @@
 #include "runtime/executor.h"
 
 #include <algorithm>
+#include <utility>
 
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/grad_mode.h>
@@ -21,6 +22,7 @@
 #include <torch/version.h>
 
 #include "layers/parts.h"
+#include "layers/random.h"
 #include "layers/skips.h"
 #include "overloaded.h"
 
@@ -73,9 +75,11 @@ class RecomputeScope {
   RecomputeScope& operator=(const RecomputeScope&) = delete;
 };
 
-// LibTorch's dropout draws from the one process-wide CPU generator. A stage
-// with a random layer swaps its own state in while it runs, under this lock,
-// so masks depend only on the stage's own stream and replay exactly.
+// LibTorch's dropout draws from the device's one default generator. A
+// stage with such a layer swaps its own state in while it runs, under this
+// lock, so masks depend only on the stage's own stream and replay exactly.
+// A stage whose only random layers are the registry's (layers/random.h)
+// draws from its own generator instead, and takes no lock.
 std::mutex& globalGeneratorMutex() {
   static std::mutex mutex;
   return mutex;
@@ -83,15 +87,28 @@ std::mutex& globalGeneratorMutex() {
 
 class StageGeneratorScope {
  public:
-  StageGeneratorScope(bool active, const at::Tensor& state, c10::Device device)
-      : active_(active) {
+  // Draws from `state` while the stage runs (nothing when it draws
+  // nothing or `active` is false).
+  StageGeneratorScope(
+      bool active,
+      const StageRuntime& stage,
+      const at::Tensor& state)
+      : active_(active && stage.stochastic()) {
     if (!active_)
       return;
-    lock_ = std::unique_lock<std::mutex>(globalGeneratorMutex());
-    generator_ = at::globalContext().defaultGenerator(device);
-    std::lock_guard<std::mutex> guard(generator_.mutex());
-    saved_ = generator_.get_state();
-    generator_.set_state(state);
+    if (stage.draws == StageRuntime::Draws::kDefaultGenerator) {
+      lock_ = std::unique_lock<std::mutex>(globalGeneratorMutex());
+      generator_ = at::globalContext().defaultGenerator(stage.device);
+      std::lock_guard<std::mutex> guard(generator_.mutex());
+      saved_ = generator_.get_state();
+    } else {
+      generator_ = *stage.generator;
+    }
+    {
+      std::lock_guard<std::mutex> guard(generator_.mutex());
+      generator_.set_state(state);
+    }
+    previous_ = std::exchange(stageGenerator(), generator_);
   }
   // The generator's state after the stage ran (the stage's next state).
   at::Tensor current() {
@@ -101,8 +118,11 @@ class StageGeneratorScope {
   ~StageGeneratorScope() {
     if (!active_)
       return;
-    std::lock_guard<std::mutex> guard(generator_.mutex());
-    generator_.set_state(saved_);
+    stageGenerator() = std::move(previous_);
+    if (saved_.defined()) {
+      std::lock_guard<std::mutex> guard(generator_.mutex());
+      generator_.set_state(saved_);
+    }
   }
   StageGeneratorScope(const StageGeneratorScope&) = delete;
   StageGeneratorScope& operator=(const StageGeneratorScope&) = delete;
@@ -112,6 +132,7 @@ class StageGeneratorScope {
   std::unique_lock<std::mutex> lock_;
   at::Generator generator_;
   at::Tensor saved_;
+  c10::optional<at::Generator> previous_;
 };
 
 // Autocast for one stage's forward, on the worker's thread (autocast is
@@ -225,18 +246,17 @@ class RankExecutor {
         "no input received");
     stash.checkpointed = op.checkpointed;
     const bool training = state_.schedule->training;
-    if (training && stage.stochastic)
+    if (training && stage.stochastic())
       stash.rngState = stage.rngState;
     std::vector<at::Tensor> outputs;
     {
       at::AutoGradMode gradMode(training && !op.checkpointed);
-      StageGeneratorScope generator(
-          training && stage.stochastic, stage.rngState, stage.device);
+      StageGeneratorScope generator(training, stage, stage.rngState);
       const bool record = training && !op.checkpointed && recordsParts(stage);
       outputs = runLayers(stage, stash.inputs, record ? &stash : nullptr);
       if (record)
         keepPartsForBackward(stage, stash);
-      if (training && stage.stochastic)
+      if (training && stage.stochastic())
         stage.rngState = generator.current();
       if (isLast(op.stage) && training)
         outputs.front() = weightedLoss(outputs.front(), op);
@@ -265,8 +285,7 @@ class RankExecutor {
     at::AutoGradMode gradMode(true);
     RecomputeScope recomputeScope;
     BufferRestoreScope buffers(stage.buffers);
-    StageGeneratorScope generator(
-        stage.stochastic, stash.rngState, stage.device);
+    StageGeneratorScope generator(true, stage, stash.rngState);
     const bool record = recordsParts(stage);
     std::vector<at::Tensor> outputs =
         runLayers(stage, stash.inputs, record ? &stash : nullptr);

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include <ATen/core/Generator.h>
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 #include <c10/core/Stream.h>
@@ -51,8 +52,17 @@ struct StageRuntime {
   // scripted module's counters): a recompute must leave them as the first
   // forward left them, whatever module keeps them.
   std::vector<at::Tensor> buffers;
-  bool stochastic = false; // holds a layer that draws randomness
-  at::Tensor rngState;     // the stage's own generator state
+  // How the stage's layers draw random numbers: not at all; only through
+  // the registry's dropout (layers/random.h), from the stage's own
+  // `generator`; or (also) from the device's default generator, whose state
+  // the stage swaps in under one process-wide lock while it runs.
+  enum class Draws { kNothing, kOwnGenerator, kDefaultGenerator };
+  Draws draws = Draws::kNothing;
+  bool stochastic() const {
+    return draws != Draws::kNothing;
+  }
+  c10::optional<at::Generator> generator; // a local stage's own
+  at::Tensor rngState; // the stage's stream: its state before the next draw
   // With direct weight gradients and fused backwards: whether the weight
   // pass computes every parameter's gradient here (StepState::
   // directBackward), as the stage's first recorded forward found. Once

@@ -19,6 +19,7 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 #include <torch/cuda.h>
+#include <torch/nn/modules/dropout.h>
 #include <torch/types.h>
 
 #include "layers/skips.h"
@@ -137,14 +138,38 @@ bool knownDeterministic(const std::string& kind) {
   return kinds.count(kind) > 0;
 }
 
-bool drawsRandomness(const NamedLayer& layer) {
-  if (layer.randomness != Randomness::kAuto)
-    return layer.randomness == Randomness::kDraws;
-  for (const auto& module : layer.module.ptr()->modules()) {
-    if (!knownDeterministic(moduleKind(module->name())))
-      return true; // dropout, or unknown
-  }
+// LibTorch's dropouts that drop nothing draw nothing: at::dropout and its
+// kin return their input when p = 0.
+bool dropsNothing(const torch::nn::Module& module) {
+  if (const auto* d = module.as<torch::nn::DropoutImpl>())
+    return d->options.p() == 0;
+  if (const auto* d = module.as<torch::nn::Dropout2dImpl>())
+    return d->options.p() == 0;
+  if (const auto* d = module.as<torch::nn::Dropout3dImpl>())
+    return d->options.p() == 0;
+  if (const auto* d = module.as<torch::nn::AlphaDropoutImpl>())
+    return d->options.p() == 0;
+  if (const auto* d = module.as<torch::nn::FeatureAlphaDropoutImpl>())
+    return d->options.p() == 0;
   return false;
+}
+
+using Draws = runtime::StageRuntime::Draws;
+
+Draws drawsOf(const NamedLayer& layer) {
+  if (layer.randomness != Randomness::kAuto) {
+    return layer.randomness == Randomness::kDraws ? Draws::kDefaultGenerator
+                                                  : Draws::kNothing;
+  }
+  Draws draws = Draws::kNothing;
+  for (const auto& module : layer.module.ptr()->modules()) {
+    const std::string kind = moduleKind(module->name());
+    if (kind == "StageDropout") // the registry's (layers/random.h)
+      draws = Draws::kOwnGenerator;
+    else if (!knownDeterministic(kind) && !dropsNothing(*module))
+      return Draws::kDefaultGenerator; // dropout, or unknown
+  }
+  return draws;
 }
 
 template <class Body>
@@ -360,7 +385,7 @@ void Pipeline::Impl::placeStage(int s) {
     if (local)
       layer.ptr()->to(stage.device);
     stage.layers.push_back(source[l]);
-    stage.stochastic = stage.stochastic || drawsRandomness(source[l]);
+    stage.draws = std::max(stage.draws, drawsOf(source[l]));
     for (const auto& buffer : layer.ptr()->buffers())
       stage.buffers.push_back(buffer);
     stage.layerParameters.emplace_back();
@@ -395,6 +420,8 @@ void Pipeline::Impl::placeStage(int s) {
   generator.set_current_seed(
       options.seed * 1000003ULL + static_cast<uint64_t>(s));
   stage.rngState = generator.get_state();
+  if (local)
+    stage.generator = generator;
 }
 
 // One worker per local rank, with its intra-op threads and memory slot.

@@ -1,0 +1,26 @@
+// Random numbers for the registry's random layers, drawn from the running
+// stage's own generator. LibTorch's dropout draws from the process-wide
+// generator, so a pipeline that replays each stage's masks must swap its
+// stream in under one lock, and two stages with dropout then never run a
+// forward at the same time. The registry's dropout (StageDropout in
+// model/layers.cpp) draws instead from the generator the executor points
+// this thread at while a stage runs; outside a stage (the sequential
+// model, a plain loop) it draws from the device's default generator, as
+// at::dropout does, with the same numbers.
+#pragma once
+
+#include <ATen/core/Generator.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>
+
+namespace tpipe {
+
+// This thread's stage generator; unset while no stage runs.
+c10::optional<at::Generator>& stageGenerator();
+
+// at::dropout's arithmetic (a Bernoulli(1 - p) mask scaled by 1 / (1 - p)),
+// drawn from stageGenerator() when set. p = 0 (or not training) draws
+// nothing and returns `x`.
+at::Tensor stageDropout(const at::Tensor& x, double p, bool training);
+
+} // namespace tpipe
