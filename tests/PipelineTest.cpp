@@ -331,24 +331,40 @@ TEST(PipelineTest, SeveralOptimizerStepsTrackSequentialTraining) {
   }
 }
 
+// The gradients of one training step of `layers`: `devices` stages, seed
+// 11, a batch of `samples` drawn after manual_seed(6).
+struct OneStep {
+  CheckpointMode mode = CheckpointMode::kNever;
+  std::string schedule = "1f1b";
+  int devices = 2, microBatches = 3, samples = 12;
+  torch::Dtype dtype = torch::kFloat;
+};
+
+std::vector<torch::Tensor> gradientsOfOneStep(
+    const LayerList& layers,
+    const OneStep& step) {
+  PipelineOptions options;
+  options.devices = cpuDevices(step.devices);
+  options.microBatches = step.microBatches;
+  options.checkpoint = step.mode;
+  options.schedule = step.schedule;
+  options.seed = 11;
+  Pipeline pipe(layers, options);
+  torch::manual_seed(6);
+  const torch::Tensor x = torch::randn({step.samples, 6}, step.dtype);
+  const torch::Tensor y = torch::randint(0, 3, {step.samples}, torch::kLong);
+  pipe.trainStep(x, y, crossEntropy);
+  std::vector<torch::Tensor> grads;
+  for (const auto& p : pipe.parameters())
+    grads.push_back(p.grad().clone());
+  return grads;
+}
+
 TEST(PipelineTest, DropoutMasksReplayUnderRecompute) {
   auto gradientsWith = [](CheckpointMode mode, const std::string& schedule) {
     torch::nn::Sequential net = makeNet(torch::kDouble, 5, /*dropout=*/0.5);
-    PipelineOptions options;
-    options.devices = cpuDevices(3);
-    options.microBatches = 4;
-    options.checkpoint = mode;
-    options.schedule = schedule;
-    options.seed = 11;
-    Pipeline pipe(layersOf(net), options);
-    torch::manual_seed(6);
-    torch::Tensor x = torch::randn({12, 6}, torch::kDouble);
-    torch::Tensor y = torch::randint(0, 3, {12}, torch::kLong);
-    pipe.trainStep(x, y, crossEntropy);
-    std::vector<torch::Tensor> grads;
-    for (const auto& p : pipe.parameters())
-      grads.push_back(p.grad().clone());
-    return grads;
+    return gradientsOfOneStep(
+        layersOf(net), {mode, schedule, 3, 4, 12, torch::kDouble});
   };
   for (const char* schedule : {"gpipe", "1f1b"}) {
     auto kept = gradientsWith(CheckpointMode::kNever, schedule);
@@ -376,48 +392,37 @@ LayerList registryDropoutNet() {
   return buildModel(config.model, 4).layers;
 }
 
-std::vector<torch::Tensor> gradientsOfOneStep(
-    const LayerList& layers,
-    CheckpointMode mode,
-    const std::string& schedule) {
-  PipelineOptions options;
-  options.devices = cpuDevices(2);
-  options.microBatches = 3;
-  options.checkpoint = mode;
-  options.schedule = schedule;
-  options.seed = 11;
-  Pipeline pipe(layers, options);
-  torch::manual_seed(6);
-  const torch::Tensor x = torch::randn({12, 6});
-  const torch::Tensor y = torch::randint(0, 3, {12}, torch::kLong);
-  pipe.trainStep(x, y, crossEntropy);
-  std::vector<torch::Tensor> grads;
-  for (const auto& p : pipe.parameters())
-    grads.push_back(p.grad().clone());
-  return grads;
-}
-
-// The registry's dropout draws from its stage's own generator, without the
-// shared lock, exactly the numbers LibTorch's Dropout draws from the
-// default generator with the stage's state swapped in, and replays them
-// under recompute.
-TEST(PipelineTest, TheRegistrysDropoutDrawsTheStagesStreamWithoutTheLock) {
+// The registry's dropout, and LibTorch's Dropout as a layer of its own,
+// draw from their stage's own generator, without the shared lock, exactly
+// the numbers LibTorch's Dropout draws from the default generator with the
+// stage's state swapped in under the lock (declared kDraws), and replay
+// them under recompute.
+TEST(PipelineTest, DropoutLayersDrawTheStagesStreamWithoutTheLock) {
+  auto withLibTorchDropout = [](Randomness declared) {
+    LayerList layers = registryDropoutNet();
+    layers[1].module = torch::nn::AnyModule(torch::nn::Dropout(0.5));
+    layers[4].module = torch::nn::AnyModule(torch::nn::Dropout(0.3));
+    layers[1].randomness = layers[4].randomness = declared;
+    return layers;
+  };
   for (const char* schedule : {"gpipe", "1f1b", "zb-h1"}) {
+    const auto kept = gradientsOfOneStep(
+        registryDropoutNet(), {CheckpointMode::kNever, schedule});
     for (CheckpointMode mode :
          {CheckpointMode::kNever, CheckpointMode::kAlways}) {
       SCOPED_TRACE(std::string(schedule) + " " + checkpointModeName(mode));
-      const auto own = gradientsOfOneStep(registryDropoutNet(), mode, schedule);
-      LayerList libtorch = registryDropoutNet();
-      libtorch[1].module = torch::nn::AnyModule(torch::nn::Dropout(0.5));
-      libtorch[4].module = torch::nn::AnyModule(torch::nn::Dropout(0.3));
-      const auto swapped = gradientsOfOneStep(libtorch, mode, schedule);
-      ASSERT_EQ(own.size(), swapped.size());
-      for (size_t i = 0; i < own.size(); ++i)
-        EXPECT_TRUE(torch::equal(own[i], swapped[i])) << "parameter " << i;
-      const auto kept = gradientsOfOneStep(
-          registryDropoutNet(), CheckpointMode::kNever, schedule);
-      for (size_t i = 0; i < own.size(); ++i)
-        EXPECT_TRUE(torch::equal(own[i], kept[i])) << "parameter " << i;
+      const auto registry =
+          gradientsOfOneStep(registryDropoutNet(), {mode, schedule});
+      const auto libtorch = gradientsOfOneStep(
+          withLibTorchDropout(Randomness::kAuto), {mode, schedule});
+      const auto swapped = gradientsOfOneStep(
+          withLibTorchDropout(Randomness::kDraws), {mode, schedule});
+      ASSERT_EQ(registry.size(), kept.size());
+      for (size_t i = 0; i < kept.size(); ++i) {
+        EXPECT_TRUE(torch::equal(registry[i], kept[i])) << "parameter " << i;
+        EXPECT_TRUE(torch::equal(libtorch[i], kept[i])) << "parameter " << i;
+        EXPECT_TRUE(torch::equal(swapped[i], kept[i])) << "parameter " << i;
+      }
     }
   }
 }
@@ -450,28 +455,36 @@ struct RendezvousImpl : torch::nn::Module {
 };
 TORCH_MODULE(Rendezvous);
 
-// Two stages with the registry's dropout run forwards side by side: under
-// GPipe, stage 0's second forward and stage 1's first meet.
-TEST(PipelineTest, StagesWithTheRegistrysDropoutRunForwardsTogether) {
-  LayerList layers = registryDropoutNet();
-  auto shared = std::make_shared<RendezvousImpl::Shared>();
-  NamedLayer first{"meet0", torch::nn::AnyModule(Rendezvous(shared, 2))};
-  NamedLayer second{"meet1", torch::nn::AnyModule(Rendezvous(shared, 1))};
-  first.randomness = second.randomness = Randomness::kNone;
-  layers.insert(layers.begin() + 2, first); // stage 0: layers 0-2
-  layers.push_back(second);
-  PipelineOptions options;
-  options.devices = cpuDevices(2);
-  options.microBatches = 3;
-  options.schedule = "gpipe";
-  options.checkpoint = CheckpointMode::kNever;
-  options.partition = PartitionMethod::kBalance;
-  options.balance = {3, 5};
-  Pipeline pipe(layers, options);
-  const torch::Tensor x = torch::randn({12, 6});
-  const torch::Tensor y = torch::randint(0, 3, {12}, torch::kLong);
-  EXPECT_NO_THROW(pipe.trainStep(x, y, crossEntropy));
-  EXPECT_EQ(shared->count, 2);
+// Two stages with dropout layers (the registry's or LibTorch's) run
+// forwards side by side: under GPipe, stage 0's second forward and stage
+// 1's first meet.
+TEST(PipelineTest, StagesWithDropoutLayersRunForwardsTogether) {
+  for (bool libtorch : {false, true}) {
+    SCOPED_TRACE(libtorch ? "LibTorch's Dropout" : "the registry's dropout");
+    LayerList layers = registryDropoutNet();
+    if (libtorch) {
+      layers[1].module = torch::nn::AnyModule(torch::nn::Dropout(0.5));
+      layers[4].module = torch::nn::AnyModule(torch::nn::Dropout(0.3));
+    }
+    auto shared = std::make_shared<RendezvousImpl::Shared>();
+    NamedLayer first{"meet0", torch::nn::AnyModule(Rendezvous(shared, 2))};
+    NamedLayer second{"meet1", torch::nn::AnyModule(Rendezvous(shared, 1))};
+    first.randomness = second.randomness = Randomness::kNone;
+    layers.insert(layers.begin() + 2, first); // stage 0: layers 0-2
+    layers.push_back(second);
+    PipelineOptions options;
+    options.devices = cpuDevices(2);
+    options.microBatches = 3;
+    options.schedule = "gpipe";
+    options.checkpoint = CheckpointMode::kNever;
+    options.partition = PartitionMethod::kBalance;
+    options.balance = {3, 5};
+    Pipeline pipe(layers, options);
+    const torch::Tensor x = torch::randn({12, 6});
+    const torch::Tensor y = torch::randint(0, 3, {12}, torch::kLong);
+    EXPECT_NO_THROW(pipe.trainStep(x, y, crossEntropy));
+    EXPECT_EQ(shared->count, 2);
+  }
 }
 
 // A user's own random layer, unknown to tpipe by name: x + noise.
@@ -495,20 +508,7 @@ TEST(PipelineTest, AUserDefinedRandomLayerReplaysUnderRecompute) {
     LayerList layers = layersOf(net);
     for (auto& layer : layers)
       layer.randomness = declared;
-    PipelineOptions options;
-    options.devices = cpuDevices(2);
-    options.microBatches = 3;
-    options.checkpoint = mode;
-    options.seed = 11;
-    Pipeline pipe(layers, options);
-    torch::manual_seed(6);
-    const torch::Tensor x = torch::randn({9, 6}, torch::kFloat);
-    const torch::Tensor y = torch::randint(0, 3, {9}, torch::kLong);
-    pipe.trainStep(x, y, crossEntropy);
-    std::vector<torch::Tensor> grads;
-    for (const auto& p : pipe.parameters())
-      grads.push_back(p.grad().clone());
-    return grads;
+    return gradientsOfOneStep(layers, {mode, "gpipe", 2, 3, 9});
   };
   const auto kept = gradientsWith(CheckpointMode::kNever, Randomness::kAuto);
   const auto remat = gradientsWith(CheckpointMode::kAlways, Randomness::kAuto);

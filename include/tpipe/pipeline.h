@@ -35,12 +35,14 @@
 // two. So that random layers (dropout) draw the same numbers twice, each
 // stage owns its random generator: its state is saved at the forward and
 // replayed at the recompute. The config registry's dropout (the "dropout"
-// layer and the transformer block's) draws from the running stage's own
-// generator, so stages draw side by side. LibTorch's dropout draws from the
-// process-wide generator, so a stage holding one (or any module that may
-// draw) swaps its own state into it under one lock while it runs: such
-// forwards are serialized against each other. Either way masks differ from
-// the unpartitioned model's (it draws from one stream).
+// layer and the transformer block's) and a layer that is LibTorch's plain
+// torch::nn::Dropout (not in place) draw from the running stage's own
+// generator, so stages draw side by side. A dropout inside a module of
+// yours draws from LibTorch's process-wide generator, so its stage (as any
+// stage with a module that may draw) swaps its own state into it under one
+// lock while it runs: such forwards are serialized against each other.
+// Either way masks differ from the unpartitioned model's (it draws from one
+// stream).
 //
 // Which stages may draw does not depend on layer names: NamedLayer::randomness
 // says it, and kAuto (the default) treats every module that is not one of

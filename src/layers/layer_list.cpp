@@ -11,6 +11,7 @@
 #include <ATen/ops/dropout.h>
 #include <ATen/ops/empty_like.h>
 #include <c10/util/Exception.h>
+#include <torch/nn/modules/dropout.h>
 #include <torch/nn/modules/linear.h>
 
 namespace tpipe {
@@ -85,7 +86,10 @@ at::Tensor runLayer(
   if (layer.merge == SkipMerge::kArgument && !layer.pop.empty()) {
     y = module.forward(x, live.take(layer.pop.front(), layer.name));
   } else {
-    y = module.forward(x);
+    const auto* dropout = module.ptr()->as<torch::nn::DropoutImpl>();
+    y = dropout && runsAsStageDropout(*dropout)
+        ? stageDropout(x, dropout->options.p(), dropout->is_training())
+        : module.forward(x);
     for (const auto& name : layer.pop)
       y = merged(layer, y, live.take(name, layer.name), name);
   }
@@ -203,6 +207,11 @@ std::vector<PartUse>*& partSink() {
 c10::optional<at::Generator>& stageGenerator() {
   thread_local c10::optional<at::Generator> generator;
   return generator;
+}
+
+bool runsAsStageDropout(const torch::nn::Module& layerModule) {
+  const auto* dropout = layerModule.as<torch::nn::DropoutImpl>();
+  return dropout && !dropout->options.inplace();
 }
 
 at::Tensor stageDropout(const at::Tensor& x, double p, bool training) {

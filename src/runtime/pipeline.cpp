@@ -22,6 +22,7 @@
 #include <torch/nn/modules/dropout.h>
 #include <torch/types.h>
 
+#include "layers/random.h"
 #include "layers/skips.h"
 #include "runtime/c10d_transport.h"
 #include "runtime/pipeline_impl.h"
@@ -161,6 +162,8 @@ Draws drawsOf(const NamedLayer& layer) {
     return layer.randomness == Randomness::kDraws ? Draws::kDefaultGenerator
                                                   : Draws::kNothing;
   }
+  if (runsAsStageDropout(*layer.module.ptr()))
+    return Draws::kOwnGenerator;
   Draws draws = Draws::kNothing;
   for (const auto& module : layer.module.ptr()->modules()) {
     const std::string kind = moduleKind(module->name());
