@@ -392,19 +392,36 @@ LayerList registryDropoutNet() {
   return buildModel(config.model, 4).layers;
 }
 
-// The registry's dropout, and LibTorch's Dropout as a layer of its own,
-// draw from their stage's own generator, without the shared lock, exactly
-// the numbers LibTorch's Dropout draws from the default generator with the
+// A user's own module drawing through tpipe's stage generator.
+struct OwnDropoutImpl : torch::nn::Module {
+  explicit OwnDropoutImpl(double p) : p(p) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    return stageDropout(x, p, is_training());
+  }
+  double p;
+};
+TORCH_MODULE(OwnDropout);
+
+// registryDropoutNet with its dropouts LibTorch's, or the user's own
+// (OwnDropout), declared as given.
+LayerList withDropoutsOf(const std::string& kind, Randomness declared) {
+  LayerList layers = registryDropoutNet();
+  const bool own = kind == "own";
+  layers[1].module = own ? torch::nn::AnyModule(OwnDropout(0.5))
+                         : torch::nn::AnyModule(torch::nn::Dropout(0.5));
+  layers[4].module = own ? torch::nn::AnyModule(OwnDropout(0.3))
+                         : torch::nn::AnyModule(torch::nn::Dropout(0.3));
+  layers[1].randomness = layers[4].randomness = declared;
+  return layers;
+}
+
+// The registry's dropout, LibTorch's Dropout as a layer of its own, and a
+// module's own draws through stageDropout (declared kStageGenerator) draw
+// from their stage's own generator, without the shared lock, exactly the
+// numbers LibTorch's Dropout draws from the default generator with the
 // stage's state swapped in under the lock (declared kDraws), and replay
 // them under recompute.
 TEST(PipelineTest, DropoutLayersDrawTheStagesStreamWithoutTheLock) {
-  auto withLibTorchDropout = [](Randomness declared) {
-    LayerList layers = registryDropoutNet();
-    layers[1].module = torch::nn::AnyModule(torch::nn::Dropout(0.5));
-    layers[4].module = torch::nn::AnyModule(torch::nn::Dropout(0.3));
-    layers[1].randomness = layers[4].randomness = declared;
-    return layers;
-  };
   for (const char* schedule : {"gpipe", "1f1b", "zb-h1"}) {
     const auto kept = gradientsOfOneStep(
         registryDropoutNet(), {CheckpointMode::kNever, schedule});
@@ -414,14 +431,17 @@ TEST(PipelineTest, DropoutLayersDrawTheStagesStreamWithoutTheLock) {
       const auto registry =
           gradientsOfOneStep(registryDropoutNet(), {mode, schedule});
       const auto libtorch = gradientsOfOneStep(
-          withLibTorchDropout(Randomness::kAuto), {mode, schedule});
+          withDropoutsOf("libtorch", Randomness::kAuto), {mode, schedule});
       const auto swapped = gradientsOfOneStep(
-          withLibTorchDropout(Randomness::kDraws), {mode, schedule});
+          withDropoutsOf("libtorch", Randomness::kDraws), {mode, schedule});
+      const auto own = gradientsOfOneStep(
+          withDropoutsOf("own", Randomness::kStageGenerator), {mode, schedule});
       ASSERT_EQ(registry.size(), kept.size());
       for (size_t i = 0; i < kept.size(); ++i) {
         EXPECT_TRUE(torch::equal(registry[i], kept[i])) << "parameter " << i;
         EXPECT_TRUE(torch::equal(libtorch[i], kept[i])) << "parameter " << i;
         EXPECT_TRUE(torch::equal(swapped[i], kept[i])) << "parameter " << i;
+        EXPECT_TRUE(torch::equal(own[i], kept[i])) << "parameter " << i;
       }
     }
   }
@@ -455,17 +475,18 @@ struct RendezvousImpl : torch::nn::Module {
 };
 TORCH_MODULE(Rendezvous);
 
-// Two stages with dropout layers (the registry's or LibTorch's) run
-// forwards side by side: under GPipe, stage 0's second forward and stage
-// 1's first meet.
+// Two stages with dropout layers (the registry's, LibTorch's or the
+// user's own through stageDropout) run forwards side by side: under GPipe,
+// stage 0's second forward and stage 1's first meet.
 TEST(PipelineTest, StagesWithDropoutLayersRunForwardsTogether) {
-  for (bool libtorch : {false, true}) {
-    SCOPED_TRACE(libtorch ? "LibTorch's Dropout" : "the registry's dropout");
-    LayerList layers = registryDropoutNet();
-    if (libtorch) {
-      layers[1].module = torch::nn::AnyModule(torch::nn::Dropout(0.5));
-      layers[4].module = torch::nn::AnyModule(torch::nn::Dropout(0.3));
-    }
+  for (const char* kind : {"registry", "libtorch", "own"}) {
+    SCOPED_TRACE(kind);
+    LayerList layers = std::string(kind) == "registry"
+        ? registryDropoutNet()
+        : withDropoutsOf(
+              kind,
+              std::string(kind) == "own" ? Randomness::kStageGenerator
+                                         : Randomness::kAuto);
     auto shared = std::make_shared<RendezvousImpl::Shared>();
     NamedLayer first{"meet0", torch::nn::AnyModule(Rendezvous(shared, 2))};
     NamedLayer second{"meet1", torch::nn::AnyModule(Rendezvous(shared, 1))};

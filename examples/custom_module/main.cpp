@@ -5,17 +5,20 @@
 #include <torch/torch.h>
 #include <tpipe/pipeline.h>
 
-// Your own module: tpipe knows nothing of it, and treats it as random
-// (it holds dropout), so recompute replays its masks exactly.
+// Your own module: tpipe knows nothing of it. Its dropout draws from the
+// running stage's own generator (tpipe::stageDropout), and its layer says
+// so (Randomness::kStageGenerator, below): recompute replays its masks
+// exactly, and the two stages run their forwards side by side. (With a
+// torch::nn::Dropout inside, tpipe would treat the block as drawing from
+// LibTorch's process-wide generator, replay it as exactly, and let one
+// such stage run a forward at a time.)
 struct ResidualBlockImpl : torch::nn::Module {
   explicit ResidualBlockImpl(int64_t width)
-      : fc(register_module("fc", torch::nn::Linear(width, width))),
-        drop(register_module("drop", torch::nn::Dropout(0.1))) {}
+      : fc(register_module("fc", torch::nn::Linear(width, width))) {}
   torch::Tensor forward(const torch::Tensor& x) {
-    return x + drop(torch::relu(fc(x)));
+    return x + tpipe::stageDropout(torch::relu(fc(x)), 0.1, is_training());
   }
   torch::nn::Linear fc;
-  torch::nn::Dropout drop;
 };
 TORCH_MODULE(ResidualBlock);
 
@@ -32,7 +35,12 @@ int main() {
   options.microBatches = 4;
   options.schedule = "1f1b";
   options.checkpoint = tpipe::CheckpointMode::kAlways;
-  tpipe::Pipeline pipe(tpipe::layersOf(net), options);
+  tpipe::LayerList layers = tpipe::layersOf(net);
+  for (auto& layer : layers) {
+    if (layer.module.ptr()->as<ResidualBlockImpl>())
+      layer.randomness = tpipe::Randomness::kStageGenerator;
+  }
+  tpipe::Pipeline pipe(layers, options);
 
   const torch::Tensor x = torch::randn({64, 16});
   const torch::Tensor y = x.narrow(1, 0, 4).argmax(1); // a learnable target

@@ -26,7 +26,22 @@ enum class Randomness {
   kAuto,  // dropout-like modules and unknown modules draw; known ones do not
   kNone,  // declared deterministic: its stage skips the generator swap
   kDraws, // declared random: its stage's numbers are replayed on recompute
+  // Declared to draw only through stageDropout or stageGenerator() (below):
+  // replayed on recompute like kDraws, from the stage's own generator, with
+  // no lock, so stages draw side by side. A LibTorch dropout or any other
+  // draw inside such a layer would not be replayed.
+  kStageGenerator,
 };
+
+// Randomness for your own modules that a pipeline replays without the
+// process-wide lock (tpipe/pipeline.h's header comment). While a pipeline
+// runs a stage, stageGenerator() is that stage's own generator (pass it to
+// torch::randn and kin); elsewhere it is unset. stageDropout is
+// at::dropout's arithmetic (a Bernoulli(1 - p) mask scaled by 1 / (1 - p))
+// drawn from it, and plain at::dropout where it is unset, with the same
+// numbers. Declare the layer Randomness::kStageGenerator.
+c10::optional<at::Generator> stageGenerator();
+torch::Tensor stageDropout(const torch::Tensor& x, double p, bool training);
 
 // How a layer takes back the skip tensor it pops (NamedLayer::pop).
 enum class SkipMerge {

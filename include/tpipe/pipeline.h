@@ -37,10 +37,13 @@
 // replayed at the recompute. The config registry's dropout (the "dropout"
 // layer and the transformer block's) and a layer that is LibTorch's plain
 // torch::nn::Dropout (not in place) draw from the running stage's own
-// generator, so stages draw side by side. A dropout inside a module of
-// yours draws from LibTorch's process-wide generator, so its stage (as any
-// stage with a module that may draw) swaps its own state into it under one
-// lock while it runs: such forwards are serialized against each other.
+// generator, so stages draw side by side, and so does a module of yours
+// that draws through tpipe::stageDropout or tpipe::stageGenerator()
+// (tpipe/layers.h) and is declared Randomness::kStageGenerator. A dropout
+// inside a module of yours draws from LibTorch's process-wide generator, so
+// its stage (as any stage with a module that may draw) swaps its own state
+// into it under one lock while it runs: such forwards are serialized
+// against each other.
 // Either way masks differ from the unpartitioned model's (it draws from one
 // stream).
 //

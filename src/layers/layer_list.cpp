@@ -204,9 +204,13 @@ std::vector<PartUse>*& partSink() {
   return sink;
 }
 
-c10::optional<at::Generator>& stageGenerator() {
+c10::optional<at::Generator>& stageGeneratorSlot() {
   thread_local c10::optional<at::Generator> generator;
   return generator;
+}
+
+c10::optional<at::Generator> stageGenerator() {
+  return stageGeneratorSlot();
 }
 
 bool runsAsStageDropout(const torch::nn::Module& layerModule) {
@@ -217,7 +221,7 @@ bool runsAsStageDropout(const torch::nn::Module& layerModule) {
 at::Tensor stageDropout(const at::Tensor& x, double p, bool training) {
   TORCH_CHECK(
       p >= 0 && p <= 1, "dropout probability must be in [0, 1], got ", p);
-  const c10::optional<at::Generator>& generator = stageGenerator();
+  const c10::optional<at::Generator>& generator = stageGeneratorSlot();
   if (!training || p == 0 || x.numel() == 0 || !generator)
     return at::dropout(x, p, training);
   at::Tensor keep = at::empty_like(x).bernoulli_(1 - p, *generator);

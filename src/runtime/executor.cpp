@@ -108,7 +108,7 @@ class StageGeneratorScope {
       std::lock_guard<std::mutex> guard(generator_.mutex());
       generator_.set_state(state);
     }
-    previous_ = std::exchange(stageGenerator(), generator_);
+    previous_ = std::exchange(stageGeneratorSlot(), generator_);
   }
   // The generator's state after the stage ran (the stage's next state).
   at::Tensor current() {
@@ -118,7 +118,7 @@ class StageGeneratorScope {
   ~StageGeneratorScope() {
     if (!active_)
       return;
-    stageGenerator() = std::move(previous_);
+    stageGeneratorSlot() = std::move(previous_);
     if (saved_.defined()) {
       std::lock_guard<std::mutex> guard(generator_.mutex());
       generator_.set_state(saved_);

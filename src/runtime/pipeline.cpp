@@ -158,9 +158,15 @@ bool dropsNothing(const torch::nn::Module& module) {
 using Draws = runtime::StageRuntime::Draws;
 
 Draws drawsOf(const NamedLayer& layer) {
-  if (layer.randomness != Randomness::kAuto) {
-    return layer.randomness == Randomness::kDraws ? Draws::kDefaultGenerator
-                                                  : Draws::kNothing;
+  switch (layer.randomness) {
+    case Randomness::kNone:
+      return Draws::kNothing;
+    case Randomness::kDraws:
+      return Draws::kDefaultGenerator;
+    case Randomness::kStageGenerator:
+      return Draws::kOwnGenerator;
+    case Randomness::kAuto:
+      break;
   }
   if (runsAsStageDropout(*layer.module.ptr()))
     return Draws::kOwnGenerator;
