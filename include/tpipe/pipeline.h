@@ -43,9 +43,8 @@
 // inside a module of yours draws from LibTorch's process-wide generator, so
 // its stage (as any stage with a module that may draw) swaps its own state
 // into it under one lock while it runs: such forwards are serialized
-// against each other.
-// Either way masks differ from the unpartitioned model's (it draws from one
-// stream).
+// against each other. Either way masks differ from the unpartitioned
+// model's (it draws from one stream).
 //
 // Which stages may draw does not depend on layer names: NamedLayer::randomness
 // says it, and kAuto (the default) treats every module that is not one of

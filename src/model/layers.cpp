@@ -27,17 +27,14 @@ namespace {
 
 using Shape = std::vector<int64_t>;
 
-// Dropout drawn from the running stage's own generator (layers/random.h),
-// so stages draw side by side; outside a pipeline, LibTorch's Dropout.
+// Dropout drawn from the running stage's own generator (stageDropout), so
+// stages draw side by side; outside a pipeline, at::dropout's numbers.
 class StageDropoutImpl : public torch::nn::Cloneable<StageDropoutImpl> {
  public:
   explicit StageDropoutImpl(double p) : p_(p) {}
   void reset() override {}
   torch::Tensor forward(const torch::Tensor& x) {
     return stageDropout(x, p_, is_training());
-  }
-  double p() const {
-    return p_;
   }
 
  private:

@@ -78,8 +78,9 @@ class RecomputeScope {
 // LibTorch's dropout draws from the device's one default generator. A
 // stage with such a layer swaps its own state in while it runs, under this
 // lock, so masks depend only on the stage's own stream and replay exactly.
-// A stage whose only random layers are the registry's (layers/random.h)
-// draws from its own generator instead, and takes no lock.
+// A stage whose layers draw only through stageDropout or stageGenerator()
+// (layers/random.h) draws from its own generator instead, and takes no
+// lock.
 std::mutex& globalGeneratorMutex() {
   static std::mutex mutex;
   return mutex;

@@ -53,7 +53,7 @@ struct StageRuntime {
   // forward left them, whatever module keeps them.
   std::vector<at::Tensor> buffers;
   // How the stage's layers draw random numbers: not at all; only through
-  // the registry's dropout (layers/random.h), from the stage's own
+  // stageDropout or stageGenerator() (layers/random.h), from the stage's own
   // `generator`; or (also) from the device's default generator, whose state
   // the stage swaps in under one process-wide lock while it runs.
   enum class Draws { kNothing, kOwnGenerator, kDefaultGenerator };
