@@ -74,6 +74,13 @@ at::Tensor merged(
   return concat ? at::cat({output, skip}, 1) : output + skip;
 }
 
+// The layer's module as LibTorch's plain Dropout, not in place; null for
+// any other module (runsAsStageDropout).
+const torch::nn::DropoutImpl* plainDropout(const torch::nn::Module& module) {
+  const auto* dropout = module.as<torch::nn::DropoutImpl>();
+  return dropout && !dropout->options.inplace() ? dropout : nullptr;
+}
+
 } // namespace
 
 at::Tensor runLayer(
@@ -86,10 +93,9 @@ at::Tensor runLayer(
   if (layer.merge == SkipMerge::kArgument && !layer.pop.empty()) {
     y = module.forward(x, live.take(layer.pop.front(), layer.name));
   } else {
-    const auto* dropout = module.ptr()->as<torch::nn::DropoutImpl>();
-    y = dropout && runsAsStageDropout(*dropout)
-        ? stageDropout(x, dropout->options.p(), dropout->is_training())
-        : module.forward(x);
+    const torch::nn::DropoutImpl* dropout = plainDropout(*module.ptr());
+    y = dropout ? stageDropout(x, dropout->options.p(), dropout->is_training())
+                : module.forward(x);
     for (const auto& name : layer.pop)
       y = merged(layer, y, live.take(name, layer.name), name);
   }
@@ -214,8 +220,7 @@ c10::optional<at::Generator> stageGenerator() {
 }
 
 bool runsAsStageDropout(const torch::nn::Module& layerModule) {
-  const auto* dropout = layerModule.as<torch::nn::DropoutImpl>();
-  return dropout && !dropout->options.inplace();
+  return plainDropout(layerModule) != nullptr;
 }
 
 at::Tensor stageDropout(const at::Tensor& x, double p, bool training) {
