@@ -1691,6 +1691,50 @@ TEST(PipelineTest, ThePlansThreadsRunTheStages) {
   EXPECT_THROW(tpipe::Pipeline(layers, options), c10::Error);
 }
 
+// The calling thread of stages on workers only splits batches and waits:
+// it is left with one intra-op thread, so that no OpenMP team of its own
+// spins on the stages' cores, whatever it ran before. A stage run on the
+// caller keeps its plan's threads.
+TEST(PipelineTest, ACallerOfStageWorkersKeepsNoThreadTeam) {
+  const int before = at::get_num_threads();
+  tpipe::LayerList layers;
+  for (int i = 0; i < 2; ++i)
+    layers.push_back(
+        {"fc" + std::to_string(i),
+         torch::nn::AnyModule(torch::nn::Linear(4, 4))});
+  const torch::Tensor x = torch::randn({8, 4}), y = torch::randn({8, 4});
+  auto loss = [](const torch::Tensor& out, const torch::Tensor& target) {
+    return torch::mse_loss(out, target);
+  };
+  tpipe::PipelineOptions options;
+  options.devices = tpipe::cpuDevices(2);
+  options.microBatches = 2;
+  options.partition = tpipe::PartitionMethod::kBalance;
+  options.balance = {1, 1};
+  {
+    tpipe::Pipeline pipe(layers, options);
+    at::set_num_threads(2);
+    pipe.trainStep(x, y, loss);
+    EXPECT_EQ(at::get_num_threads(), 1) << "trainStep";
+    at::set_num_threads(2);
+    tpipe::Pipeline::Update update;
+    update.apply = [](int) {};
+    pipe.postStep(x, y, loss, update);
+    pipe.finishStep();
+    EXPECT_EQ(at::get_num_threads(), 1) << "postStep";
+  }
+  options.devices = tpipe::cpuDevices(1);
+  options.balance = {2};
+  options.threadsPerDevice = 2;
+  {
+    tpipe::Pipeline pipe(layers, options);
+    at::set_num_threads(1);
+    pipe.trainStep(x, y, loss);
+    EXPECT_EQ(at::get_num_threads(), 2) << "one stage, on the caller";
+  }
+  at::set_num_threads(before);
+}
+
 namespace tpipe {
 namespace {
 

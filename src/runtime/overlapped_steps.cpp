@@ -294,6 +294,7 @@ void Pipeline::Impl::post(std::shared_ptr<runtime::PostedStep> step) {
     runOn(localRanks, part);
     return;
   }
+  leaveCoresToWorkers();
   for (int rank : localRanks)
     workers[rank]->post([part, rank] { part(rank); });
 }

@@ -109,6 +109,14 @@ struct Pipeline::Impl {
   bool runsOnCaller() const {
     return placement.runsOnCaller();
   }
+  // Before work is handed to stage workers: the calling thread only takes
+  // batches, splits them and waits, so it runs no OpenMP team of its own.
+  // A team it leaves behind spins on a core the stages need: two one-thread
+  // stages stepped 1.3-1.5x slower from a thread that had run a two-thread
+  // stage (the tuner's). A fresh process got one thread there only by
+  // chance (LibTorch sets a thread's count at its first parallel op, from
+  // the last count set anywhere: the workers' one).
+  void leaveCoresToWorkers() const;
   // Runs job(rank) where each of `ranks` (local ones) works, and waits.
   void runOn(
       const std::vector<int>& ranks,

@@ -128,6 +128,11 @@ void Pipeline::Impl::expectShapes(
 // thread (OpenMP's pool and malloc's arenas of later threads), and one
 // stage must cost no more than a plain loop. With several devices each has
 // its worker, and the caller waits.
+void Pipeline::Impl::leaveCoresToWorkers() const {
+  if (at::get_num_threads() != 1)
+    at::set_num_threads(1);
+}
+
 void Pipeline::Impl::runOn(
     const std::vector<int>& ranks,
     const std::function<void(int)>& job) {
@@ -142,6 +147,7 @@ void Pipeline::Impl::runOn(
     job(localRanks.front());
     return;
   }
+  leaveCoresToWorkers();
   runtime::Latch latch(static_cast<int>(ranks.size()));
   for (int rank : ranks) {
     workers[rank]->post([&job, &latch, rank] {
