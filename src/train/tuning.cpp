@@ -98,10 +98,13 @@ class PlanRun {
 
   // As training runs it. With overlapping steps training posts each step
   // before the one ahead of it finishes, so a step costs the time between
-  // two finishes: three steps posted that way, timed from the first's
-  // finish to the third's, halved. Timing from the first post, as this once
-  // did, added half a pipeline fill that overlapping hides: a two-stage
-  // dualpipe measured 24.8 ms here and trained at 18.6.
+  // two finishes while the next step is already posted: three steps posted
+  // that way, timed from the first's finish to the second's, the third
+  // finished untimed. Timing from the first post, as this once did, added
+  // half a pipeline fill that overlapping hides (a two-stage dualpipe
+  // measured 24.8 ms here and trained at 18.6); timing to the third's
+  // finish, as it did next, added half a drain, which training hides behind
+  // the next step's fill.
   StepTiming step(const LossFunction& loss) {
     if (update_.apply) {
       auto post = [&] {
@@ -114,8 +117,8 @@ class PlanRun {
       const auto start = Clock::now();
       post();
       pipe_->finishStep();
+      const double ms = msSince(start);
       pipe_->finishStep();
-      const double ms = msSince(start) / 2.0;
       return {ms, ms};
     }
     const auto start = Clock::now();
