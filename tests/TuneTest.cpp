@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "statistics.h"
 #include "model/layer_types.h"
 #include "tpipe/config.h"
 #include "tpipe/model.h"
@@ -316,6 +317,31 @@ TEST(TuneTest, MeasuredPlansAreComparedRoundByRound) {
   EXPECT_THROW(
       chooseByMeasurement(two, {0, 2}, {steps[0], {1.0}}),
       std::invalid_argument);
+}
+
+// Rounds a burst slowed for every plan leave the medians the anchoring
+// takes; on a quiet machine the medians are every round's.
+TEST(TuneTest, AnchoredMediansLeaveOutRoundsABurstSlowed) {
+  std::vector<std::vector<double>> quiet(2), busy(2);
+  for (int r = 0; r < 15; ++r) {
+    const double jitter = 1.0 + 0.01 * (r % 5); // 0-4%
+    quiet[0].push_back(10.0 * jitter);
+    quiet[1].push_back(12.0 * jitter);
+    const double burst = r >= 3 && r < 12 ? 1.6 : 1.0; // 9 of 15 rounds
+    busy[0].push_back(10.0 * jitter * burst);
+    busy[1].push_back(12.0 * jitter * burst);
+  }
+  const std::vector<double> calm = medianOutsideBursts(quiet);
+  EXPECT_NEAR(calm[0], median(quiet[0]), 1e-9);
+  EXPECT_NEAR(calm[1], median(quiet[1]), 1e-9);
+  const std::vector<double> outside = medianOutsideBursts(busy);
+  EXPECT_GT(median(busy[0]), 15.0); // the plain median is a burst's
+  EXPECT_LT(outside[0], 10.5);
+  EXPECT_LT(outside[1], 12.6);
+  // A burst over all but two rounds leaves too few: every round's median.
+  for (int r = 2; r < 15; ++r)
+    busy[0][r] = busy[1][r] = 30.0;
+  EXPECT_NEAR(medianOutsideBursts(busy)[0], median(busy[0]), 1e-9);
 }
 
 TEST(TuneTest, SmallMicroBatchesPayTheirFixedCost) {

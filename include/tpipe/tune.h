@@ -181,6 +181,17 @@ PlanRequest candidatePlanRequest(
     const TuneRequest& request,
     const TuneCandidate& candidate);
 
+// Each plan's median step over the rounds that were not a neighbour's
+// burst, from the same roundSteps as chooseByMeasurement: a round is a
+// burst where the plans ran, by their median, more than 15% above their
+// own lower quartiles together. A training run's median step sees a
+// burst on a minority of its steps, where a second of in-turn rounds can
+// lie under one whole (a tune predicted 15.6 ms for a plan that trained at
+// 11.0). With fewer than a quarter of the rounds (at least 3) left, the
+// median over all of them.
+std::vector<double> medianOutsideBursts(
+    const std::vector<std::vector<double>>& roundSteps);
+
 // Predictions re-anchored to the plans measured in turn (measuredStepMs >=
 // 0): a calibration run seconds earlier in a fresh process misjudges every
 // plan of one shape alike, by up to a third, while plans measured
@@ -210,7 +221,7 @@ std::vector<size_t> measurementContenders(const TuneResult& result);
 // machine that slows for seconds at a time slows both steps of a round
 // alike, and a burst on one step does not move a median. The simplest
 // plan within the noise of the fastest is chosen: twice the spread of
-// those ratios' median, at least 3%. A note says what was chosen and why.
+// those ratios' median, at least 5%. A note says what was chosen and why.
 // Throws std::invalid_argument unless there is one list per plan, all as
 // long.
 void chooseByMeasurement(

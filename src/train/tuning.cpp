@@ -916,13 +916,15 @@ TuneOutcome tuneConfig(const Config& config, const TuneOptions& options) {
   if (options.measure)
     return outcome; // --measure shows the model's own predictions
   // Predictions of the steps a user will meet: anchored to the medians
-  // (which a busy machine's bursts stretch as they will stretch training),
-  // where the choice compared lower quartiles (which bursts spare).
+  // outside the rounds a burst slowed (training's median step meets few
+  // of them), where the choice compared lower quartiles.
+  const std::vector<double> medians = medianOutsideBursts(steps);
   for (size_t k = 0; k < measured.size(); ++k)
-    outcome.result.candidates[measured[k]].measuredStepMs = median(steps[k]);
+    outcome.result.candidates[measured[k]].measuredStepMs = medians[k];
   const std::string anchored = anchorToMeasured(outcome.result);
   if (!anchored.empty())
-    outcome.result.notes.push_back(anchored + "; measured ms: medians");
+    outcome.result.notes.push_back(
+        anchored + "; measured ms: medians outside bursts");
   return outcome;
 }
 
