@@ -319,6 +319,28 @@ TEST(TuneTest, MeasuredPlansAreComparedRoundByRound) {
       std::invalid_argument);
 }
 
+// A plan on more devices is chosen over one on fewer only when it measures
+// at least 10% faster; among plans on as many devices, 5% decides.
+TEST(TuneTest, MoreDevicesMustMeasureTenPercentFaster) {
+  auto chooseBetween = [](int ranks, double faster) {
+    TuneResult result;
+    result.candidates = {
+        predictedPlan(ranks, 4, 10.0), predictedPlan(1, 1, 10.0)};
+    result.choice = 0;
+    std::vector<std::vector<double>> steps(2);
+    for (int r = 0; r < 15; ++r) {
+      const double machine = 1.0 + 0.02 * (r % 3);
+      steps[0].push_back(10.0 * machine);
+      steps[1].push_back(10.0 * faster * machine);
+    }
+    chooseByMeasurement(result, {0, 1}, steps);
+    return result.candidates[result.choice].microBatches;
+  };
+  EXPECT_EQ(chooseBetween(2, 1.07), 1); // two stages 7% faster: one stage
+  EXPECT_EQ(chooseBetween(2, 1.12), 4); // 12% faster: two stages
+  EXPECT_EQ(chooseBetween(1, 1.07), 4); // on one device, 7% decides
+}
+
 // Rounds a burst slowed for every plan leave the medians the anchoring
 // takes; on a quiet machine the medians are every round's.
 TEST(TuneTest, AnchoredMediansLeaveOutRoundsABurstSlowed) {

@@ -221,7 +221,8 @@ std::vector<size_t> measurementContenders(const TuneResult& result);
 // machine that slows for seconds at a time slows both steps of a round
 // alike, and a burst on one step does not move a median. The simplest
 // plan within the noise of the fastest is chosen: twice the spread of
-// those ratios' median, at least 5%. A note says what was chosen and why.
+// those ratios' median, at least 5%, and at least 10% where the fastest
+// runs on more devices. A note says what was chosen and why.
 // Throws std::invalid_argument unless there is one list per plan, all as
 // long.
 void chooseByMeasurement(
