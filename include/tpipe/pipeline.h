@@ -96,12 +96,13 @@ struct PipelineOptions {
   CheckpointMode checkpoint = CheckpointMode::kExceptLast;
   // Intra-op threads of each device's worker; 0 takes the plan's
   // (Plan::threadsPerDevice), and where that is 0 too shares the cores
-  // fairly. Where the stages run on workers, a step leaves the calling
-  // thread one intra-op thread (at::set_num_threads(1)): it only splits
-  // batches and waits, and an OpenMP team it had run before spun on the
-  // stages' cores (two one-thread stages stepped 1.3-1.5x slower). Set
-  // your own count again if that thread computes between steps. A process
-  // whose one stage runs on the calling thread gives it the stage's count.
+  // fairly. Where the stages run on workers, trainStep, postStep and
+  // forward leave the calling thread one intra-op thread
+  // (at::set_num_threads(1)): it only splits batches and waits, and an
+  // OpenMP team it had run before spun on the stages' cores (two one-thread
+  // stages stepped 1.3-1.5x slower). Set your own count again if that
+  // thread computes between steps. A process whose one stage runs on the
+  // calling thread gives it the stage's count.
   int threadsPerDevice = 0;
   uint64_t seed = 0; // seeds each stage's random generator
   // Record every executed instruction's start and end (see trace()); off,
