@@ -18,7 +18,7 @@ namespace tpipe {
 struct TuneOptions {
   int top = 10;                // candidates shown (and measured, with measure)
   bool measure = false;        // run the top ones and rank them by measurement
-  int measureSteps = 4;        // timed steps per candidate and round (after 2)
+  int measureSteps = 4;        // turns per candidate and round (after 2 steps)
   int measureRounds = 2;       // rounds over the candidates, in turn
   bool quick = false;          // fewer calibration rounds (for pipeline.auto)
   std::ostream* log = nullptr; // progress lines; null: none
@@ -64,9 +64,11 @@ TuneOutcome clusterCostModel(
 
 // Runs each candidate (one process, threads) from the same initial weights:
 // each built once and given 2 warm-up steps, then `rounds` rounds in which
-// each takes `steps` steps in turn. The lower quartile of each one's ms per
-// step (batch, forward, backward, optimizer): a busy neighbour only adds
-// time, and the quartile is robust to bursts that hit one plan's steps more.
+// each takes a turn: one untimed step, then `steps` steps in a row, as
+// training runs them, timed together. The lower quartile over the rounds of
+// each one's ms per step (batch, forward, backward, optimizer): a busy
+// neighbour only adds time, and the quartile is robust to bursts that hit
+// one plan's turns more.
 std::vector<double> measureCandidates(
     const Config& config,
     const std::vector<TuneCandidate>& candidates,

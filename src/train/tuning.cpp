@@ -96,16 +96,16 @@ class PlanRun {
     }
   }
 
-  // As training runs it. With overlapping steps training posts each step
-  // before the one ahead of it finishes, so a step costs the time between
-  // two finishes while the next step is already posted: three steps posted
-  // that way, timed from the first's finish to the second's, the third
-  // finished untimed. Timing from the first post, as this once did, added
-  // half a pipeline fill that overlapping hides (a two-stage dualpipe
-  // measured 24.8 ms here and trained at 18.6); timing to the third's
-  // finish, as it did next, added half a drain, which training hides behind
-  // the next step's fill.
-  StepTiming step(const LossFunction& loss) {
+  // `count` steps in a row as training runs them, timed together: the mean
+  // step. With overlapping steps training posts each step before the one
+  // ahead of it finishes, so the stream starts with two posted, is timed
+  // from the first's finish, posts one and finishes one `count` times, and
+  // finishes the last one posted untimed. Timing from the first post, as
+  // this once did, added half a pipeline fill that overlapping hides (a
+  // two-stage dualpipe measured 24.8 ms here and trained at 18.6); timing
+  // to the last finish added half a drain, which training hides behind the
+  // next step's fill.
+  StepTiming steps(const LossFunction& loss, int count) {
     if (update_.apply) {
       auto post = [&] {
         auto [x, y] = batches_.batch(step_++);
@@ -115,20 +115,25 @@ class PlanRun {
       post();
       pipe_->finishStep();
       const auto start = Clock::now();
-      post();
-      pipe_->finishStep();
-      const double ms = msSince(start);
+      for (int n = 0; n < count; ++n) {
+        post();
+        pipe_->finishStep();
+      }
+      const double ms = msSince(start) / count;
       pipe_->finishStep();
       return {ms, ms};
     }
     const auto start = Clock::now();
-    auto [x, y] = batches_.batch(step_++);
-    optimizer_->zero_grad();
-    const auto pipeStart = Clock::now();
-    pipe_->trainStep(x, y, loss);
-    const double pipelineMs = msSince(pipeStart);
-    optimizer_->step();
-    return {msSince(start), pipelineMs};
+    double pipelineMs = 0.0;
+    for (int n = 0; n < count; ++n) {
+      auto [x, y] = batches_.batch(step_++);
+      optimizer_->zero_grad();
+      const auto pipeStart = Clock::now();
+      pipe_->trainStep(x, y, loss);
+      pipelineMs += msSince(pipeStart);
+      optimizer_->step();
+    }
+    return {msSince(start) / count, pipelineMs / count};
   }
 
  private:
@@ -139,6 +144,15 @@ class PlanRun {
   RankOptimizers rankOptimizers_; // with overlapping steps
   Pipeline::Update update_;
   int64_t step_ = 0;
+};
+
+// How candidates take turns on this machine (StepMeter::interleave).
+struct Turns {
+  int warmup = 2; // untimed steps each, once built
+  int rounds = 1;
+  int timed = 1;  // timings per turn
+  int stream = 1; // steps in a row per timing, timed together: their mean
+  bool warmEachTurn = false; // an untimed step opens each turn
 };
 
 // Runs candidates on the config's data from the config's initial weights.
@@ -155,17 +169,13 @@ class StepMeter {
         config_, data_, optionsFor(shapes_, c), c.microBatches);
   }
 
-  StepTiming step(PlanRun& run) {
-    return run.step(loss_);
+  StepTiming step(PlanRun& run, int count = 1) {
+    return run.steps(loss_, count);
   }
 
-  std::vector<StepTiming> run(const TuneCandidate& c, int warmup, int steps) {
-    return interleave({c}, warmup, 1, steps).front();
-  }
-
-  // Every candidate built once and given `warmup` untimed steps, then
-  // `rounds` rounds in which each takes `steps` timed steps in turn: a
-  // machine that gets busier or quieter meanwhile slows them all alike.
+  // Every candidate built once and given `turns.warmup` untimed steps,
+  // then `turns.rounds` rounds in which each takes its turn: a machine that
+  // gets busier or quieter meanwhile slows them all alike.
   //
   // Within a round the plans that run on this thread go first, then those
   // on stage workers, and the first of the others takes one untimed step:
@@ -175,14 +185,12 @@ class StepMeter {
   // slower than in a process of its own).
   std::vector<std::vector<StepTiming>> interleave(
       const std::vector<TuneCandidate>& candidates,
-      int warmup,
-      int rounds,
-      int steps,
+      const Turns& turns,
       std::ostream* log = nullptr) {
     std::vector<std::unique_ptr<PlanRun>> runs;
     for (const auto& c : candidates) {
       runs.push_back(start(c));
-      for (int i = 0; i < warmup; ++i)
+      for (int i = 0; i < turns.warmup; ++i)
         step(*runs.back());
     }
     auto onThisThread = [&](size_t i) {
@@ -194,10 +202,10 @@ class StepMeter {
     const auto others =
         std::stable_partition(order.begin(), order.end(), onThisThread);
     std::vector<std::vector<StepTiming>> timings(candidates.size());
-    for (int round = 0; round < rounds; ++round) {
-      if (log && rounds > 1)
+    for (int round = 0; round < turns.rounds; ++round) {
+      if (log && turns.rounds > 1)
         *log << "tune: measuring " << candidates.size()
-             << " plans in turn, round " << round + 1 << "/" << rounds
+             << " plans in turn, round " << round + 1 << "/" << turns.rounds
              << std::endl;
       // Each group turned by one place a round: a plan's step runs faster
       // or slower for the plan before it, so no plan keeps one neighbour
@@ -213,10 +221,11 @@ class StepMeter {
       }
       for (size_t k = 0; k < order.size(); ++k) {
         const size_t i = order[k];
-        if (k > 0 && onThisThread(order[k - 1]) && !onThisThread(i))
-          step(*runs[i]); // while the pool's spin dies down
-        for (int n = 0; n < steps; ++n)
-          timings[i].push_back(step(*runs[i]));
+        if (turns.warmEachTurn ||
+            (k > 0 && onThisThread(order[k - 1]) && !onThisThread(i)))
+          step(*runs[i]);
+        for (int n = 0; n < turns.timed; ++n)
+          timings[i].push_back(step(*runs[i], turns.stream));
       }
     }
     return timings;
@@ -533,7 +542,7 @@ void calibrateConcurrency(
       runs.pop_back();
   }
   std::vector<double> measured;
-  for (const auto& timings : meter.interleave(runs, 2, 8, 1))
+  for (const auto& timings : meter.interleave(runs, Turns{2, 8}))
     measured.push_back(lowerQuartile(stepTimes(timings)));
   // The same statistic as the one-stage calibration the prediction rests on.
   auto ratioAt = [&](size_t i) {
@@ -743,7 +752,7 @@ void calibrateRuntime(
   const size_t split = runs.size(), fillDrain = runs.size() + 1;
   runs.push_back(wholeModel(model, threads, many, ScheduleKind::kZeroBubbleH1));
   runs.push_back(wholeModel(model, threads, many, ScheduleKind::kGpipe));
-  const auto timings = meter.interleave(runs, 2, options.quick ? 6 : 10, 1);
+  const auto timings = meter.interleave(runs, Turns{2, options.quick ? 6 : 10});
   std::vector<double> measured, spreads;
   for (const auto& t : timings) {
     std::vector<double> pipes;
@@ -836,15 +845,26 @@ TuneRequest requestFor(const Config& config, const LayerList& layers) {
   return request;
 }
 
-// Each candidate's timed steps, in round order.
+// Each candidate's ms per step, a value a round: each turn one untimed step
+// (a plan's first step after another plan's runs on the caches that plan
+// filled, 4-11% slower than training's steps, which follow their own), then
+// `stream` steps in a row timed together. Single steps of a plan that
+// overlaps its steps, timed from one finish to the next, spread widely on
+// shared cores: their lower quartile put two-stage dualpipe at 8.4-8.7 ms
+// where it trained at 10-12, and tunes chose four different plans in four
+// runs; streams of 4 chose one plan in four.
 std::vector<std::vector<double>> measureInTurn(
     StepMeter& meter,
     const std::vector<TuneCandidate>& candidates,
-    int steps,
     int rounds,
+    int stream,
     std::ostream* log) {
+  Turns turns;
+  turns.rounds = rounds;
+  turns.stream = stream;
+  turns.warmEachTurn = true;
   std::vector<std::vector<double>> out;
-  for (const auto& t : meter.interleave(candidates, 2, rounds, steps, log))
+  for (const auto& t : meter.interleave(candidates, turns, log))
     out.push_back(stepTimes(t));
   return out;
 }
@@ -859,7 +879,7 @@ std::vector<double> measureCandidates(
     std::ostream* log) {
   StepMeter meter(config);
   std::vector<double> lowerQuartiles;
-  for (const auto& times : measureInTurn(meter, candidates, steps, rounds, log))
+  for (const auto& times : measureInTurn(meter, candidates, rounds, steps, log))
     lowerQuartiles.push_back(lowerQuartile(times));
   return lowerQuartiles;
 }
@@ -896,22 +916,12 @@ TuneOutcome tuneConfig(const Config& config, const TuneOptions& options) {
     *options.log << "tune: running " << plans.size()
                  << " plans the prediction cannot tell apart, in turn"
                  << std::endl;
-  // Two steps a round, the second kept: a plan's first step after another
-  // plan's runs on the caches that plan filled, 4-11% slower (lower
-  // quartiles here) than the steps of training, which follow their own.
-  const std::vector<std::vector<double>> pairs = measureInTurn(
+  const std::vector<std::vector<double>> steps = measureInTurn(
       meter,
       plans,
-      2,
       options.measure ? options.measureRounds * options.measureSteps : 15,
+      4,
       options.log);
-  std::vector<std::vector<double>> steps;
-  for (const auto& taken : pairs) {
-    std::vector<double> warm;
-    for (size_t i = 1; i < taken.size(); i += 2)
-      warm.push_back(taken[i]);
-    steps.push_back(std::move(warm));
-  }
   chooseByMeasurement(outcome.result, measured, steps);
   if (options.measure)
     return outcome; // --measure shows the model's own predictions
