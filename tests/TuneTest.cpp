@@ -598,6 +598,34 @@ TEST(TuneTest, ClusterBlocksPayTheirMemoryBoundKernels) {
 // predictCandidate predicts the plan asked for: a pinned partition, the
 // interleaved schedule's chunks per rank and auto's micro-batches in
 // flight, which wins over what the devices' memory would allow.
+TEST(TuneTest, MeasuredCandidatesGetOnePositiveStepEachAndBadCountsAreRefused) {
+  const Config config = parseConfig(nlohmann::json::parse(R"({
+    "model": {"input_shape": [16], "layers": [
+      {"type": "linear", "out_features": 16}, {"type": "relu"},
+      {"type": "linear", "out_features": 4}]},
+    "data": {"dataset": "synthetic", "samples": 64},
+    "pipeline": {"devices": ["cpu:0", "cpu:1"]},
+    "train": {"batch_size": 16, "steps": 1, "loss": "cross_entropy"}})"));
+  TuneCandidate whole;
+  whole.threadsPerStage = 1;
+  whole.boundaries = {0, 3};
+  TuneCandidate split = whole; // two stages: steps posted ahead, overlapped
+  split.ranks = 2;
+  split.stages = 2;
+  split.microBatches = 2;
+  split.schedule = ScheduleKind::kOneFOneB;
+  split.boundaries = {0, 2, 3};
+  const std::vector<double> ms =
+      measureCandidates(config, {whole, split}, 3, 2);
+  ASSERT_EQ(ms.size(), 2u);
+  for (double one : ms) {
+    EXPECT_GT(one, 0.0);
+    EXPECT_TRUE(std::isfinite(one));
+  }
+  EXPECT_THROW(measureCandidates(config, {whole}, 0, 2), std::invalid_argument);
+  EXPECT_THROW(measureCandidates(config, {whole}, 3, 0), std::invalid_argument);
+}
+
 TEST(TuneTest, PredictsAPinnedPlan) {
   const Config config = parseConfig(nlohmann::json::parse(R"({
     "model": {"input_shape": [256], "layers": [

@@ -6,6 +6,8 @@
 #include <iomanip>
 #include <ostream>
 #include <sstream>
+#include <stdexcept>
+#include <string>
 #include <thread>
 
 #include <ATen/Parallel.h>
@@ -877,6 +879,10 @@ std::vector<double> measureCandidates(
     int steps,
     int rounds,
     std::ostream* log) {
+  if (steps < 1 || rounds < 1)
+    throw std::invalid_argument(
+        "measureCandidates: steps and rounds must be at least 1, got " +
+        std::to_string(steps) + " and " + std::to_string(rounds));
   StepMeter meter(config);
   std::vector<double> lowerQuartiles;
   for (const auto& times : measureInTurn(meter, candidates, rounds, steps, log))
