@@ -152,8 +152,7 @@ class PlanRun {
 struct Turns {
   int warmup = 2; // untimed steps each, once built
   int rounds = 1;
-  int timed = 1;  // timings per turn
-  int stream = 1; // steps in a row per timing, timed together: their mean
+  int stream = 1; // steps in a row a turn, timed together: their mean
   bool warmEachTurn = false; // an untimed step opens each turn
 };
 
@@ -226,8 +225,7 @@ class StepMeter {
         if (turns.warmEachTurn ||
             (k > 0 && onThisThread(order[k - 1]) && !onThisThread(i)))
           step(*runs[i]);
-        for (int n = 0; n < turns.timed; ++n)
-          timings[i].push_back(step(*runs[i], turns.stream));
+        timings[i].push_back(step(*runs[i], turns.stream));
       }
     }
     return timings;
@@ -847,6 +845,9 @@ TuneRequest requestFor(const Config& config, const LayerList& layers) {
   return request;
 }
 
+// Steps each candidate runs in a row per turn when plans are compared.
+constexpr int kStepsPerTurn = 4;
+
 // Each candidate's ms per step, a value a round: each turn one untimed step
 // (a plan's first step after another plan's runs on the caches that plan
 // filled, 4-11% slower than training's steps, which follow their own), then
@@ -926,7 +927,7 @@ TuneOutcome tuneConfig(const Config& config, const TuneOptions& options) {
       meter,
       plans,
       options.measure ? options.measureRounds * options.measureSteps : 15,
-      4,
+      kStepsPerTurn,
       options.log);
   chooseByMeasurement(outcome.result, measured, steps);
   if (options.measure)
