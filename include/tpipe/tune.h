@@ -146,6 +146,9 @@ struct TuneCandidate {
   std::string infeasible;       // why it cannot run; empty: it can
   double measuredStepMs = -1.0; // set by the caller; < 0: not measured
   std::string label() const;    // "2 x 1 thr, 8 mb, 1f1b, never"
+  int devices() const {         // every replica's ranks
+    return ranks * dataParallel;
+  }
 };
 
 struct TuneResult {
@@ -214,10 +217,10 @@ std::string anchorToMeasured(TuneResult& result);
 std::vector<size_t> measurementContenders(const TuneResult& result);
 
 // The choice among the plans measured in turn. roundSteps[k] holds plan
-// measured[k]'s timed steps in round order, as many a round as every
-// other plan's. Each plan's measuredStepMs becomes its lower-quartile
-// step, and the lowest is the fastest. Every other plan is held against
-// the fastest round by round, by the median of its per-round ratios: a
+// measured[k]'s ms per step, a value a round (its turn's mean) in round
+// order, as many as every other plan's. Each plan's measuredStepMs becomes its
+// lower-quartile step, and the lowest is the fastest. Every other plan is held
+// against the fastest round by round, by the median of its per-round ratios: a
 // machine that slows for seconds at a time slows both steps of a round
 // alike, and a burst on one step does not move a median. The simplest
 // plan within the noise of the fastest is chosen: twice the spread of

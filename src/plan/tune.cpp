@@ -165,7 +165,7 @@ int checkpointRank(CheckpointMode mode) {
 bool isSimplerPlan(const TuneCandidate& a, const TuneCandidate& b) {
   auto key = [](const TuneCandidate& c) {
     return std::make_tuple(
-        c.ranks * c.dataParallel,
+        c.devices(),
         c.virtualStages,
         scheduleRank(c.schedule),
         checkpointRank(c.checkpoint),
@@ -222,15 +222,12 @@ std::vector<double> medianOutsideBursts(
 
 std::string anchorToMeasured(TuneResult& result) {
   auto& all = result.candidates;
-  auto devices = [](const TuneCandidate& c) {
-    return c.ranks * c.dataParallel;
-  };
   std::map<int, std::vector<double>> ratios;
   std::vector<double> every;
   for (const auto& c : all) {
     if (c.measuredStepMs < 0 || !c.infeasible.empty() || c.predictedStepMs <= 0)
       continue;
-    ratios[devices(c)].push_back(c.measuredStepMs / c.predictedStepMs);
+    ratios[c.devices()].push_back(c.measuredStepMs / c.predictedStepMs);
     every.push_back(c.measuredStepMs / c.predictedStepMs);
   }
   if (every.empty())
@@ -242,7 +239,7 @@ std::string anchorToMeasured(TuneResult& result) {
   for (auto& c : all) {
     if (!c.infeasible.empty())
       continue;
-    const auto found = factors.find(devices(c));
+    const auto found = factors.find(c.devices());
     // A measured plan's best estimate is its own measurement.
     const double factor = c.measuredStepMs >= 0 && c.predictedStepMs > 0
         ? c.measuredStepMs / c.predictedStepMs
@@ -300,7 +297,7 @@ std::vector<size_t> measurementContenders(const TuneResult& result) {
   std::vector<int> devicesSeen;
   size_t simplest = 0;
   for (size_t i = 0; i < all.size(); ++i) {
-    const int devices = all[i].ranks * all[i].dataParallel;
+    const int devices = all[i].devices();
     if (!all[i].infeasible.empty() || all[i].predictedStepMs > 2.0 * fastest)
       break;
     if (isSimplerPlan(all[i], all[simplest]))
@@ -372,12 +369,10 @@ void chooseByMeasurement(
   // whole pipeline (busy, two stages at 4 micro-batches trained 1.44x the
   // one stage they had matched in turn), and in-turn steps put the two
   // shapes 5-10% apart in either order.
-  auto devices = [&](size_t k) {
-    return all[measured[k]].ranks * all[measured[k]].dataParallel;
-  };
   auto allowed = [&](size_t k) {
-    return devices(k) < devices(fastest) ? std::max(tolerance, 0.10)
-                                         : tolerance;
+    return all[measured[k]].devices() < all[measured[fastest]].devices()
+        ? std::max(tolerance, 0.10)
+        : tolerance;
   };
   size_t best = fastest;
   for (size_t k = 0; k < measured.size(); ++k) {

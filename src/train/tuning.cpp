@@ -194,9 +194,7 @@ class StepMeter {
       for (int i = 0; i < turns.warmup; ++i)
         step(*runs.back());
     }
-    auto onThisThread = [&](size_t i) {
-      return candidates[i].ranks * candidates[i].dataParallel == 1;
-    };
+    auto onThisThread = [&](size_t i) { return candidates[i].devices() == 1; };
     std::vector<size_t> order(candidates.size());
     for (size_t i = 0; i < order.size(); ++i)
       order[i] = i;
