@@ -16,6 +16,7 @@
 #include <nlohmann/json.hpp>
 
 #include "runtime/c10d_transport.h"
+#include "runtime/memory.h"
 
 namespace {
 
@@ -152,6 +153,9 @@ int runRank(int rank, int port, const std::string& out) {
 int main(int argc, char** argv) {
   const std::string out = argc > 1 ? argv[1] : "p2p.json";
   const int port = 21000 + static_cast<int>(::getpid() % 20000);
+  // What a training process's host memory does (a Pipeline installs it):
+  // received tensors reuse the blocks the last ones freed.
+  tpipe::memory::installHostCache();
   const pid_t child = ::fork();
   if (child == 0)
     ::_exit(runRank(1, port, out));

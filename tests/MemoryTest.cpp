@@ -9,6 +9,7 @@
 #include <malloc.h>
 #endif
 
+#include "runtime/memory.h"
 #include "tpipe/pipeline.h"
 #include "tpipe/trainer.h"
 
@@ -62,6 +63,60 @@ TEST(MemoryTest, APipelineKeepsFreedHostMemoryForTheNextStep) {
   EXPECT_GE(mallinfo2().arena, held.arena) << "the heap was trimmed";
 }
 #endif
+
+// A Pipeline also keeps freed host blocks of 1 MiB and more for the next
+// allocation of their size (glibc maps blocks above 32 MiB whatever its
+// settings, and worker threads' arenas give back their emptied heaps);
+// beneath the accounting, so a kept block counts as freed.
+TEST(MemoryTest, FreedLargeHostBlocksServeTheNextAllocationOfTheirSize) {
+  if (std::getenv("TPIPE_HOST_CACHE") != nullptr || !keepFreedHostMemory())
+    GTEST_SKIP() << "the host cache is turned off here";
+  torch::nn::Sequential net(torch::nn::Linear(4, 4));
+  PipelineOptions options;
+  options.trackMemory = true; // the accounting, installed over the cache
+  Pipeline pipe(layersOf(net), options);
+  memory::HostCacheStats stats = memory::hostCacheStats();
+  ASSERT_TRUE(stats.installed);
+  const int slot = memory::acquireSlot();
+  memory::DeviceScope charged(slot);
+  // Larger than anything live so far, so that the bound below is this
+  // test's own: 1 MiB granules, 4 floats per byte.
+  const int64_t floats =
+      (std::max<int64_t>(stats.peakLiveBytes, 8 << 20) >> 20 << 20) / 4;
+  const int64_t live = memory::liveBytes(slot);
+  void* first = nullptr;
+  {
+    torch::Tensor big = torch::empty({floats});
+    first = big.data_ptr();
+    EXPECT_EQ(memory::liveBytes(slot) - live, floats * 4);
+  }
+  EXPECT_EQ(memory::liveBytes(slot), live) << "a kept block counts as freed";
+  stats = memory::hostCacheStats();
+  EXPECT_GE(stats.cachedBytes, floats * 4);
+  {
+    torch::Tensor again = torch::empty({floats});
+    EXPECT_EQ(again.data_ptr(), first) << "the freed block was not reused";
+    EXPECT_EQ(memory::hostCacheStats().hits, stats.hits + 1);
+  }
+  // Blocks of two other sizes in turn, each freed before the next: the
+  // cache then keeps three sizes, three times the most live at once, over
+  // its bound of twice that; the third size's allocation gives back the
+  // others first.
+  { torch::Tensor second = torch::empty({floats + (1 << 18)}); }
+  const int64_t keptTwo = memory::hostCacheStats().cachedBytes;
+  EXPECT_GE(keptTwo, 2 * floats * 4);
+  {
+    torch::Tensor third = torch::empty({floats + (2 << 18)});
+    EXPECT_EQ(memory::hostCacheStats().cachedBytes, 0);
+  }
+  // Small blocks are glibc's: none is kept.
+  const int64_t kept = memory::hostCacheStats().cachedBytes;
+  { torch::Tensor small = torch::empty({1000}); }
+  EXPECT_EQ(memory::hostCacheStats().cachedBytes, kept);
+  memory::releaseHostCache();
+  EXPECT_EQ(memory::hostCacheStats().cachedBytes, 0);
+  memory::releaseSlot(slot);
+}
 
 TEST(MemoryTest, AllocationsAreChargedToTheWorkersDevice) {
   torch::manual_seed(0);

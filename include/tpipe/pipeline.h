@@ -189,16 +189,24 @@ bool isRecomputing();
 
 // Keeps the host memory a step frees for the next step, instead of glibc
 // handing it back to the system and faulting it in again (a page fault per
-// 4 KiB of every activation and workspace, every step): blocks up to
-// 32 MiB come from the heap, which is never trimmed. On this project's
-// 2-core machine a Fashion-MNIST CNN step ran 11.7 ms median without it
-// and 10.8 with it, and a 3x3 convolution of 8 x 32 x 16 x 16 forward took
-// 0.2 ms with it and up to 2.4 ms without. The process keeps its peak
-// heap. A Pipeline calls it when it is built; call it yourself to give a
-// loop of your own the same. Returns whether it took effect: false off
-// glibc, and when MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_,
-// MALLOC_TOP_PAD_ or a glibc.malloc tunable in GLIBC_TUNABLES is set
-// (yours are kept; set one to opt out).
+// 4 KiB of every activation and workspace, every step):
+// - blocks up to 32 MiB come from the heap, which is never trimmed;
+// - freed blocks of 1 MiB and more are kept by LibTorch's CPU allocator
+//   (a cache beneath tpipe's memory accounting) for the next allocation of
+//   their size: glibc maps blocks above 32 MiB whatever its settings, and
+//   worker threads' arenas give back their emptied heaps. The cache holds
+//   at most twice the most such memory ever live at once, and gives it all
+//   back when the system refuses a block. TPIPE_HOST_CACHE=0 turns it off.
+// On this project's 2-core machine a Fashion-MNIST CNN step ran 11.7 ms
+// median without the heap settings and 10.8 with them; two stages of
+// convolutions with 51 MiB activations stepped 12x faster with the cache
+// than with the heap settings alone (`benchmarks/run host-memory`). The
+// process keeps its peak. A Pipeline calls it when it is built; call it
+// yourself to give a loop of your own the same. Returns whether it took
+// effect: false off glibc, and when MALLOC_MMAP_THRESHOLD_,
+// MALLOC_TRIM_THRESHOLD_, MALLOC_TOP_PAD_ or a glibc.malloc tunable in
+// GLIBC_TUNABLES is set (yours are kept, and the cache is off; set one to
+// opt out).
 bool keepFreedHostMemory();
 
 class Pipeline {

@@ -21,8 +21,31 @@ int acquireSlot();
 void releaseSlot(int slot);
 
 // Wraps LibTorch's CPU allocator; idempotent and permanent for the process.
+// Installs the host cache beneath it first.
 void install();
 bool installed();
+
+// glibc's heap keeps what a step frees (tpipe::keepFreedHostMemory's
+// settings), set once per process; whether they took effect (not where the
+// user's own malloc settings are in the environment).
+bool keepHeapMemory();
+
+// The cache of freed host blocks of 1 MiB and more (glibc would unmap or
+// trim them), beneath the accounting: where keepHeapMemory took effect and
+// TPIPE_HOST_CACHE is not 0, once per process.
+void installHostCache();
+
+struct HostCacheStats {
+  bool installed = false;
+  int64_t cachedBytes = 0;   // freed, kept for the next allocation
+  int64_t hits = 0;          // allocations a kept block served
+  int64_t misses = 0;        // allocations of a size none was kept of
+  int64_t peakLiveBytes = 0; // the most bytes of its sizes live at once
+};
+HostCacheStats hostCacheStats();
+
+// Every kept block back to the system.
+void releaseHostCache();
 
 // The device charged for allocations on this thread (kUnattributed: none).
 void setThreadDevice(int device);

@@ -4,14 +4,8 @@
 #include "tpipe/pipeline.h"
 
 #include <algorithm>
-#include <cstdlib>
-#include <cstring>
 #include <set>
 #include <thread>
-
-#if defined(__GLIBC__)
-#include <malloc.h>
-#endif
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Context.h>
@@ -588,29 +582,8 @@ c10::optional<at::ScalarType> Pipeline::Impl::fixedTransferDtype() const {
 }
 
 bool keepFreedHostMemory() {
-#if defined(__GLIBC__)
-  static const bool kept = [] {
-    for (const char* name :
-         {"MALLOC_MMAP_THRESHOLD_",
-          "MALLOC_TRIM_THRESHOLD_",
-          "MALLOC_TOP_PAD_"}) {
-      if (std::getenv(name) != nullptr)
-        return false;
-    }
-    const char* tunables = std::getenv("GLIBC_TUNABLES");
-    if (tunables != nullptr &&
-        std::strstr(tunables, "glibc.malloc.") != nullptr)
-      return false;
-    // glibc's largest mmap threshold (4 Mi longs); setting it also stops
-    // glibc moving the threshold itself. -1: never trim.
-    const int largest = static_cast<int>(4 * 1024 * 1024 * sizeof(long));
-    return mallopt(M_MMAP_THRESHOLD, largest) == 1 &&
-        mallopt(M_TRIM_THRESHOLD, -1) == 1;
-  }();
-  return kept;
-#else
-  return false;
-#endif
+  memory::installHostCache();
+  return memory::keepHeapMemory();
 }
 
 Pipeline::Pipeline(LayerList layers, PipelineOptions options)
