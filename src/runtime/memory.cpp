@@ -69,33 +69,54 @@ void release(void* data) {
   baseDeleter(block);
 }
 
-class CountingAllocator final : public c10::Allocator {
- public:
-  explicit CountingAllocator(c10::Allocator* base) : base_(base) {}
+// A block of `bytes` from `base`, owned raw: freed by base's raw deleter.
+char* rawBlock(c10::Allocator* base, size_t bytes) {
+  c10::DataPtr inner = base->allocate(bytes);
+  TORCH_INTERNAL_ASSERT(
+      inner.get() == inner.get_context(),
+      "the wrapped CPU allocator uses contexts");
+  return static_cast<char*>(inner.release_context());
+}
 
-  c10::DataPtr allocate(size_t n) TPIPE_ALLOCATE_CONST override {
-    const int device = currentDevice;
-    const auto bytes = static_cast<int64_t>(n);
-    if (device >= 0)
-      charge(device, bytes);
-    c10::DataPtr inner = base_->allocate(n + kHeader);
-    TORCH_INTERNAL_ASSERT(
-        inner.get() == inner.get_context(),
-        "the wrapped CPU allocator uses contexts");
-    char* block = static_cast<char*>(inner.release_context());
-    new (block) Header{bytes, device};
-    void* data = block + kHeader;
-    return c10::DataPtr(data, data, &release, c10::Device(c10::kCPU));
-  }
+// The allocators below wrap another's blocks, each with a header of
+// kHeader bytes in front of the data.
+class WrappingAllocator : public c10::Allocator {
+ public:
+  explicit WrappingAllocator(c10::DeleterFnPtr release) : release_(release) {}
 
   c10::DeleterFnPtr raw_deleter() const override {
-    return &release;
+    return release_;
   }
 
   // Pure virtual from LibTorch 2.3 on; a plain member before.
   void copy_data(void* destination, const void* source, std::size_t count)
       const {
     std::memcpy(destination, source, count);
+  }
+
+ protected:
+  c10::DataPtr dataAfterHeader(char* block) const {
+    void* data = block + kHeader;
+    return c10::DataPtr(data, data, release_, c10::Device(c10::kCPU));
+  }
+
+ private:
+  c10::DeleterFnPtr release_;
+};
+
+class CountingAllocator final : public WrappingAllocator {
+ public:
+  explicit CountingAllocator(c10::Allocator* base)
+      : WrappingAllocator(&release), base_(base) {}
+
+  c10::DataPtr allocate(size_t n) TPIPE_ALLOCATE_CONST override {
+    const int device = currentDevice;
+    const auto bytes = static_cast<int64_t>(n);
+    if (device >= 0)
+      charge(device, bytes);
+    char* block = rawBlock(base_, n + kHeader);
+    new (block) Header{bytes, device};
+    return dataAfterHeader(block);
   }
 
  private:
@@ -182,11 +203,7 @@ CacheState& cacheState() {
 }
 
 char* baseBlock(size_t bytes) {
-  c10::DataPtr inner = cacheBase->allocate(bytes);
-  TORCH_INTERNAL_ASSERT(
-      inner.get() == inner.get_context(),
-      "the wrapped CPU allocator uses contexts");
-  return static_cast<char*>(inner.release_context());
+  return rawBlock(cacheBase, bytes);
 }
 
 void releaseToCache(void* data) {
@@ -205,8 +222,10 @@ void releaseToCache(void* data) {
   cache.liveBytes -= static_cast<int64_t>(bytes);
 }
 
-class CachingAllocator final : public c10::Allocator {
+class CachingAllocator final : public WrappingAllocator {
  public:
+  CachingAllocator() : WrappingAllocator(&releaseToCache) {}
+
   c10::DataPtr allocate(size_t n) TPIPE_ALLOCATE_CONST override {
     const size_t wanted = n + kHeader;
     char* block = nullptr;
@@ -218,18 +237,7 @@ class CachingAllocator final : public c10::Allocator {
       block = baseBlock(wanted);
     }
     new (block) CacheHeader{bytes};
-    void* data = block + kHeader;
-    return c10::DataPtr(data, data, &releaseToCache, c10::Device(c10::kCPU));
-  }
-
-  c10::DeleterFnPtr raw_deleter() const override {
-    return &releaseToCache;
-  }
-
-  // Pure virtual from LibTorch 2.3 on; a plain member before.
-  void copy_data(void* destination, const void* source, std::size_t count)
-      const {
-    std::memcpy(destination, source, count);
+    return dataAfterHeader(block);
   }
 
  private:
