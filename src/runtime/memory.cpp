@@ -202,10 +202,6 @@ CacheState& cacheState() {
   return *state;
 }
 
-char* baseBlock(size_t bytes) {
-  return rawBlock(cacheBase, bytes);
-}
-
 void releaseToCache(void* data) {
   if (data == nullptr)
     return;
@@ -234,7 +230,7 @@ class CachingAllocator final : public WrappingAllocator {
       bytes = (wanted + kCacheGranule - 1) / kCacheGranule * kCacheGranule;
       block = take(bytes);
     } else {
-      block = baseBlock(wanted);
+      block = rawBlock(cacheBase, wanted);
     }
     new (block) CacheHeader{bytes};
     return dataAfterHeader(block);
@@ -261,14 +257,14 @@ class CachingAllocator final : public WrappingAllocator {
         cache.flush();
     }
     try {
-      return baseBlock(bytes);
+      return rawBlock(cacheBase, bytes);
     } catch (const c10::Error&) {
       {
         std::lock_guard<std::mutex> lock(cache.mutex);
         cache.flush();
       }
       try {
-        return baseBlock(bytes);
+        return rawBlock(cacheBase, bytes);
       } catch (...) {
         std::lock_guard<std::mutex> lock(cache.mutex);
         cache.liveBytes -= size;
