@@ -54,12 +54,7 @@ JSON
 fashion=(--set pipeline.auto=false --set 'pipeline.devices=["cpu:0"]' --set pipeline.micro_batches=1
          --set train.steps=300 --set train.eval_every=0 --set data.eval_samples=256)
 rounds=3
-median() { sort -n | awk '{ v[NR] = $1 } END { print v[int((NR + 1) / 2)] }'; }
-steady_ms() { # METRICS -> median step (ms) of the second half
-  sed -n 's/.*"elapsed_s":\([0-9.e+-]*\).*"loss".*/\1/p' "$1" |
-    awk '{ t[NR] = $1 } END { for (i = int(NR / 2) + 1; i <= NR; ++i) print 1000 * (t[i] - t[i - 1]) }' |
-    median
-}
+source "$root/benchmarks/steps.sh" # median, steady_ms
 run() { # CONTENDER JOB
   local env=(env)
   case $1 in

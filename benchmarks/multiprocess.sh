@@ -82,13 +82,7 @@ cat > "$scratch/posted.json" <<'JSON'
  "train": {"batch_size": 192, "steps": 60, "loss": "mse", "seed": 0, "eval_every": 0,
            "optimizer": {"type": "sgd", "lr": 0.01}}}
 JSON
-median() { sort -n | awk '{ v[NR] = $1 } END { print v[int((NR + 1) / 2)] }'; }
-# The median step (ms) of a run's second half, from its --metrics lines.
-steady_ms() {
-  sed -n 's/.*"elapsed_s":\([0-9.e+-]*\).*/\1/p' "$1" |
-    awk '{ t[NR] = $1 } END { for (i = int(NR / 2) + 1; i <= NR; ++i) print 1000 * (t[i] - t[i - 1]) }' |
-    median
-}
+source "$root/benchmarks/steps.sh" # median, steady_ms
 posted_table() {
   printf '\nacross 2 processes: steps with a barrier against steps without one (pipeline.overlap_steps),\n'
   printf '6 x (Linear 768 + GELU), batch 192, 8 micro-batches; medians of %d rounds, alternating\n' "$rounds"
