@@ -9,6 +9,7 @@
 
 #include <torch/torch.h>
 
+#include "data/tensor_files.h"
 #include "model/layer_types.h"
 #include "tpipe/trainer.h"
 
@@ -211,6 +212,27 @@ TEST(TrainTest, FashionMnistReaderReadsTheRealFiles) {
   EXPECT_NEAR(data.trainInputs.mean().item<double>(), 0.2860, 1e-3);
   // First training label of the published file is 9 (ankle boot).
   EXPECT_EQ(data.trainTargets[0].item<int64_t>(), 9);
+
+  // Normalized in place: the same values as the formula's temporaries.
+  Json normalized = json;
+  normalized["data"]["normalize"] = true;
+  const Config normalizing = parseConfig(normalized);
+  const Dataset centred =
+      loadDataset(normalizing, buildModel(normalizing.model, 0));
+  EXPECT_TRUE(
+      torch::equal(centred.evalInputs, (data.evalInputs - 0.2860) / 0.3530));
+
+  // A rank that feeds no stage's inputs holds a stand-in of their shape,
+  // no memory, and the real labels.
+  DataNeeds targetsOnly;
+  targetsOnly.inputs = false;
+  const Dataset last =
+      loadDataset(config, buildModel(config.model, 0), targetsOnly);
+  EXPECT_EQ(last.trainInputs.sizes(), data.trainInputs.sizes());
+  EXPECT_EQ(last.evalInputs.sizes(), data.evalInputs.sizes());
+  EXPECT_EQ(last.trainInputs.stride(0), 0);
+  EXPECT_LE(last.trainInputs.storage().nbytes(), sizeof(float));
+  EXPECT_TRUE(torch::equal(last.trainTargets, data.trainTargets));
 
   Json missing = json;
   missing["data"]["path"] = "/nonexistent/fashion";
