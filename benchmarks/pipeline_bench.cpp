@@ -939,7 +939,7 @@ nlohmann::json zeroBubble() {
       torch::randn({64, 32, 16, 16}),
       torch::randint(0, 10, {64}, torch::kLong)));
   // The registry's pre-LN GPT block: it reports its four Linear products as
-  // parts, whose weight pass is direct; its layer norms' is autograd's.
+  // parts, whose weight pass is direct, as are its layer norms'.
   const tpipe::ModelConfig blocks =
       tpipe::parseConfig(nlohmann::json::parse(R"({
     "model": {"input_shape": [64, 256], "layers": [

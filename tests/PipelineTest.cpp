@@ -1536,11 +1536,11 @@ TEST(PipelineTest, ConvolutionWeightPassesEqualAutogradsUnderSplitBackward) {
 }
 
 // The weight gradients tpipe computes itself (fused backwards of stages of
-// Linear and Conv2d alone, and every weight pass) equal autograd's, with an
-// in-place activation after each product: the gradient at a product's
-// output is taken where it arrives at the product's node, not at the
-// tensor the activation then changed. With directWeightGradients off,
-// autograd computes every fused backward, to the same gradients.
+// Linear, Conv2d and LayerNorm alone, and every weight pass) equal
+// autograd's, with an in-place activation after each product: the gradient
+// at a product's output is taken where it arrives at the product's node, not
+// at the tensor the activation then changed. With directWeightGradients
+// off, autograd computes every fused backward, to the same gradients.
 TEST(PipelineTest, DirectWeightGradientsEqualAutogradsAfterInPlaceActivations) {
   torch::manual_seed(21);
   torch::nn::Sequential reference(
@@ -1548,10 +1548,14 @@ TEST(PipelineTest, DirectWeightGradientsEqualAutogradsAfterInPlaceActivations) {
       torch::nn::ReLU(torch::nn::ReLUOptions().inplace(true)),
       torch::nn::Linear(8, 8),
       torch::nn::LeakyReLU(torch::nn::LeakyReLUOptions().inplace(true)),
-      torch::nn::Linear(8, 8),
+      torch::nn::LayerNorm(torch::nn::LayerNormOptions({8})),
       torch::nn::ReLU(torch::nn::ReLUOptions().inplace(true)),
+      torch::nn::Linear(8, 8),
       torch::nn::Linear(8, 3));
   reference->to(torch::kDouble);
+  // Not its initial ones and zeros: a wrong weight or bias gradient shows.
+  for (auto& parameter : reference[4]->parameters())
+    parameter.data().uniform_(0.5, 1.5);
   const torch::Tensor x = torch::randn({12, 6}, torch::kDouble);
   const torch::Tensor y = torch::randint(0, 3, {12}, torch::kLong);
   const torch::Tensor expected = crossEntropy(reference->forward(x), y);

@@ -2,10 +2,10 @@
 // backward. While the executor records a forward (a sink is set on this
 // thread), a layer that knows its parts (the registry's transformer block)
 // reports each part it applies, with the part's input and output. The
-// weight pass then computes a Linear part's gradients from those two
-// tensors (two products, as Megatron's delayed weight-gradient pass does)
-// and walks only another part's own node, instead of the layer's whole
-// graph a second time.
+// weight pass then computes a Linear, Conv2d or LayerNorm part's gradients
+// from those two tensors (a Linear's in two products, as Megatron's delayed
+// weight-gradient pass does) and walks only another part's own node,
+// instead of the layer's whole graph a second time.
 #pragma once
 
 #include <vector>

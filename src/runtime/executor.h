@@ -26,6 +26,7 @@ namespace torch {
 namespace nn {
 class LinearImpl;
 class Conv2dImpl;
+class LayerNormImpl;
 } // namespace nn
 } // namespace torch
 
@@ -94,12 +95,17 @@ struct Stash {
   // pass walks its own graph from there to its parameters.
   struct WeightPart {
     torch::autograd::Edge outputEdge;
-    at::Tensor output; // without linear or conv
+    at::Tensor output; // walked by autograd
     at::Tensor outputGrad;
-    at::Tensor input;                        // with linear or conv
-    torch::nn::LinearImpl* linear = nullptr; // computed directly
-    torch::nn::Conv2dImpl* conv = nullptr;   // computed directly
+    at::Tensor input; // computed directly, from one of these:
+    torch::nn::LinearImpl* linear = nullptr;
+    torch::nn::Conv2dImpl* conv = nullptr;
+    torch::nn::LayerNormImpl* layerNorm = nullptr;
     std::vector<at::Tensor> parameters;
+
+    bool computedDirectly() const {
+      return linear || conv || layerNorm;
+    }
   };
   std::vector<WeightPart> weightParts;
 };
