@@ -213,7 +213,11 @@ TEST(TrainTest, FashionMnistReaderReadsTheRealFiles) {
   // First training label of the published file is 9 (ankle boot).
   EXPECT_EQ(data.trainTargets[0].item<int64_t>(), 9);
 
-  // Normalized in place: the same values as the formula's temporaries.
+  // Each pixel byte b becomes b / 255 as torch divides (every byte occurs).
+  EXPECT_TRUE(torch::equal(
+      std::get<0>(at::_unique(data.evalInputs)),
+      torch::arange(256, torch::kFloat).div_(255.0)));
+  // Normalized by a lookup: the same values as the formula's ops.
   Json normalized = json;
   normalized["data"]["normalize"] = true;
   const Config normalizing = parseConfig(normalized);
