@@ -306,10 +306,10 @@ class RankExecutor {
     const StageRuntime& stage = stageAt(op.stage);
     Stash& stash = state_.at(op.stage, op.microBatch);
     if (state_.directBackward && fusesDirectly(stash) && !stage.pairStream) {
-      // Every weight gradient here is computed directly: the input pass,
-      // whose walk computes none, then the weight pass at once. On a stack
-      // of Linear 1024 at 32 rows that is 0.84-0.90x of autograd's fused
-      // walk (pipeline_bench zero-bubble: "1f1b-autograd").
+      // Every weight gradient here is a Linear's, computed directly: the
+      // input pass, whose walk computes none, then the weight pass at once.
+      // On a stack of Linear 1024 at 32 rows that is 0.84-0.90x of
+      // autograd's fused walk (pipeline_bench zero-bubble: "1f1b-autograd").
       inputPass(op.stage, stash, /*keepGraph=*/false);
       weightPass(stash);
       release(stash);
@@ -634,16 +634,19 @@ class RankExecutor {
   }
 
   // Whether a fused backward is faster as an input pass and a direct weight
-  // pass: where every part is a product. A LayerNorm's gradients come out
-  // of one kernel in autograd's walk; computed apart, its statistics are
-  // computed again (2 x 2 transformer blocks: 1.01-1.03x autograd's fused
-  // backward, pipeline_bench zero-bubble).
+  // pass: where every part is a Linear, whose weight gradient the GEMM adds
+  // in place (Linear 1024 stacks: 0.85-0.95x autograd's fused walk). A
+  // convolution's or a LayerNorm's gradients come out of one kernel call in
+  // autograd's walk, for the input and the weights together; computed
+  // apart they took 1.02-1.07x (four Conv2d 32->32 on 16 x 16, six runs)
+  // and 1.01-1.03x (two transformer blocks), pipeline_bench zero-bubble's
+  // "fused backward per micro-batch".
   static bool fusesDirectly(const Stash& stash) {
     return computesWeightsDirectly(stash) &&
-        std::none_of(
+        std::all_of(
                stash.weightParts.begin(),
                stash.weightParts.end(),
-               [](const Stash::WeightPart& part) { return part.layerNorm; });
+               [](const Stash::WeightPart& part) { return part.linear; });
   }
 
   // The gradients arriving at `targets` from `roots` (seeded with `grads`,
