@@ -642,11 +642,11 @@ class RankExecutor {
   // and 1.01-1.03x (two transformer blocks), pipeline_bench zero-bubble's
   // "fused backward per micro-batch".
   static bool fusesDirectly(const Stash& stash) {
-    return computesWeightsDirectly(stash) &&
+    return !stash.weightParts.empty() &&
         std::all_of(
-               stash.weightParts.begin(),
-               stash.weightParts.end(),
-               [](const Stash::WeightPart& part) { return part.linear; });
+            stash.weightParts.begin(),
+            stash.weightParts.end(),
+            [](const Stash::WeightPart& part) { return part.linear; });
   }
 
   // The gradients arriving at `targets` from `roots` (seeded with `grads`,
@@ -942,7 +942,8 @@ class RankExecutor {
   // LayerNorm's weight and bias from the kernel autograd's node calls, its
   // statistics computed again from the kept input (a pass over the input,
   // against keeping the whole graph alive for the weight pass): the same
-  // gradients, bit for bit.
+  // gradients, bit for bit (checked against Python's torch 1.13 on
+  // 256 x 64 x 256).
   static void layerNormWeightGradients(
       torch::nn::LayerNormImpl& norm,
       const at::Tensor& input,
@@ -958,8 +959,9 @@ class RankExecutor {
     const c10::optional<at::Tensor> beta = norm.bias.defined()
         ? c10::optional<at::Tensor>(norm.bias.detach())
         : c10::nullopt;
-    const auto statistics =
-        at::native_layer_norm(x, shape, gamma, beta, norm.options.eps());
+    // The statistics alone: no weight or bias to apply to an output unused.
+    const auto statistics = at::native_layer_norm(
+        x, shape, c10::nullopt, c10::nullopt, norm.options.eps());
     auto grads = at::native_layer_norm_backward(
         grad,
         x,
