@@ -607,17 +607,17 @@ class RankExecutor {
 
   bool recordsParts(const StageRuntime& stage) const {
     return state_.splitBackward ||
-        (state_.directBackward && stage.weightsDirect.value_or(true));
+        (state_.directBackward && stage.backwardFusesDirectly.value_or(true));
   }
 
-  // Under a fused backward the parts are kept only where the weight pass
-  // computes every one directly; elsewhere autograd's walk does it all, and
-  // the outputs other parts keep would only be held longer.
+  // Under a fused backward the parts are kept only where it runs as an
+  // input pass and a direct weight pass; elsewhere autograd's walk does it
+  // all, and the inputs and outputs the parts keep would only be held longer.
   void keepPartsForBackward(StageRuntime& stage, Stash& stash) const {
     if (state_.splitBackward)
       return;
-    stage.weightsDirect = fusesDirectly(stash);
-    if (!*stage.weightsDirect)
+    stage.backwardFusesDirectly = fusesDirectly(stash);
+    if (!*stage.backwardFusesDirectly)
       stash.weightParts.clear();
   }
 

@@ -64,11 +64,12 @@ struct StageRuntime {
   }
   c10::optional<at::Generator> generator; // a local stage's own
   at::Tensor rngState; // the stage's stream: its state before the next draw
-  // With direct weight gradients and fused backwards: whether the weight
-  // pass computes every parameter's gradient here (StepState::
-  // directBackward), as the stage's first recorded forward found. Once
-  // false its forwards record nothing more. Unset before that forward.
-  c10::optional<bool> weightsDirect;
+  // With direct weight gradients and fused backwards: whether the stage's
+  // backward runs as an input pass and a direct weight pass (every part a
+  // Linear; StepState::directBackward), as the stage's first recorded
+  // forward found. Once false its forwards record nothing more. Unset
+  // before that forward.
+  c10::optional<bool> backwardFusesDirectly;
   // On an accelerator: the stage computes on its own stream and ships its
   // outputs on a second one, so transfers overlap compute; the forward of
   // an overlapped pair runs on a third, beside the pair's backward on the
