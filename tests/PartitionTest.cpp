@@ -290,6 +290,57 @@ TEST(PartitionTest, InFlightMicroBatchesFollowTheSchedule) {
   EXPECT_EQ(formatBytes(12), "12 B");
 }
 
+// Posted steps that check the gradients may update a rank before the step
+// is decided, keeping its parameters, gradients and optimizer state to undo
+// it through the next step: every stage holds them twice. In one process a
+// plan of one rank runs on the caller and posts no step.
+TEST(PartitionTest, SpeculativeUpdatesChargeAnUndoCopyOfTheParameters) {
+  PlanRequest request;
+  for (int i = 0; i < 4; ++i)
+    request.layers.push_back({"l" + std::to_string(i), 1, 1, 1000, 10, 10});
+  request.optimizerFactor = 1.0; // sgd with momentum
+  request.microBatches = 2;
+  request.schedule = ScheduleKind::kOneFOneB;
+  auto memories = [&](int devices, SpeculativeUpdates updates) {
+    PlanRequest copy = request;
+    copy.devices.assign(devices, DeviceSpec{"cpu", 1.0, 0, 0.0});
+    copy.speculativeUpdates = updates;
+    std::vector<int64_t> bytes;
+    for (const StageReport& stage : resolvePlan(copy).stages) {
+      bytes.push_back(stage.memoryBytes);
+      EXPECT_EQ(stage.paramBytes, 1000 * (4 / devices));
+    }
+    return bytes;
+  };
+  const auto none = memories(2, SpeculativeUpdates::kNone);
+  const auto posted = memories(2, SpeculativeUpdates::kSeveralRanks);
+  ASSERT_EQ(posted.size(), 2u);
+  for (size_t k = 0; k < posted.size(); ++k) // (2 + 1) x 2000 more
+    EXPECT_EQ(posted[k] - none[k], 6000) << "stage " << k;
+  EXPECT_EQ(
+      memories(1, SpeculativeUpdates::kSeveralRanks),
+      memories(1, SpeculativeUpdates::kNone));
+  EXPECT_EQ(
+      memories(1, SpeculativeUpdates::kEveryPlan).front() -
+          memories(1, SpeculativeUpdates::kNone).front(),
+      12000);
+
+  // A capacity the undo copy overflows: the verdict says what it is, and
+  // that steps with a barrier would fit.
+  const int64_t fitsNone = *std::max_element(none.begin(), none.end()) + 100;
+  request.devices.assign(2, DeviceSpec{"cpu", 1.0, fitsNone, 0.0});
+  request.speculativeUpdates = SpeculativeUpdates::kSeveralRanks;
+  const Feasibility verdict = checkFeasibility(request, 0);
+  EXPECT_FALSE(verdict.fits);
+  EXPECT_NE(
+      verdict.problem.find("half of that kept to undo posted steps' updates"),
+      std::string::npos)
+      << verdict.problem;
+  ASSERT_FALSE(verdict.fixes.empty());
+  EXPECT_EQ(verdict.fixes.front().rfind("pipeline.overlap_steps=false", 0), 0u)
+      << verdict.fixes.front();
+}
+
 // A re-plan from measured stage times goes through the resolver: the
 // partition stays, `auto` is rebuilt for the given per-stage costs, and the
 // predicted step is theirs.

@@ -128,6 +128,12 @@ struct TrainConfig {
   std::string onNonFinite = "stop";
   // "fp32", or "bf16": forwards under bf16 autocast (PipelineOptions).
   std::string precision = "fp32";
+
+  // A clip or skipped non-finite steps: every step's gradients are checked
+  // (their norm over every stage and rank) before any update.
+  bool checksGradients() const {
+    return clipGradNorm > 0 || onNonFinite == "skip";
+  }
 };
 
 struct Config {

@@ -54,6 +54,11 @@ struct MemoryModel {
   // optimizer state) the devices hold: 2 under a bidirectional schedule
   // (dualpipe), charged to the stage.
   int parameterCopies = 1;
+  // Each rank may keep its parameters, gradients and optimizer state a
+  // second time: posted steps that check the gradients update before the
+  // step is decided and hold what they replaced, to undo it, through the
+  // next step (PlanRequest::speculativeUpdates).
+  bool keepsUndoCopy = false;
   // Backwards add the weight gradients of layers marked
   // LayerCost::weightGradientInPlace in place (direct weight gradients, or
   // a schedule's weight pass): a stage of such layers alone allocates no

@@ -54,6 +54,20 @@ const char* partitionMethodName(PartitionMethod method);
 // adam and adamw 2.
 double optimizerStateFactor(const std::string& optimizer, double momentum);
 
+// Which plans' ranks may apply their update before the step is decided:
+// steps posted without a barrier (pipeline.overlap_steps) that check the
+// gradients (a clip, or skipped non-finite steps). Such a rank keeps its
+// parameters, gradients and optimizer state as they were, to undo the
+// update, through the next step: the memory model charges that copy.
+enum class SpeculativeUpdates {
+  kNone,
+  kSeveralRanks, // one process: a lone rank runs on the caller, posting none
+  kEveryPlan,    // across processes, where every rank posts
+};
+
+// Whether a plan of `ranks` ranks keeps the undo copy.
+bool keepsUndoCopy(SpeculativeUpdates updates, int ranks);
+
 struct PlanRequest {
   std::vector<LayerCost> layers;
   // Where the costs came from, for the reader ("parameter bytes", "measured
@@ -78,6 +92,7 @@ struct PlanRequest {
   double optimizerFactor = 0.0;
   // PipelineOptions::directWeightGradients, for the memory model.
   bool directWeightGradients = true;
+  SpeculativeUpdates speculativeUpdates = SpeculativeUpdates::kNone;
   // The runtime's own costs, where calibrated (tpipe/tune.h): per compute
   // instruction, and the split backward's (input + weight) over the fused.
   double instructionMs = 0.0;

@@ -122,6 +122,7 @@ struct TuneRequest {
   bool overlapSteps = false;
   // PipelineOptions::directWeightGradients, for the memory model.
   bool directWeightGradients = true;
+  SpeculativeUpdates speculativeUpdates = SpeculativeUpdates::kNone;
 };
 
 struct TuneCandidate {

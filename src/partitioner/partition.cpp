@@ -257,7 +257,8 @@ class Costs {
   int64_t memory(int first, int end, int stage) const {
     const double factor = // weights, grads, state
         (2.0 + problem_.memory.optimizerFactor) *
-        problem_.memory.parameterCopies;
+        problem_.memory.parameterCopies *
+        (problem_.memory.keepsUndoCopy ? 2 : 1);
     const int64_t params = prefix_.params[end] - prefix_.params[first];
     return static_cast<int64_t>(
                std::llround(factor * static_cast<double>(params))) +

@@ -10,6 +10,11 @@
 #include <nlohmann/json.hpp>
 
 namespace tpipe {
+bool keepsUndoCopy(SpeculativeUpdates updates, int ranks) {
+  return updates == SpeculativeUpdates::kEveryPlan ||
+      (updates == SpeculativeUpdates::kSeveralRanks && ranks > 1);
+}
+
 namespace {
 
 struct Candidate {
@@ -75,6 +80,8 @@ PartitionProblem problemFor(
       request.optimizerFactor,
       request.inputBytes,
       request.directWeightGradients);
+  problem.memory.keepsUndoCopy =
+      keepsUndoCopy(request.speculativeUpdates, schedule.ranks);
   return problem;
 }
 
@@ -628,7 +635,10 @@ int64_t totalMemory(const Plan& plan) {
 
 // Empty when the plan fits; otherwise the first stage over its device's
 // capacity, or the whole plan over the host's available memory.
-std::string memoryProblem(const Plan& plan, int64_t hostBytes) {
+std::string memoryProblem(
+    const Plan& plan,
+    int64_t hostBytes,
+    bool keepsUndoCopy) {
   for (size_t k = 0; k < plan.stages.size(); ++k) {
     const StageReport& stage = plan.stages[k];
     if (stage.capacityBytes > 0 && stage.memoryBytes > stage.capacityBytes) {
@@ -637,9 +647,10 @@ std::string memoryProblem(const Plan& plan, int64_t hostBytes) {
           std::to_string(stage.endLayer - 1) + ") needs " +
           formatBytes(stage.memoryBytes) + " on " + stage.device + " (" +
           formatBytes(stage.memoryBytes - stage.activationBytes) +
-          " of it parameters, gradients and optimizer state), whose "
-          "capacity is " +
-          formatBytes(stage.capacityBytes);
+          " of it parameters, gradients and optimizer state" +
+          (keepsUndoCopy ? ", half of that kept to undo posted steps' updates"
+                         : "") +
+          "), whose capacity is " + formatBytes(stage.capacityBytes);
     }
   }
   const int64_t total = totalMemory(plan);
@@ -661,7 +672,10 @@ Attempt attempt(const PlanRequest& request, int64_t hostBytes) {
   try {
     result.plan = resolvePlan(request);
     result.resolved = true;
-    result.problem = memoryProblem(result.plan, hostBytes);
+    result.problem = memoryProblem(
+        result.plan,
+        hostBytes,
+        keepsUndoCopy(request.speculativeUpdates, result.plan.schedule.ranks));
   } catch (const PartitionError& error) {
     result.problem = error.what();
   }
@@ -693,6 +707,10 @@ std::vector<Variant> variantsOf(const PlanRequest& request) {
     r.partition = PartitionMethod::kTime;
     r.balance.clear();
   };
+  if (request.speculativeUpdates != SpeculativeUpdates::kNone) {
+    add("pipeline.overlap_steps=false",
+        [](auto& r) { r.speculativeUpdates = SpeculativeUpdates::kNone; });
+  }
   if (!always)
     add("pipeline.checkpoint=always", remat);
   if (!oneFOneB)

@@ -560,6 +560,7 @@ PlanRequest planRequestFor(
   plan.checkpoint = s.checkpoint;
   plan.optimizerFactor = request.optimizerFactor;
   plan.directWeightGradients = request.directWeightGradients;
+  plan.speculativeUpdates = request.speculativeUpdates;
   plan.instructionMs = model.instructionMsAt(s.threads);
   plan.splitBackward = model.splitBackward;
   plan.inputBytes = static_cast<int64_t>(

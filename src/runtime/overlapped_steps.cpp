@@ -676,11 +676,17 @@ void Pipeline::Impl::updateAfterPart(runtime::PostedStep& step, int rank) {
     return;
   }
   if (speculate) {
+    // What it keeps to undo the update stays through the next step: charged
+    // to the rank's device, as the plan's memory model charges it
+    // (MemoryModel::keepsUndoCopy), not to the update's unattributed scope.
     auto& speculation = step.speculations[rank];
     speculation.active = true;
-    for (const auto& parameter : parameters)
-      speculation.parameters.push_back(parameter.detach().clone());
-    speculation.restoreState = update.saveState(rank);
+    {
+      memory::DeviceScope charged(memorySlotOf(rank));
+      for (const auto& parameter : parameters)
+        speculation.parameters.push_back(parameter.detach().clone());
+      speculation.restoreState = update.saveState(rank);
+    }
     update.apply(rank);
     for (const auto& parameter : parameters)
       speculation.gradients.push_back(parameter.grad());

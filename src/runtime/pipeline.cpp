@@ -704,10 +704,9 @@ void Pipeline::setMemoryCapacity(int rank, int64_t bytes) {
   TORCH_CHECK(
       !impl_->memorySlots.empty(),
       "setMemoryCapacity: memory tracking is off (PipelineOptions::trackMemory)");
-  const auto local =
-      std::find(impl_->localRanks.begin(), impl_->localRanks.end(), rank);
+  const int slot = impl_->memorySlotOf(rank);
   TORCH_CHECK(
-      local != impl_->localRanks.end(),
+      slot != memory::kUnattributed,
       "setMemoryCapacity: device ",
       rank,
       " is not run by this process");
@@ -715,10 +714,7 @@ void Pipeline::setMemoryCapacity(int rank, int64_t bytes) {
   if (impl_->options.deviceMemory.empty())
     impl_->options.deviceMemory.assign(impl_->schedule.ranks, 0);
   impl_->options.deviceMemory[rank] = bytes;
-  memory::setCapacity(
-      impl_->memorySlots[local - impl_->localRanks.begin()],
-      bytes,
-      impl_->memoryLabel(rank));
+  memory::setCapacity(slot, bytes, impl_->memoryLabel(rank));
 }
 
 void Pipeline::resetPeakMemory() {

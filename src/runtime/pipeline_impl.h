@@ -2,6 +2,7 @@
 // it (plan, placement, workers) and pipeline_step.cpp drives steps on it.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <deque>
 #include <functional>
@@ -67,7 +68,17 @@ struct Pipeline::Impl {
   std::vector<std::unique_ptr<runtime::DeviceWorker>> workers;
   Trace trace;
   int steps = 0;
-  std::vector<int> memorySlots; // per rank, when tracking memory
+  // Per local rank (localRanks' order), when tracking memory.
+  std::vector<int> memorySlots;
+
+  // The slot charged for `rank`'s allocations; kUnattributed where memory
+  // is not tracked or another process runs the rank.
+  int memorySlotOf(int rank) const {
+    const auto local = std::find(localRanks.begin(), localRanks.end(), rank);
+    return memorySlots.empty() || local == localRanks.end()
+        ? memory::kUnattributed
+        : memorySlots[static_cast<size_t>(local - localRanks.begin())];
+  }
 
   ~Impl() {
     workers.clear(); // join before the slots go back

@@ -262,6 +262,10 @@ TuneOutcome clusterCostModel(
   // Across processes steps are posted without a barrier, as threads post
   // them: each stage's update waits only for its own replicas' average.
   request.overlapSteps = config.pipeline.overlapSteps;
+  request.speculativeUpdates =
+      config.pipeline.overlapSteps && config.train.checksGradients()
+      ? SpeculativeUpdates::kEveryPlan
+      : SpeculativeUpdates::kNone;
   const auto& o = config.train.optimizer;
   request.optimizerFactor = cluster.optimizerBytesPerParameter >= 0
       ? cluster.optimizerBytesPerParameter / cluster.bytesPerValue

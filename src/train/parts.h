@@ -91,6 +91,11 @@ class BatchSource {
 // autograd's (no weight gradient is added in place).
 bool autocasts(const Config& config);
 
+// Who may update before a posted step is decided (the memory model's undo
+// copy): ranks whose steps overlap and check the gradients, every one
+// across processes; in one process none of a model with tied weights.
+SpeculativeUpdates speculativeUpdatesOf(const Config& config);
+
 // pipeline.elastic across processes: the config with as many pipeline ranks
 // as the world holds (WORLD_SIZE / data_parallel), on the first devices
 // listed; a world below min_ranks, or larger than the devices or the model

@@ -1,6 +1,7 @@
 // From a config to the plan resolver's request: costs (saved, measured or
 // parameter bytes) and the config's pipeline options. The decision itself is
 // resolvePlan's (src/plan/).
+#include <algorithm>
 #include <cstring>
 #include <fstream>
 
@@ -303,6 +304,22 @@ bool autocasts(const Config& config) {
   return config.train.precision == "bf16";
 }
 
+SpeculativeUpdates speculativeUpdatesOf(const Config& config) {
+  if (!config.pipeline.overlapSteps || !config.train.checksGradients())
+    return SpeculativeUpdates::kNone;
+  if (worldFromEnvironment().worldSize > 1)
+    return SpeculativeUpdates::kEveryPlan;
+  // In one process a tied weight is one tensor, and where its copies sit on
+  // two ranks (the embedding and head of a GPT) steps keep their barrier
+  // (Pipeline::canOverlapSteps).
+  const auto& layers = config.model.layers;
+  const bool tied =
+      std::any_of(layers.begin(), layers.end(), [](const auto& l) {
+        return l.tiedTo >= 0;
+      });
+  return tied ? SpeculativeUpdates::kNone : SpeculativeUpdates::kSeveralRanks;
+}
+
 PlanRequest planRequest(const Config& config, const TrainingCosts& costs) {
   const auto& p = config.pipeline;
   PlanRequest request;
@@ -327,6 +344,7 @@ PlanRequest planRequest(const Config& config, const TrainingCosts& costs) {
   request.threadsPerDevice = p.threadsPerDevice;
   const auto& o = config.train.optimizer;
   request.optimizerFactor = optimizerStateFactor(o.type, o.momentum);
+  request.speculativeUpdates = speculativeUpdatesOf(config);
   return request;
 }
 

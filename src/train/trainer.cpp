@@ -686,8 +686,7 @@ class TrainingRun {
   // the loss is checked every step, and a gradient that turns non-finite
   // while the loss stays finite stops the run at the next step's loss.
   bool checksGradients() const {
-    return config_.train.clipGradNorm > 0 ||
-        config_.train.onNonFinite == "skip";
+    return config_.train.checksGradients();
   }
 
   static double milliseconds(Clock::duration d) {

@@ -840,6 +840,7 @@ TuneRequest requestFor(const Config& config, const LayerList& layers) {
   request.optimizerFactor = optimizerStateFactor(o.type, o.momentum);
   request.overlapSteps = config.pipeline.overlapSteps;
   request.directWeightGradients = config.pipeline.directWeightGradients;
+  request.speculativeUpdates = speculativeUpdatesOf(config);
   return request;
 }
 
