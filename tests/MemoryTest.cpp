@@ -242,8 +242,9 @@ TEST(MemoryTest, PredictionIsWithinTwentyPercentOfTheMeasurement) {
 // Posted steps that skip non-finite ones let the first rank done update
 // before the step is decided, keeping its old parameters, optimizer state
 // and gradients through the next step, to undo it. That copy is charged to
-// the rank's device and predicted: before, it was charged to no device and
-// the prediction missed the kept gradients (23% under).
+// the rank's device and predicted: before, its parameter and state copies
+// were charged to no device and the prediction left the copy out (the kept
+// gradients alone measured 23% over it).
 TEST(MemoryTest, PostedStepsChargeAndPredictTheirUndoCopy) {
   auto run = [](bool overlap) {
     nlohmann::json json = nlohmann::json::parse(R"({
