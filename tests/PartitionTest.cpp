@@ -313,10 +313,10 @@ TEST(PartitionTest, SpeculativeUpdatesChargeAnUndoCopyOfTheParameters) {
     return bytes;
   };
   const auto none = memories(2, SpeculativeUpdates::kNone);
-  const auto posted = memories(2, SpeculativeUpdates::kSeveralRanks);
-  ASSERT_EQ(posted.size(), 2u);
-  for (size_t k = 0; k < posted.size(); ++k) // (2 + 1) x 2000 more
-    EXPECT_EQ(posted[k] - none[k], 6000) << "stage " << k;
+  const auto speculative = memories(2, SpeculativeUpdates::kSeveralRanks);
+  ASSERT_EQ(speculative.size(), 2u);
+  for (size_t k = 0; k < speculative.size(); ++k) // (2 + 1) x 2000 more
+    EXPECT_EQ(speculative[k] - none[k], 6000) << "stage " << k;
   EXPECT_EQ(
       memories(1, SpeculativeUpdates::kSeveralRanks),
       memories(1, SpeculativeUpdates::kNone));
@@ -324,6 +324,15 @@ TEST(PartitionTest, SpeculativeUpdatesChargeAnUndoCopyOfTheParameters) {
       memories(1, SpeculativeUpdates::kEveryPlan).front() -
           memories(1, SpeculativeUpdates::kNone).front(),
       12000);
+  // The plan says why its memory doubled.
+  PlanRequest posted = request;
+  posted.devices.assign(2, DeviceSpec{"cpu", 1.0, 0, 0.0});
+  posted.speculativeUpdates = SpeculativeUpdates::kSeveralRanks;
+  const std::vector<std::string> notes = resolvePlan(posted).notes;
+  EXPECT_TRUE(std::any_of(notes.begin(), notes.end(), [](const auto& note) {
+    return note.find("posted steps that check the gradients keep them") !=
+        std::string::npos;
+  }));
 
   // A capacity the undo copy overflows: the verdict says what it is, and
   // that steps with a barrier would fit.

@@ -502,6 +502,13 @@ Plan resolvePlan(const PlanRequest& request) {
   plan.threadsPerDevice = request.threadsPerDevice;
   if (request.partition == PartitionMethod::kTime)
     plan.notes.insert(plan.notes.begin(), "chosen: " + chosen.what);
+  if (keepsUndoCopy(request.speculativeUpdates, plan.schedule.ranks)) {
+    plan.notes.push_back(
+        "memory counts each stage's parameters, gradients and optimizer "
+        "state twice: posted steps that check the gradients keep them to "
+        "undo an update made before the step is decided "
+        "(pipeline.overlap_steps=false does without)");
+  }
   return plan;
 }
 
