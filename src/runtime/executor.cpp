@@ -788,9 +788,9 @@ class RankExecutor {
 
   // The layer's reported parts where they hold every one of its
   // parameters, else the layer as one part. The weight pass computes a
-  // LibTorch Linear's gradients itself, where the part's output is the
-  // product alone (a layer merging no skip into it) and in full precision
-  // (under autocast autograd's pass keeps autocast's dtypes).
+  // LibTorch Linear's, Conv2d's or LayerNorm's gradients itself, where the
+  // part's output is its own alone (a layer merging no skip into it) and in
+  // full precision (under autocast autograd's pass keeps autocast's dtypes).
   void recordWeightParts(
       const StageRuntime& stage,
       size_t l,
@@ -811,11 +811,7 @@ class RankExecutor {
       }
       if (!use.output.requires_grad())
         continue;
-      part.linear = direct ? use.part->as<torch::nn::LinearImpl>() : nullptr;
-      part.conv = direct ? directConv(*use.part) : nullptr;
-      part.layerNorm =
-          direct ? use.part->as<torch::nn::LayerNormImpl>() : nullptr;
-      keepEnds(part, use.input, use.output);
+      keepEnds(part, direct ? use.part : nullptr, use.input, use.output);
       reported.push_back(std::move(part));
     }
     const auto& own = stage.layerParameters[l];
@@ -833,26 +829,30 @@ class RankExecutor {
     const NamedLayer& layer = stage.layers[l];
     Stash::WeightPart part;
     part.parameters = own;
-    part.linear = direct && addsWeightGradientInPlace(layer)
-        ? layer.module.ptr()->as<torch::nn::LinearImpl>()
-        : nullptr;
-    part.conv =
-        direct && layer.pop.empty() ? directConv(*layer.module.ptr()) : nullptr;
-    part.layerNorm = direct && layer.pop.empty()
-        ? layer.module.ptr()->as<torch::nn::LayerNormImpl>()
-        : nullptr;
-    keepEnds(part, input, output);
+    keepEnds(
+        part,
+        direct && layer.pop.empty() ? layer.module.ptr().get() : nullptr,
+        input,
+        output);
     stash.weightParts.push_back(std::move(part));
   }
 
-  // What the weight pass needs of a part: the edge where its output's
-  // gradient arrives, then its input (computed directly) or its output
-  // (walked). The edge is taken now: a layer after it that changes the
-  // output in place moves the tensor's own edge past its change.
+  // What the weight pass needs of a part: the kind whose gradients it
+  // computes itself, where `module` may be computed directly (null: no
+  // kind is); the edge where its output's gradient arrives; then its input
+  // (computed directly) or its output (walked). The edge is taken now: a layer
+  // after it that changes the output in place moves the tensor's own edge past
+  // its change.
   static void keepEnds(
       Stash::WeightPart& part,
+      torch::nn::Module* module,
       const at::Tensor& input,
       const at::Tensor& output) {
+    if (module) {
+      part.linear = module->as<torch::nn::LinearImpl>();
+      part.conv = directConv(*module);
+      part.layerNorm = module->as<torch::nn::LayerNormImpl>();
+    }
     part.outputEdge = torch::autograd::impl::gradient_edge(output);
     if (part.computedDirectly())
       part.input = input;
