@@ -82,7 +82,11 @@ struct PipelineOptions {
   // and threadsPerDevice below must agree with it or stay at their defaults.
   // Without one, the pipeline asks resolvePlan itself with
   // parameterCosts(layers); kTime then needs a plan, since only measured costs
-  // can choose by time.
+  // can choose by time. That plan knows no optimizer and no posted steps:
+  // its predicted memory counts no optimizer state and no undo copy. For a
+  // prediction that does, pass a plan resolved with
+  // PlanRequest::optimizerFactor and, for postStep with
+  // Update::checkGradients, speculativeUpdates (as the trainer does).
   std::shared_ptr<const Plan> plan;
   // Total stages; 0 means one per device (times virtualStages).
   int stages = 0;
