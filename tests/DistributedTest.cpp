@@ -16,6 +16,8 @@
 #include <random>
 #include <string>
 #include <sys/wait.h>
+#include <utility>
+#include <vector>
 
 namespace {
 
@@ -119,6 +121,25 @@ class DistributedTest : public ::testing::Test {
         value = record["eval_loss"].get<double>();
     }
     return value;
+  }
+
+  // Each pair of saved state dicts holds the same keys and equal tensors,
+  // bit for bit, as Python's torch reads them: one interpreter for all the
+  // pairs (each start imports torch, about 2 s here).
+  static void expectEqualStateDicts(
+      const std::vector<std::pair<std::string, std::string>>& pairs) {
+    std::string list;
+    for (const auto& [a, b] : pairs)
+      list += "('" + a + "', '" + b + "'), ";
+    const std::string check =
+        "/usr/bin/python3 -c \"import torch\n"
+        "for p, q in [" +
+        list +
+        "]:\n"
+        "    a, b = torch.load(p), torch.load(q)\n"
+        "    assert a.keys() == b.keys(), (p, q)\n"
+        "    assert all(torch.equal(a[k], b[k]) for k in a), (p, q)\"";
+    EXPECT_EQ(std::system(check.c_str()), 0) << check;
   }
 
   static void expectSameLosses(
@@ -286,17 +307,15 @@ TEST_F(DistributedTest, PostedStepsAcrossProcessesEqualStepsWithABarrier) {
       losses(path("barrier.jsonl")), losses(path("posted.jsonl")), 0.0);
   expectSameLosses(
       losses(path("barrier.jsonl")), losses(path("gloo.jsonl")), 0.0);
+  std::vector<std::pair<std::string, std::string>> saved;
   for (const std::string run : {"posted", "gloo"}) {
     for (const std::string rank : {"rank-0", "rank-1"}) {
-      const std::string check =
-          "/usr/bin/python3 -c \"import torch; a = torch.load('" +
-          path(run + "/" + rank + "/model.pt") + "'); b = torch.load('" +
-          path("barrier/" + rank + "/model.pt") +
-          "'); assert a.keys() == b.keys(); "
-          "assert all(torch.equal(a[k], b[k]) for k in a)\"";
-      EXPECT_EQ(std::system(check.c_str()), 0) << check;
+      saved.emplace_back(
+          path(run + "/" + rank + "/model.pt"),
+          path("barrier/" + rank + "/model.pt"));
     }
   }
+  expectEqualStateDicts(saved);
   const std::string four = config_ +
       " --set 'pipeline.devices=[\"cpu:0\",\"cpu:1\",\"cpu:2\",\"cpu:3\"]'"
       " --set pipeline.schedule=zb-h2 --set pipeline.micro_batches=8"
@@ -519,14 +538,9 @@ TEST_F(DistributedTest, TiedWeightsStayEqualAcrossProcesses) {
   ASSERT_EQ(barrier.status, 0) << barrier.output;
   expectSameLosses(
       losses(path("barrier.jsonl")), losses(path("two.jsonl")), 0.0);
-  for (const std::string rank : {"rank-0", "rank-1"}) {
-    const std::string same =
-        "/usr/bin/python3 -c \"import torch; a = torch.load('" +
-        path("ckpt/" + rank + "/model.pt") + "'); b = torch.load('" +
-        path("barrier/" + rank + "/model.pt") +
-        "'); assert all(torch.equal(a[k], b[k]) for k in a)\"";
-    EXPECT_EQ(std::system(same.c_str()), 0) << same;
-  }
+  expectEqualStateDicts(
+      {{path("ckpt/rank-0/model.pt"), path("barrier/rank-0/model.pt")},
+       {path("ckpt/rank-1/model.pt"), path("barrier/rank-1/model.pt")}});
   const Result dp = shell(
       binary() + " launch --nproc 4 " + tied +
       " --set pipeline.data_parallel=2 --metrics " + path("dp.jsonl"));
