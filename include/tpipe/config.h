@@ -130,7 +130,11 @@ struct TrainConfig {
   std::string precision = "fp32";
 
   // A clip or skipped non-finite steps: every step's gradients are checked
-  // (their norm over every stage and rank) before any update.
+  // (their norm over every stage and rank) before any update. That norm is
+  // one more pass over every gradient, which a plain loop does not make, so
+  // it runs only when asked for. With on_nonfinite "stop" alone the loss is
+  // checked every step, and a gradient that turns non-finite while the loss
+  // stays finite stops the run at the next step's loss.
   bool checksGradients() const {
     return clipGradNorm > 0 || onNonFinite == "skip";
   }

@@ -535,7 +535,7 @@ class TrainingRun {
     update.saveState = [this](int rank) {
       return snapshotOptimizerState(*rankOptimizers_[rank]);
     };
-    update.checkGradients = checksGradients();
+    update.checkGradients = config_.train.checksGradients();
     update.clipGradNorm = config_.train.clipGradNorm;
     // Across processes the stop flags ride with the step's notes, sampled
     // when it is posted, as they ride with the loss sum of a step with a
@@ -621,7 +621,7 @@ class TrainingRun {
     // Every rank sees the same summed loss and norm, so all decide alike.
     // The update runs where the first stage works, with its threads.
     pipe_->runOnWorker([&] {
-      if (checksGradients())
+      if (config_.train.checksGradients())
         result.norm = pipe_->clipGradNorm(config_.train.clipGradNorm);
       result.finite =
           std::isfinite(result.loss) && result.norm.nonFiniteStage < 0;
@@ -678,15 +678,6 @@ class TrainingRun {
       } catch (const std::exception&) {
       }
     }
-  }
-
-  // The gradient norm is one more pass over every gradient, which a plain
-  // loop does not make: it runs when the user asked for what needs it,
-  // clipping or skipping non-finite updates. With on_nonfinite "stop" alone
-  // the loss is checked every step, and a gradient that turns non-finite
-  // while the loss stays finite stops the run at the next step's loss.
-  bool checksGradients() const {
-    return config_.train.checksGradients();
   }
 
   static double milliseconds(Clock::duration d) {
