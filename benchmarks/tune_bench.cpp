@@ -4,7 +4,8 @@
 // predicted, a spread over the rest of the ranking) is trained in turn by
 // `tpipe train` of the config with each plan, a fresh process per run, in 5
 // alternating rounds (a fresh process here runs up to 10% faster or slower
-// than the next): the step a user meets. Tunes and rounds alternate, so
+// than the next): the step a user meets, the mean over the runs of each
+// run's mean step. Tunes and rounds alternate, so
 // that predictions and measurements span the same minutes. With --busy,
 // everything is done again while another process spins one core in bursts of
 // 0.1-0.9 s, as jobs starting and stopping do. Reports, per config and machine
@@ -125,8 +126,11 @@ std::vector<TuneCandidate> tuneInAFreshProcess(
 }
 
 // A plan's step as a user meets it: `tpipe train` of the config with that
-// plan, in a fresh process, long enough for about a second of steps; the
-// median step (from the metrics' elapsed_s) over the run's second half.
+// plan, in a fresh process, for about four seconds of steps; the mean step
+// (from the metrics' elapsed_s) over the run's second half: what the run's
+// throughput says. A neighbour's bursts of 0.1-0.9 s slow a share of the
+// steps; the median step of a one-second window landed in them or out of
+// them by chance (one plan's five runs spanned 1.68x by it).
 double trainedStepMs(
     const std::string& tpipe,
     const nlohmann::json& config,
@@ -136,9 +140,9 @@ double trainedStepMs(
   const std::string metricsPath = scratch + "/metrics.jsonl";
   std::ofstream(configPath) << configWithPlan(config, c).dump();
   const int steps = std::clamp(
-      static_cast<int>(std::ceil(1000.0 / std::max(c.predictedStepMs, 1.0))),
+      static_cast<int>(std::ceil(4000.0 / std::max(c.predictedStepMs, 1.0))),
       20,
-      200);
+      400);
   const std::string command = "'" + tpipe + "' train '" + configPath +
       "' --set train.steps=" + std::to_string(steps) +
       " --set train.eval_every=0 --set data.eval_samples=16 --metrics '" +
@@ -153,12 +157,11 @@ double trainedStepMs(
     if (record.contains("loss") && record.contains("elapsed_s"))
       elapsed.push_back(record["elapsed_s"].get<double>());
   }
-  std::vector<double> secondHalf;
-  for (size_t i = elapsed.size() / 2 + 1; i < elapsed.size(); ++i)
-    secondHalf.push_back(1000.0 * (elapsed[i] - elapsed[i - 1]));
-  if (secondHalf.empty())
-    throw std::runtime_error("no steps recorded by " + command);
-  return median(secondHalf);
+  const size_t half = elapsed.size() / 2;
+  if (elapsed.size() < 3 || half + 1 >= elapsed.size())
+    throw std::runtime_error("too few steps recorded by " + command);
+  return 1000.0 * (elapsed.back() - elapsed[half]) /
+      static_cast<double>(elapsed.size() - 1 - half);
 }
 
 // Every distinct choice, the top 5 predicted, then every few places down
@@ -196,7 +199,7 @@ struct TunedAndTrained {
   std::vector<TuneCandidate> choices;             // each tune's
   std::vector<std::vector<TuneCandidate>> ranked; // each tune's ranking
   std::vector<TuneCandidate> grid;
-  std::vector<double> measured; // per grid plan, the median of its runs
+  std::vector<double> measured;          // per grid plan, the mean of its runs
   std::vector<std::vector<double>> runs; // per grid plan, in run order
   // Per grid plan, the round of each of its runs (-1: trained at the end).
   std::vector<std::vector<int>> roundOfRun;
@@ -249,7 +252,7 @@ TunedAndTrained tuneAndTrainInTurn(
   }
   std::system(("rm -rf '" + std::string(scratch) + "'").c_str());
   for (auto& r : runs)
-    out.measured.push_back(median(r));
+    out.measured.push_back(mean(r));
   return out;
 }
 
@@ -270,9 +273,9 @@ struct Summary {
   // expects from the choice line.
   double worstExpectedError = 0.0;
   // The same two errors with each tune held against the grid's round that
-  // ran right after it (the same minute) instead of the median of every
+  // ran right after it (the same minute) instead of the mean of every
   // round: this machine's speed steps by a quarter and back for a minute
-  // or more at a time, and a median over five minutes carries that into
+  // or more at a time, and a mean over five minutes carries that into
   // every tune's error.
   double pairedMedianError = 0.0;
   double pairedWorstChoiceError = 0.0;
@@ -348,8 +351,8 @@ nlohmann::json benchConfig(
     runs.push_back(row);
   }
   // Each tune's ranking by plan: its prediction of every grid plan it
-  // ranked, and its own measurement of those it ran in turn (the median of
-  // one step a round, each after another plan's step): how far that figure,
+  // ranked, and its own measurement of those it ran in turn (the mean of
+  // its rounds, each after another plan's step): how far that figure,
   // which anchors the predictions, is from training's. The grid's error
   // pools every tune's.
   std::vector<std::map<std::string, const TuneCandidate*>> rankingOf(

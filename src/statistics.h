@@ -16,6 +16,15 @@ inline double median(std::vector<double> values) {
   return n % 2 ? values[n / 2] : 0.5 * (values[n / 2 - 1] + values[n / 2]);
 }
 
+// The time a step takes on average, as a run meets it: a neighbour's
+// bursts included, in the share of the steps they slowed.
+inline double mean(const std::vector<double>& values) {
+  double sum = 0.0;
+  for (double v : values)
+    sum += v;
+  return values.empty() ? 0.0 : sum / static_cast<double>(values.size());
+}
+
 // The lower quartile: a step on a quiet machine. A neighbour's burst only
 // ever adds time, and it may cover half of one plan's steps and none of
 // another's; the lower quartile is the step most of them could have had.

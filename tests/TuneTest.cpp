@@ -341,29 +341,37 @@ TEST(TuneTest, MoreDevicesMustMeasureTenPercentFaster) {
   EXPECT_EQ(chooseBetween(1, 1.07), 4); // on one device, 7% decides
 }
 
-// Rounds a burst slowed for every plan leave the medians the anchoring
-// takes; on a quiet machine the medians are every round's.
-TEST(TuneTest, AnchoredMediansLeaveOutRoundsABurstSlowed) {
-  std::vector<std::vector<double>> quiet(2), busy(2);
+// Rounds a burst slowed for every plan are counted; a quiet machine's
+// jitter, or one plan's slow round, is not a burst.
+TEST(TuneTest, CountsTheRoundsABurstSlowed) {
+  std::vector<std::vector<double>> quiet(3), busy(3);
   for (int r = 0; r < 15; ++r) {
-    const double jitter = 1.0 + 0.01 * (r % 5); // 0-4%
-    quiet[0].push_back(10.0 * jitter);
-    quiet[1].push_back(12.0 * jitter);
+    const double jitter = 1.0 + 0.01 * (r % 5);        // 0-4%
     const double burst = r >= 3 && r < 12 ? 1.6 : 1.0; // 9 of 15 rounds
-    busy[0].push_back(10.0 * jitter * burst);
-    busy[1].push_back(12.0 * jitter * burst);
+    for (size_t k = 0; k < 3; ++k) {
+      quiet[k].push_back((10.0 + k) * jitter);
+      busy[k].push_back((10.0 + k) * jitter * burst);
+    }
   }
-  const std::vector<double> calm = medianOutsideBursts(quiet);
+  quiet[0][7] *= 1.5; // one plan's slow round
+  EXPECT_EQ(roundsSlowedByBursts(quiet), 0);
+  EXPECT_EQ(roundsSlowedByBursts(busy), 9);
+  EXPECT_EQ(roundsSlowedByBursts({}), 0);
+  // As training meets them: bursts in their share (9 of 15 rounds at 1.6x),
+  // where the plain median is a burst's; a calm round's slow tail left out.
+  const std::vector<double> met = stepsAsTrainingMeetsThem(busy);
+  EXPECT_NEAR(met[0], 10.2 * (6 + 9 * 1.6) / 15, 0.15);
+  EXPECT_NEAR(met[2], 12.2 * (6 + 9 * 1.6) / 15, 0.2);
+  EXPECT_GT(median(busy[0]), 15.0);
+  const std::vector<double> calm = stepsAsTrainingMeetsThem(quiet);
   EXPECT_NEAR(calm[0], median(quiet[0]), 1e-9);
-  EXPECT_NEAR(calm[1], median(quiet[1]), 1e-9);
-  const std::vector<double> outside = medianOutsideBursts(busy);
-  EXPECT_GT(median(busy[0]), 15.0); // the plain median is a burst's
-  EXPECT_LT(outside[0], 10.5);
-  EXPECT_LT(outside[1], 12.6);
-  // A burst over all but two rounds leaves too few: every round's median.
-  for (int r = 2; r < 15; ++r)
-    busy[0][r] = busy[1][r] = 30.0;
-  EXPECT_NEAR(medianOutsideBursts(busy)[0], median(busy[0]), 1e-9);
+  EXPECT_LT(calm[0], mean(quiet[0]) - 0.2); // the 1.5x round left out
+  // A machine slow throughout has no bursts: each round is held against
+  // the plans' own lower quartiles.
+  for (auto& steps : busy)
+    std::fill(steps.begin(), steps.end(), 30.0);
+  busy[0][0] = 60.0;
+  EXPECT_EQ(roundsSlowedByBursts(busy), 0); // no calm round to hold against
 }
 
 TEST(TuneTest, SmallMicroBatchesPayTheirFixedCost) {

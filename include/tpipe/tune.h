@@ -185,15 +185,23 @@ PlanRequest candidatePlanRequest(
     const TuneRequest& request,
     const TuneCandidate& candidate);
 
-// Each plan's median step over the rounds that were not a neighbour's
-// burst, from the same roundSteps as chooseByMeasurement: a round is a
-// burst where the plans ran, by their median, more than 15% above their
-// own lower quartiles together. A training run's median step sees a
-// burst on a minority of its steps, where a second of in-turn rounds can
-// lie under one whole (a tune predicted 15.6 ms for a plan that trained at
-// 11.0). With fewer than a quarter of the rounds (at least 3) left, the
-// median over all of them.
-std::vector<double> medianOutsideBursts(
+// How many rounds a neighbour's burst slowed, from the same roundSteps as
+// chooseByMeasurement: rounds where the plans ran, by their median, more
+// than 15% above their own lower quartiles together. Rounds of a quiet
+// machine are within a few percent of each other; with a neighbour that
+// spins in bursts, the tuner measures for longer, so that the rounds meet
+// bursts in about the share a training run does.
+int roundsSlowedByBursts(const std::vector<std::vector<double>>& roundSteps);
+
+// Each plan's step as a training run meets it, from the same roundSteps:
+// the median of the rounds no burst slowed, and the rounds a burst slowed
+// at what they took, in their share of the rounds. A neighbour's bursts
+// slow a share of a run's steps, and its throughput carries them (a plan
+// trained at a median step of 9.8 ms and a mean of 13.7-16.5 beside one);
+// a calm round's slow tail is the tuner's own, where plans take turns in
+// one process (the mean of every round put the one-stage Fashion plan
+// 13-17% above training, quiet and busy).
+std::vector<double> stepsAsTrainingMeetsThem(
     const std::vector<std::vector<double>>& roundSteps);
 
 // Predictions re-anchored to the plans measured in turn (measuredStepMs >=

@@ -185,39 +185,53 @@ bool rankedBefore(const TuneCandidate& a, const TuneCandidate& b) {
 
 } // namespace
 
-std::vector<double> medianOutsideBursts(
+namespace {
+
+// Per round: whether a neighbour's burst slowed it (the plans ran, by
+// their median, more than 15% above their own lower quartiles together).
+std::vector<bool> burstRounds(
     const std::vector<std::vector<double>>& roundSteps) {
-  std::vector<double> medians;
   if (roundSteps.empty())
-    return medians;
-  const size_t rounds = roundSteps.front().size();
+    return {};
   std::vector<double> quartiles;
   for (const auto& steps : roundSteps)
     quartiles.push_back(lowerQuartile(steps));
-  std::vector<size_t> calm;
-  for (size_t r = 0; r < rounds; ++r) {
+  std::vector<bool> slowed;
+  for (size_t r = 0; r < roundSteps.front().size(); ++r) {
     std::vector<double> slowness;
     for (size_t k = 0; k < roundSteps.size(); ++k) {
       if (r < roundSteps[k].size() && quartiles[k] > 0.0)
         slowness.push_back(roundSteps[k][r] / quartiles[k]);
     }
-    if (!slowness.empty() && median(slowness) <= 1.15)
-      calm.push_back(r);
+    slowed.push_back(!slowness.empty() && median(slowness) > 1.15);
   }
-  const bool enough = calm.size() >= std::max<size_t>(3, rounds / 4);
+  return slowed;
+}
+
+} // namespace
+
+int roundsSlowedByBursts(const std::vector<std::vector<double>>& roundSteps) {
+  const std::vector<bool> slowed = burstRounds(roundSteps);
+  return static_cast<int>(std::count(slowed.begin(), slowed.end(), true));
+}
+
+std::vector<double> stepsAsTrainingMeetsThem(
+    const std::vector<std::vector<double>>& roundSteps) {
+  const std::vector<bool> slowed = burstRounds(roundSteps);
+  std::vector<double> out;
   for (const auto& steps : roundSteps) {
-    if (!enough) {
-      medians.push_back(median(steps));
+    std::vector<double> calm, burst;
+    for (size_t r = 0; r < steps.size(); ++r)
+      (r < slowed.size() && slowed[r] ? burst : calm).push_back(steps[r]);
+    if (calm.empty()) {
+      out.push_back(mean(burst));
       continue;
     }
-    std::vector<double> kept;
-    for (size_t r : calm) {
-      if (r < steps.size())
-        kept.push_back(steps[r]);
-    }
-    medians.push_back(median(kept));
+    const double share =
+        static_cast<double>(burst.size()) / static_cast<double>(steps.size());
+    out.push_back((1.0 - share) * median(calm) + share * mean(burst));
   }
-  return medians;
+  return out;
 }
 
 std::string anchorToMeasured(TuneResult& result) {

@@ -2,6 +2,7 @@
 // search (src/plan/tune.cpp), and measure candidates by running them.
 #include <algorithm>
 #include <chrono>
+#include <functional>
 #include <cmath>
 #include <iomanip>
 #include <ostream>
@@ -156,8 +157,21 @@ struct Turns {
   bool warmEachTurn = false; // an untimed step opens each turn
 };
 
+// Rounds past Turns::rounds, while `wanted` says so, up to `maxRounds` in
+// all.
+struct MoreRounds {
+  std::function<bool(const std::vector<std::vector<StepTiming>>&)> wanted;
+  int maxRounds = 0;
+};
+
 // Steps each candidate runs in a row per turn when plans are compared.
 constexpr int kStepsPerTurn = 4;
+
+// How long plans compared in turn are measured when a neighbour's bursts
+// slow some of the rounds: long enough that the share of the time they
+// slowed is near the share a training run meets (bursts and pauses of
+// 0.1-0.9 s each: about a second a cycle, the share within 0.05 after 10).
+constexpr double kBurstAveragingMs = 10000.0;
 
 // Runs candidates on the config's data from the config's initial weights.
 class StepMeter {
@@ -190,7 +204,8 @@ class StepMeter {
   std::vector<std::vector<StepTiming>> interleave(
       const std::vector<TuneCandidate>& candidates,
       const Turns& turns,
-      std::ostream* log = nullptr) {
+      std::ostream* log = nullptr,
+      const MoreRounds& more = {}) {
     std::vector<std::unique_ptr<PlanRun>> runs;
     for (const auto& c : candidates) {
       runs.push_back(start(c));
@@ -204,11 +219,13 @@ class StepMeter {
     const auto others =
         std::stable_partition(order.begin(), order.end(), onThisThread);
     std::vector<std::vector<StepTiming>> timings(candidates.size());
-    for (int round = 0; round < turns.rounds; ++round) {
+    for (int round = 0; round < turns.rounds ||
+         (round < more.maxRounds && more.wanted && more.wanted(timings));
+         ++round) {
       if (log && turns.rounds > 1)
         *log << "tune: measuring " << candidates.size()
-             << " plans in turn, round " << round + 1 << "/" << turns.rounds
-             << std::endl;
+             << " plans in turn, round " << round + 1 << "/"
+             << std::max(turns.rounds, round + 1) << std::endl;
       // Each group turned by one place a round: a plan's step runs faster
       // or slower for the plan before it, so no plan keeps one neighbour
       // (with a fixed order the round's first plan measured 3% above
@@ -865,13 +882,41 @@ std::vector<std::vector<double>> measureInTurn(
     const std::vector<TuneCandidate>& candidates,
     int rounds,
     int stream,
-    std::ostream* log) {
+    std::ostream* log,
+    bool averageBursts = false) {
   Turns turns;
   turns.rounds = rounds;
   turns.stream = stream;
   turns.warmEachTurn = true;
+  MoreRounds more;
+  if (averageBursts) {
+    // A neighbour's bursts of 0.1-0.9 s slow whichever rounds they meet:
+    // rounds over a few seconds catch them in the share a training run
+    // does only by luck. Once two rounds show bursts, measuring goes on
+    // until the rounds span kBurstAveragingMs.
+    const auto began = Clock::now();
+    bool said = false;
+    more.maxRounds = 8 * rounds;
+    more.wanted = [&, began](const std::vector<std::vector<StepTiming>>& t) {
+      if (msSince(began) >= kBurstAveragingMs)
+        return false;
+      std::vector<std::vector<double>> ms;
+      for (const auto& timings : t)
+        ms.push_back(stepTimes(timings));
+      const int slowed = roundsSlowedByBursts(ms);
+      if (slowed < 2)
+        return false;
+      if (log && !said)
+        *log << "tune: a neighbour's bursts slowed " << slowed << " of "
+             << ms.front().size() << " rounds: measuring for "
+             << kBurstAveragingMs / 1000.0
+             << " s, so that they count in the share a run meets" << std::endl;
+      said = true;
+      return true;
+    };
+  }
   std::vector<std::vector<double>> out;
-  for (const auto& t : meter.interleave(candidates, turns, log))
+  for (const auto& t : meter.interleave(candidates, turns, log, more))
     out.push_back(stepTimes(t));
   return out;
 }
@@ -932,20 +977,26 @@ TuneOutcome tuneConfig(const Config& config, const TuneOptions& options) {
       plans,
       options.measure ? options.measureRounds * options.measureSteps : 15,
       kStepsPerTurn,
-      options.log);
+      options.log,
+      !options.measure);
   chooseByMeasurement(outcome.result, measured, steps);
   if (options.measure)
     return outcome; // --measure shows the model's own predictions
-  // Predictions of the steps a user will meet: anchored to the medians
-  // outside the rounds a burst slowed (training's median step meets few
-  // of them), where the choice compared lower quartiles.
-  const std::vector<double> medians = medianOutsideBursts(steps);
+  // Predictions of the steps a user will meet, bursts in their share,
+  // where the choice compared lower quartiles.
+  const std::vector<double> met = stepsAsTrainingMeetsThem(steps);
   for (size_t k = 0; k < measured.size(); ++k)
-    outcome.result.candidates[measured[k]].measuredStepMs = medians[k];
+    outcome.result.candidates[measured[k]].measuredStepMs = met[k];
   const std::string anchored = anchorToMeasured(outcome.result);
-  if (!anchored.empty())
-    outcome.result.notes.push_back(
-        anchored + "; measured ms: medians outside bursts");
+  if (!anchored.empty()) {
+    std::ostringstream note;
+    note << anchored << "; measured ms: medians of " << steps.front().size()
+         << " rounds";
+    if (const int slowed = roundsSlowedByBursts(steps))
+      note << ", the " << slowed
+           << " a neighbour's bursts slowed counted in their share";
+    outcome.result.notes.push_back(note.str());
+  }
   return outcome;
 }
 
