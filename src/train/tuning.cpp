@@ -898,8 +898,8 @@ std::vector<std::vector<double>> measureInTurn(
     // (three tunes of mlp_synthetic: 2, 3 and 0); beside the neighbour
     // that spins half the time, 4-9 of 15 were (four Fashion tunes).
     more.maxRounds = 8 * rounds;
-    more.wanted = [log, began = Clock::now(), said = false](
-                      const std::vector<std::vector<StepTiming>>& t) mutable {
+    more.wanted = [log, rounds, began = Clock::now()](
+                      const std::vector<std::vector<StepTiming>>& t) {
       if (msSince(began) >= kBurstAveragingMs)
         return false;
       std::vector<std::vector<double>> ms;
@@ -908,12 +908,11 @@ std::vector<std::vector<double>> measureInTurn(
       const int slowed = roundsSlowedByBursts(ms);
       if (slowed < 4)
         return false;
-      if (log && !said)
+      if (log && ms.front().size() == static_cast<size_t>(rounds))
         *log << "tune: a neighbour's bursts slowed " << slowed << " of "
              << ms.front().size() << " rounds: measuring for "
              << kBurstAveragingMs / 1000.0
              << " s, so that they count in the share a run meets" << std::endl;
-      said = true;
       return true;
     };
   }
