@@ -5,7 +5,7 @@
 // `tpipe train` of the config with each plan, a fresh process per run, in 5
 // alternating rounds (a fresh process here runs up to 10% faster or slower
 // than the next): the step a user meets, the mean over the runs of each
-// run's mean step. Tunes and rounds alternate, so
+// run's mean step (runs of 4 s quiet, 8 s busy). Tunes and rounds alternate, so
 // that predictions and measurements span the same minutes. With --busy,
 // everything is done again while another process spins one core in bursts of
 // 0.1-0.9 s, as jobs starting and stopping do. Reports, per config and machine
@@ -126,23 +126,27 @@ std::vector<TuneCandidate> tuneInAFreshProcess(
 }
 
 // A plan's step as a user meets it: `tpipe train` of the config with that
-// plan, in a fresh process, for about four seconds of steps; the mean step
-// (from the metrics' elapsed_s) over the run's second half: what the run's
+// plan, in a fresh process, for about `seconds` of steps; the mean step
+// (from the metrics' elapsed_s) past the run's first fifth (a fresh
+// process's first steps are slower, for a handful of them): what the run's
 // throughput says. A neighbour's bursts of 0.1-0.9 s slow a share of the
 // steps; the median step of a one-second window landed in them or out of
-// them by chance (one plan's five runs spanned 1.68x by it).
+// them by chance (one plan's five runs spanned 1.68x by it), and the mean
+// of two seconds still spread a plan's runs over 1.6x.
 double trainedStepMs(
     const std::string& tpipe,
     const nlohmann::json& config,
     const TuneCandidate& c,
-    const std::string& scratch) {
+    const std::string& scratch,
+    double seconds) {
   const std::string configPath = scratch + "/plan.json";
   const std::string metricsPath = scratch + "/metrics.jsonl";
   std::ofstream(configPath) << configWithPlan(config, c).dump();
   const int steps = std::clamp(
-      static_cast<int>(std::ceil(4000.0 / std::max(c.predictedStepMs, 1.0))),
+      static_cast<int>(
+          std::ceil(1000.0 * seconds / std::max(c.predictedStepMs, 1.0))),
       20,
-      400);
+      1000);
   const std::string command = "'" + tpipe + "' train '" + configPath +
       "' --set train.steps=" + std::to_string(steps) +
       " --set train.eval_every=0 --set data.eval_samples=16 --metrics '" +
@@ -157,11 +161,11 @@ double trainedStepMs(
     if (record.contains("loss") && record.contains("elapsed_s"))
       elapsed.push_back(record["elapsed_s"].get<double>());
   }
-  const size_t half = elapsed.size() / 2;
-  if (elapsed.size() < 3 || half + 1 >= elapsed.size())
+  const size_t first = elapsed.size() / 5;
+  if (elapsed.size() < 3 || first + 1 >= elapsed.size())
     throw std::runtime_error("too few steps recorded by " + command);
-  return 1000.0 * (elapsed.back() - elapsed[half]) /
-      static_cast<double>(elapsed.size() - 1 - half);
+  return 1000.0 * (elapsed.back() - elapsed[first]) /
+      static_cast<double>(elapsed.size() - 1 - first);
 }
 
 // Every distinct choice, the top 5 predicted, then every few places down
@@ -209,7 +213,8 @@ TunedAndTrained tuneAndTrainInTurn(
     const std::string& tpipe,
     const std::string& path,
     int repeats,
-    int rounds) {
+    int rounds,
+    double runSeconds) {
   nlohmann::json config;
   std::ifstream(path) >> config;
   char pattern[] = "/tmp/tune-bench-XXXXXX";
@@ -219,7 +224,8 @@ TunedAndTrained tuneAndTrainInTurn(
   TunedAndTrained out;
   std::vector<std::vector<double>>& runs = out.runs;
   auto train = [&](size_t g, int round) {
-    runs[g].push_back(trainedStepMs(tpipe, config, out.grid[g], scratch));
+    runs[g].push_back(
+        trainedStepMs(tpipe, config, out.grid[g], scratch, runSeconds));
     out.roundOfRun[g].push_back(round);
   };
   for (int round = 0; round < std::max(repeats, rounds); ++round) {
@@ -301,7 +307,10 @@ nlohmann::json benchConfig(
   loadConfig(path); // a bad config is refused before any run
   std::cout << "== " << path << (busy ? " (busy)" : " (quiet)") << std::endl;
   const pid_t neighbour = busy ? startBusyNeighbour() : 0;
-  const TunedAndTrained trial = tuneAndTrainInTurn(tpipe, path, repeats, 5);
+  // Beside the neighbour a plan's step swings with the share of its run the
+  // bursts took: its runs train twice as long there.
+  const TunedAndTrained trial =
+      tuneAndTrainInTurn(tpipe, path, repeats, 5, busy ? 8.0 : 4.0);
   const std::vector<TuneCandidate>& choices = trial.choices;
   const std::vector<TuneCandidate>& grid = trial.grid;
   const std::vector<double>& measured = trial.measured;

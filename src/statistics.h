@@ -25,6 +25,21 @@ inline double mean(const std::vector<double>& values) {
   return values.empty() ? 0.0 : sum / static_cast<double>(values.size());
 }
 
+// How closely repeated measurements pin their mean: its standard error
+// over the mean. A neighbour's bursts make a plan's rounds spread by a
+// third or more, and their mean settles only over many of them.
+inline double relativeStandardError(const std::vector<double>& values) {
+  if (values.size() < 2)
+    return 0.0;
+  const double average = mean(values);
+  double squares = 0.0;
+  for (double v : values)
+    squares += (v - average) * (v - average);
+  const double n = static_cast<double>(values.size());
+  const double error = std::sqrt(squares / (n - 1.0)) / std::sqrt(n);
+  return average > 0.0 ? error / average : 0.0;
+}
+
 // The lower quartile: a step on a quiet machine. A neighbour's burst only
 // ever adds time, and it may cover half of one plan's steps and none of
 // another's; the lower quartile is the step most of them could have had.

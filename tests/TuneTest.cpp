@@ -366,6 +366,19 @@ TEST(TuneTest, CountsTheRoundsABurstSlowed) {
   const std::vector<double> calm = stepsAsTrainingMeetsThem(quiet);
   EXPECT_NEAR(calm[0], median(quiet[0]), 1e-9);
   EXPECT_LT(calm[0], mean(quiet[0]) - 0.2); // the 1.5x round left out
+  // How long busy rounds go on: until their mean is pinned. Bursts spread
+  // the rounds, so their mean is known less closely than a quiet one's,
+  // and four times the rounds halve the error.
+  EXPECT_GT(
+      relativeStandardError(busy[0]), 3.0 * relativeStandardError(quiet[1]));
+  std::vector<double> longer;
+  for (int i = 0; i < 4; ++i)
+    longer.insert(longer.end(), busy[0].begin(), busy[0].end());
+  EXPECT_NEAR(
+      relativeStandardError(longer),
+      0.5 * relativeStandardError(busy[0]),
+      0.05 * relativeStandardError(busy[0]));
+  EXPECT_EQ(relativeStandardError({12.0}), 0.0);
   // A machine slow throughout has no bursts: each round is held against
   // the plans' own lower quartiles.
   for (auto& steps : busy)

@@ -168,10 +168,16 @@ struct MoreRounds {
 constexpr int kStepsPerTurn = 4;
 
 // How long plans compared in turn are measured when a neighbour's bursts
-// slow some of the rounds: long enough that the share of the time they
-// slowed is near the share a training run meets (bursts and pauses of
-// 0.1-0.9 s each: about a second a cycle, the share within 0.05 after 10).
+// slow some of the rounds: at least long enough that the share of the time
+// they slowed is near the share a training run meets (bursts and pauses of
+// 0.1-0.9 s each: about a second a cycle, the share within 0.05 after 10),
+// then on while a plan's mean over its rounds is known no closer than
+// kBurstAveragingError, up to kBurstAveragingMostMs. Ten seconds of Fashion
+// CNN rounds left the one-stage plan's figure 8% uncertain, and five busy
+// tunes predicted it 11.7-19.6 ms.
 constexpr double kBurstAveragingMs = 10000.0;
+constexpr double kBurstAveragingMostMs = 30000.0;
+constexpr double kBurstAveragingError = 0.04;
 
 // Runs candidates on the config's data from the config's initial weights.
 class StepMeter {
@@ -893,14 +899,16 @@ std::vector<std::vector<double>> measureInTurn(
     // A neighbour's bursts of 0.1-0.9 s slow whichever rounds they meet:
     // rounds over a few seconds catch them in the share a training run
     // does only by luck. Once four rounds show bursts, measuring goes on
-    // until the rounds span kBurstAveragingMs. A quiet machine's tiny
-    // steps jitter enough that two or three of 15 rounds can look slowed
+    // for kBurstAveragingMs, and on while some plan's mean is unsettled
+    // (kBurstAveragingError, up to kBurstAveragingMostMs). A quiet machine's
+    // tiny steps jitter enough that two or three of 15 rounds can look slowed
     // (three tunes of mlp_synthetic: 2, 3 and 0); beside the neighbour
     // that spins half the time, 4-9 of 15 were (four Fashion tunes).
     more.maxRounds = 8 * rounds;
     more.wanted = [log, rounds, began = Clock::now()](
                       const std::vector<std::vector<StepTiming>>& t) {
-      if (msSince(began) >= kBurstAveragingMs)
+      const double span = msSince(began);
+      if (span >= kBurstAveragingMostMs)
         return false;
       std::vector<std::vector<double>> ms;
       for (const auto& timings : t)
@@ -911,9 +919,15 @@ std::vector<std::vector<double>> measureInTurn(
       if (log && ms.front().size() == static_cast<size_t>(rounds))
         *log << "tune: a neighbour's bursts slowed " << slowed << " of "
              << ms.front().size() << " rounds: measuring for "
-             << kBurstAveragingMs / 1000.0
+             << kBurstAveragingMs / 1000.0 << "-"
+             << kBurstAveragingMostMs / 1000.0
              << " s, so that they count in the share a run meets" << std::endl;
-      return true;
+      if (span < kBurstAveragingMs)
+        return true;
+      double leastSettled = 0.0;
+      for (const auto& steps : ms)
+        leastSettled = std::max(leastSettled, relativeStandardError(steps));
+      return leastSettled > kBurstAveragingError;
     };
   }
   std::vector<std::vector<double>> out;
