@@ -366,6 +366,18 @@ TEST(TuneTest, CountsTheRoundsABurstSlowed) {
   const std::vector<double> calm = stepsAsTrainingMeetsThem(quiet);
   EXPECT_NEAR(calm[0], median(quiet[0]), 1e-9);
   EXPECT_LT(calm[0], mean(quiet[0]) - 0.2); // the 1.5x round left out
+  // Beside a neighbour, a burst that slows one plan's turn and spares the
+  // others' counts for that plan too: here plan 0 alone is slowed 1.6x in
+  // two rounds more, which round by round look calm.
+  std::vector<std::vector<double>> ownBursts = busy;
+  for (int r : {0, 1})
+    ownBursts[0][r] *= 1.6;
+  EXPECT_EQ(roundsSlowedByBursts(ownBursts), 9);
+  const std::vector<double> own = stepsAsTrainingMeetsThem(ownBursts);
+  EXPECT_NEAR(own[0], 10.2 * (4 + 11 * 1.6) / 15, 0.2);
+  EXPECT_NEAR(own[1], met[1], 1e-9);
+  // On a quiet machine one plan's slow turn stays its own tail.
+  EXPECT_NEAR(stepsAsTrainingMeetsThem(quiet)[0], median(quiet[0]), 1e-9);
   // How long busy rounds go on: until their mean is pinned. Bursts spread
   // the rounds, so their mean is known less closely than a quiet one's,
   // and four times the rounds halve the error.

@@ -195,7 +195,10 @@ int roundsSlowedByBursts(const std::vector<std::vector<double>>& roundSteps);
 
 // Each plan's step as a training run meets it, from the same roundSteps:
 // the median of the rounds no burst slowed, and the rounds a burst slowed
-// at what they took, in their share of the rounds. A neighbour's bursts
+// at what they took, in their share of the rounds. Beside a neighbour
+// (bursts in at least 4 rounds of 15), a plan's own rounds more than 15%
+// above its lower quartile are its bursts, whether or not the round's
+// other plans met them. A neighbour's bursts
 // slow a share of a run's steps, and its throughput carries them (a plan
 // trained at a median step of 9.8 ms and a mean of 13.7-16.5 beside one);
 // a calm round's slow tail is the tuner's own, where plans take turns in
