@@ -2,8 +2,8 @@
 // search (src/plan/tune.cpp), and measure candidates by running them.
 #include <algorithm>
 #include <chrono>
-#include <functional>
 #include <cmath>
+#include <functional>
 #include <iomanip>
 #include <ostream>
 #include <sstream>
