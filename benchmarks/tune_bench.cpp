@@ -16,7 +16,7 @@
 // - prediction error: median over the grid, and worst for the choice;
 // and `cluster` times the GPT-3 plan on 1024 devices.
 //
-//   tune_bench OUT.json [--repeat N] [--busy] [CONFIG ...]
+//   tune_bench OUT.json [--repeat N] [--busy | --busy-only] [CONFIG ...]
 #include <signal.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -521,18 +521,22 @@ int main(int argc, char** argv) {
   std::vector<std::string> args(argv + 1, argv + argc);
   if (args.empty()) {
     std::cerr
-        << "usage: tune_bench OUT.json [--repeat N] [--busy] [CONFIG ...]\n";
+        << "usage: tune_bench OUT.json [--repeat N] [--busy | --busy-only] "
+           "[CONFIG ...]\n";
     return 2;
   }
   const std::string out_path = args.front();
   int repeats = 1;
   bool busy = false;
+  bool quiet = true; // --busy-only: a change that only a neighbour's bursts reach
   std::vector<std::string> configs;
   for (size_t i = 1; i < args.size(); ++i) {
     if (args[i] == "--repeat" && i + 1 < args.size())
       repeats = std::max(1, std::atoi(args[++i].c_str()));
     else if (args[i] == "--busy")
       busy = true;
+    else if (args[i] == "--busy-only")
+      busy = true, quiet = false;
     else
       configs.push_back(args[i]);
   }
@@ -557,8 +561,12 @@ int main(int argc, char** argv) {
   };
   std::vector<Row> rows;
   for (const auto& path : configs) {
-    for (bool state :
-         busy ? std::vector<bool>{false, true} : std::vector<bool>{false}) {
+    std::vector<bool> states;
+    if (quiet)
+      states.push_back(false);
+    if (busy)
+      states.push_back(true);
+    for (bool state : states) {
       Summary summary;
       out["configs"].push_back(
           benchConfig(tpipe, path, repeats, state, summary));
