@@ -193,6 +193,29 @@ PlanRequest candidatePlanRequest(
 // bursts in about the share a training run does.
 int roundsSlowedByBursts(const std::vector<std::vector<double>>& roundSteps);
 
+// Bursts slowed at least 4 rounds of 15: a neighbour, not a quiet machine's
+// jitter (two or three of 15 rounds of tiny steps can look slowed).
+bool aNeighbourShows(const std::vector<std::vector<double>>& roundSteps);
+
+// Each plan's step at the load a neighbour puts on a training run, where
+// roundLoads[k][r] holds the cores other processes kept busy during plan
+// k's turn in round r (read from the machine's CPU time). A neighbour that
+// spins in bursts meets some plans' turns more than others' by chance
+// (over 15 turns, 0.24 cores on one plan's and 0.38 on another's), which
+// left a plan's mean uncertain by 5-11%; the load explained 80-97% of how
+// its turns varied. Per plan, its mean step moved
+// along its least-squares slope from its turns' mean load to the mean load
+// over every plan's turns. relativeError: the fit's standard error there,
+// over the figure. Empty unless every turn has a load and they spread by
+// more than a tenth of a core.
+struct StepsAtALoad {
+  std::vector<double> stepMs;
+  std::vector<double> relativeError;
+};
+StepsAtALoad stepsAtTheLoadTrainingMeets(
+    const std::vector<std::vector<double>>& roundSteps,
+    const std::vector<std::vector<double>>& roundLoads);
+
 // Each plan's step as a training run meets it, from the same roundSteps:
 // the median of the rounds no burst slowed, and the rounds a burst slowed
 // at what they took, in their share of the rounds. Beside a neighbour
@@ -204,8 +227,11 @@ int roundsSlowedByBursts(const std::vector<std::vector<double>>& roundSteps);
 // a calm round's slow tail is the tuner's own, where plans take turns in
 // one process (the mean of every round put the one-stage Fashion plan
 // 13-17% above training, quiet and busy).
+// Where a neighbour shows and roundLoads were measured, the steps at the
+// load training meets (stepsAtTheLoadTrainingMeets).
 std::vector<double> stepsAsTrainingMeetsThem(
-    const std::vector<std::vector<double>>& roundSteps);
+    const std::vector<std::vector<double>>& roundSteps,
+    const std::vector<std::vector<double>>& roundLoads = {});
 
 // Predictions re-anchored to the plans measured in turn (measuredStepMs >=
 // 0): a calibration run seconds earlier in a fresh process misjudges every
@@ -237,13 +263,18 @@ std::vector<size_t> measurementContenders(const TuneResult& result);
 // alike, and a burst on one step does not move a median. The simplest
 // plan within the noise of the fastest is chosen: twice the spread of
 // those ratios' median, at least 5%, and at least 10% where the fastest
-// runs on more devices. A note says what was chosen and why.
+// runs on more devices. Beside a neighbour (aNeighbourShows) the plans are
+// held against each other as training meets them instead
+// (stepsAsTrainingMeetsThem, at the neighbour's load where roundLoads has
+// it), within the figures' combined standard error, at least 5%, whatever
+// their devices. A note says what was chosen and why.
 // Throws std::invalid_argument unless there is one list per plan, all as
 // long.
 void chooseByMeasurement(
     TuneResult& result,
     const std::vector<size_t>& measured,
-    const std::vector<std::vector<double>>& roundSteps);
+    const std::vector<std::vector<double>>& roundSteps,
+    const std::vector<std::vector<double>>& roundLoads = {});
 
 // The order in which plans that run equally fast are preferred: fewer
 // devices, fewer virtual stages, the plainer schedule (gpipe, 1f1b, ...),

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <fstream>
 #include <functional>
 #include <iomanip>
 #include <ostream>
@@ -10,6 +11,9 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+
+#include <time.h>
+#include <unistd.h>
 
 #include <ATen/Parallel.h>
 #include <nlohmann/json.hpp>
@@ -73,7 +77,50 @@ std::vector<int> threadCounts(const Config& config) {
 struct StepTiming {
   double stepMs = 0.0;     // batch, zero_grad, pipeline, optimizer
   double pipelineMs = 0.0; // Pipeline::trainStep alone
+  // Cores other processes kept busy meanwhile; negative where unknown.
+  double othersCores = -1.0;
 };
+
+// The machine's busy CPU time and this process's own, at one moment: two of
+// them give the cores other processes used in between.
+struct CpuClock {
+  double busySeconds = -1.0; // every process's, from /proc/stat
+  double ownSeconds = 0.0;
+  Clock::time_point at;
+};
+
+CpuClock readCpuClock() {
+  CpuClock clock;
+  clock.at = Clock::now();
+  timespec own{};
+  ::clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &own);
+  clock.ownSeconds = static_cast<double>(own.tv_sec) + 1e-9 * own.tv_nsec;
+  std::ifstream stat("/proc/stat");
+  std::string label;
+  // user nice system idle iowait irq softirq steal, in clock ticks
+  unsigned long long field[8] = {};
+  if (!(stat >> label) || label != "cpu")
+    return clock;
+  for (auto& f : field) {
+    if (!(stat >> f))
+      return clock;
+  }
+  const unsigned long long busy =
+      field[0] + field[1] + field[2] + field[5] + field[6] + field[7];
+  clock.busySeconds =
+      static_cast<double>(busy) / static_cast<double>(::sysconf(_SC_CLK_TCK));
+  return clock;
+}
+
+// Negative where /proc/stat could not be read.
+double othersCoresBetween(const CpuClock& from, const CpuClock& to) {
+  const double wall = std::chrono::duration<double>(to.at - from.at).count();
+  if (from.busySeconds < 0.0 || to.busySeconds < 0.0 || wall <= 0.0)
+    return -1.0;
+  const double others =
+      (to.busySeconds - from.busySeconds) - (to.ownSeconds - from.ownSeconds);
+  return std::max(0.0, others / wall);
+}
 
 // One candidate built and ready to step: its pipeline, optimizer and batches
 // live as long as it does, so several can take turns, step by step.
@@ -194,7 +241,10 @@ class StepMeter {
   }
 
   StepTiming step(PlanRun& run, int count = 1) {
-    return run.steps(loss_, count);
+    const CpuClock before = readCpuClock();
+    StepTiming timing = run.steps(loss_, count);
+    timing.othersCores = othersCoresBetween(before, readCpuClock());
+    return timing;
   }
 
   // Every candidate built once and given `turns.warmup` untimed steps,
@@ -875,6 +925,13 @@ TuneRequest requestFor(const Config& config, const LayerList& layers) {
   return request;
 }
 
+// Each plan's ms per step a round, and the cores other processes kept busy
+// during each of its turns (negative where unknown).
+struct InTurn {
+  std::vector<std::vector<double>> steps;
+  std::vector<std::vector<double>> loads;
+};
+
 // Each candidate's ms per step, a value a round: each turn one untimed step
 // (a plan's first step after another plan's runs on the caches that plan
 // filled, 4-11% slower than training's steps, which follow their own), then
@@ -883,7 +940,7 @@ TuneRequest requestFor(const Config& config, const LayerList& layers) {
 // shared cores: their lower quartile put two-stage dualpipe at 8.4-8.7 ms
 // where it trained at 10-12, and tunes chose four different plans in four
 // runs; streams of 4 chose one plan in four.
-std::vector<std::vector<double>> measureInTurn(
+InTurn measureInTurn(
     StepMeter& meter,
     const std::vector<TuneCandidate>& candidates,
     int rounds,
@@ -930,9 +987,13 @@ std::vector<std::vector<double>> measureInTurn(
       return leastSettled > kBurstAveragingError;
     };
   }
-  std::vector<std::vector<double>> out;
-  for (const auto& t : meter.interleave(candidates, turns, log, more))
-    out.push_back(stepTimes(t));
+  InTurn out;
+  for (const auto& timings : meter.interleave(candidates, turns, log, more)) {
+    out.steps.push_back(stepTimes(timings));
+    out.loads.emplace_back();
+    for (const auto& t : timings)
+      out.loads.back().push_back(t.othersCores);
+  }
   return out;
 }
 
@@ -950,7 +1011,8 @@ std::vector<double> measureCandidates(
         std::to_string(steps) + " and " + std::to_string(rounds));
   StepMeter meter(config);
   std::vector<double> lowerQuartiles;
-  for (const auto& times : measureInTurn(meter, candidates, rounds, steps, log))
+  for (const auto& times :
+       measureInTurn(meter, candidates, rounds, steps, log).steps)
     lowerQuartiles.push_back(lowerQuartile(times));
   return lowerQuartiles;
 }
@@ -987,29 +1049,37 @@ TuneOutcome tuneConfig(const Config& config, const TuneOptions& options) {
     *options.log << "tune: running " << plans.size()
                  << " plans the prediction cannot tell apart, in turn"
                  << std::endl;
-  const std::vector<std::vector<double>> steps = measureInTurn(
+  const InTurn inTurn = measureInTurn(
       meter,
       plans,
       options.measure ? options.measureRounds * options.measureSteps : 15,
       kStepsPerTurn,
       options.log,
       !options.measure);
-  chooseByMeasurement(outcome.result, measured, steps);
+  const std::vector<std::vector<double>>& steps = inTurn.steps;
+  chooseByMeasurement(outcome.result, measured, steps, inTurn.loads);
   if (options.measure)
     return outcome; // --measure shows the model's own predictions
-  // Predictions of the steps a user will meet, bursts in their share,
-  // where the choice compared lower quartiles.
-  const std::vector<double> met = stepsAsTrainingMeetsThem(steps);
+  // Predictions of the steps a user will meet: a neighbour's bursts in
+  // their share, or at the load it puts on training.
+  const std::vector<double> met = stepsAsTrainingMeetsThem(steps, inTurn.loads);
+  const bool byLoad = aNeighbourShows(steps) &&
+      !stepsAtTheLoadTrainingMeets(steps, inTurn.loads).stepMs.empty();
   for (size_t k = 0; k < measured.size(); ++k)
     outcome.result.candidates[measured[k]].measuredStepMs = met[k];
   const std::string anchored = anchorToMeasured(outcome.result);
   if (!anchored.empty()) {
     std::ostringstream note;
-    note << anchored << "; measured ms: medians of " << steps.front().size()
-         << " rounds";
-    if (const int slowed = roundsSlowedByBursts(steps))
-      note << ", the " << slowed
-           << " a neighbour's bursts slowed counted in their share";
+    note << anchored << "; measured ms: ";
+    if (byLoad) {
+      note << "at the load a neighbour put on the " << steps.front().size()
+           << " rounds (the cores its bursts took, measured each turn)";
+    } else {
+      note << "medians of " << steps.front().size() << " rounds";
+      if (const int slowed = roundsSlowedByBursts(steps))
+        note << ", the " << slowed
+             << " a neighbour's bursts slowed counted in their share";
+    }
     outcome.result.notes.push_back(note.str());
   }
   return outcome;
