@@ -528,7 +528,8 @@ int main(int argc, char** argv) {
   const std::string out_path = args.front();
   int repeats = 1;
   bool busy = false;
-  bool quiet = true; // --busy-only: a change that only a neighbour's bursts reach
+  // --busy-only: for a change that only a neighbour's bursts reach.
+  bool quiet = true;
   std::vector<std::string> configs;
   for (size_t i = 1; i < args.size(); ++i) {
     if (args[i] == "--repeat" && i + 1 < args.size())

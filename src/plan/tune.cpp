@@ -466,9 +466,9 @@ void chooseByMeasurement(
       ? stepsAtTheLoadTrainingMeets(roundSteps, roundLoads)
       : StepsAtALoad{};
   const bool byLoad = !atLoad.stepMs.empty();
-  const std::vector<double> met = neighbour
-      ? stepsAsTrainingMeetsThem(roundSteps, roundLoads)
-      : std::vector<double>{};
+  const std::vector<double> met = byLoad ? atLoad.stepMs
+      : neighbour                        ? stepsAsTrainingMeetsThem(roundSteps)
+                                         : std::vector<double>{};
   auto figure = [&](size_t k) {
     return neighbour ? met[k] : all[measured[k]].measuredStepMs;
   };

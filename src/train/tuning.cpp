@@ -1062,9 +1062,10 @@ TuneOutcome tuneConfig(const Config& config, const TuneOptions& options) {
     return outcome; // --measure shows the model's own predictions
   // Predictions of the steps a user will meet: a neighbour's bursts in
   // their share, or at the load it puts on training.
-  const std::vector<double> met = stepsAsTrainingMeetsThem(steps, inTurn.loads);
-  const bool byLoad = aNeighbourShows(steps) &&
-      !stepsAtTheLoadTrainingMeets(steps, inTurn.loads).stepMs.empty();
+  const StepsAtALoad atLoad = stepsAtTheLoadTrainingMeets(steps, inTurn.loads);
+  const bool byLoad = aNeighbourShows(steps) && !atLoad.stepMs.empty();
+  const std::vector<double> met =
+      byLoad ? atLoad.stepMs : stepsAsTrainingMeetsThem(steps);
   for (size_t k = 0; k < measured.size(); ++k)
     outcome.result.candidates[measured[k]].measuredStepMs = met[k];
   const std::string anchored = anchorToMeasured(outcome.result);
