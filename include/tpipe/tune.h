@@ -206,8 +206,8 @@ bool aNeighbourShows(const std::vector<std::vector<double>>& roundSteps);
 // its turns varied. Per plan, its mean step moved
 // along its least-squares slope from its turns' mean load to the mean load
 // over every plan's turns. relativeError: the fit's standard error there,
-// over the figure. Empty unless every turn has a load and they spread by
-// more than a tenth of a core.
+// over the figure. Empty unless a neighbour shows (aNeighbourShows), every
+// turn has a load and they spread by more than a tenth of a core.
 struct StepsAtALoad {
   std::vector<double> stepMs;
   std::vector<double> relativeError;

@@ -227,46 +227,30 @@ bool aNeighbourShows(const std::vector<std::vector<double>>& roundSteps) {
   return neighbourShows(burstRounds(roundSteps));
 }
 
-namespace {
-
-bool loadsMeasured(
-    const std::vector<std::vector<double>>& roundSteps,
-    const std::vector<std::vector<double>>& roundLoads) {
-  if (roundLoads.size() != roundSteps.size() || roundSteps.empty())
-    return false;
-  std::vector<double> every;
-  for (size_t k = 0; k < roundSteps.size(); ++k) {
-    if (roundLoads[k].size() != roundSteps[k].size() ||
-        roundSteps[k].size() < 3)
-      return false;
-    for (double load : roundLoads[k]) {
-      if (!(load >= 0.0))
-        return false;
-      every.push_back(load);
-    }
-  }
-  // A tenth of a core: below it the load says nothing of the steps.
-  double spread = 0.0;
-  const double average = mean(every);
-  for (double load : every)
-    spread += (load - average) * (load - average);
-  return std::sqrt(spread / static_cast<double>(every.size())) > 0.1;
-}
-
-} // namespace
-
 StepsAtALoad stepsAtTheLoadTrainingMeets(
     const std::vector<std::vector<double>>& roundSteps,
     const std::vector<std::vector<double>>& roundLoads) {
   StepsAtALoad out;
-  if (!loadsMeasured(roundSteps, roundLoads))
+  if (roundLoads.size() != roundSteps.size() || !aNeighbourShows(roundSteps))
     return out;
+  std::vector<double> every;
+  for (size_t k = 0; k < roundSteps.size(); ++k) {
+    const auto& loads = roundLoads[k];
+    const bool read = std::all_of(
+        loads.begin(), loads.end(), [](double load) { return load >= 0.0; });
+    if (!read || loads.size() != roundSteps[k].size() || loads.size() < 3)
+      return out;
+    every.insert(every.end(), loads.begin(), loads.end());
+  }
   // The load training meets: the neighbour's mean over every turn of every
   // plan, which chance spread over the plans unevenly.
-  std::vector<double> every;
-  for (const auto& loads : roundLoads)
-    every.insert(every.end(), loads.begin(), loads.end());
   const double trainingLoad = mean(every);
+  // A tenth of a core: below it the load says nothing of the steps.
+  double spread = 0.0;
+  for (double load : every)
+    spread += (load - trainingLoad) * (load - trainingLoad);
+  if (std::sqrt(spread / static_cast<double>(every.size())) <= 0.1)
+    return out;
   for (size_t k = 0; k < roundSteps.size(); ++k) {
     const auto& steps = roundSteps[k];
     const auto& loads = roundLoads[k];
@@ -298,12 +282,10 @@ StepsAtALoad stepsAtTheLoadTrainingMeets(
 std::vector<double> stepsAsTrainingMeetsThem(
     const std::vector<std::vector<double>>& roundSteps,
     const std::vector<std::vector<double>>& roundLoads) {
+  StepsAtALoad atLoad = stepsAtTheLoadTrainingMeets(roundSteps, roundLoads);
+  if (!atLoad.stepMs.empty())
+    return atLoad.stepMs;
   const std::vector<bool> slowed = burstRounds(roundSteps);
-  if (neighbourShows(slowed)) {
-    StepsAtALoad atLoad = stepsAtTheLoadTrainingMeets(roundSteps, roundLoads);
-    if (!atLoad.stepMs.empty())
-      return atLoad.stepMs;
-  }
   // Beside a neighbour a burst of 0.1-0.9 s may slow one plan's turn and
   // spare the others': each plan's own rounds above its calm ones are its
   // bursts. Held only against whole rounds, a reference job's rounds of 2 s
@@ -461,10 +443,9 @@ void chooseByMeasurement(
   // two one-thread stages ran 1.13x theirs. Calm, the one stage was the
   // fastest; as trained beside the neighbour it was 13% slower. So there
   // the plans are held against each other as training meets them.
-  const bool neighbour = neighbourShows(burstRounds(roundSteps));
-  const StepsAtALoad atLoad = neighbour
-      ? stepsAtTheLoadTrainingMeets(roundSteps, roundLoads)
-      : StepsAtALoad{};
+  const bool neighbour = aNeighbourShows(roundSteps);
+  const StepsAtALoad atLoad =
+      stepsAtTheLoadTrainingMeets(roundSteps, roundLoads);
   const bool byLoad = !atLoad.stepMs.empty();
   const std::vector<double> met = byLoad ? atLoad.stepMs
       : neighbour                        ? stepsAsTrainingMeetsThem(roundSteps)

@@ -241,8 +241,13 @@ class StepMeter {
   }
 
   StepTiming step(PlanRun& run, int count = 1) {
+    return run.steps(loss_, count);
+  }
+
+  // A timed turn, with the cores other processes kept busy meanwhile.
+  StepTiming turn(PlanRun& run, int count) {
     const CpuClock before = readCpuClock();
-    StepTiming timing = run.steps(loss_, count);
+    StepTiming timing = step(run, count);
     timing.othersCores = othersCoresBetween(before, readCpuClock());
     return timing;
   }
@@ -299,7 +304,7 @@ class StepMeter {
         if (turns.warmEachTurn ||
             (k > 0 && onThisThread(order[k - 1]) && !onThisThread(i)))
           step(*runs[i]);
-        timings[i].push_back(step(*runs[i], turns.stream));
+        timings[i].push_back(turn(*runs[i], turns.stream));
       }
     }
     return timings;
@@ -1063,7 +1068,7 @@ TuneOutcome tuneConfig(const Config& config, const TuneOptions& options) {
   // Predictions of the steps a user will meet: a neighbour's bursts in
   // their share, or at the load it puts on training.
   const StepsAtALoad atLoad = stepsAtTheLoadTrainingMeets(steps, inTurn.loads);
-  const bool byLoad = aNeighbourShows(steps) && !atLoad.stepMs.empty();
+  const bool byLoad = !atLoad.stepMs.empty();
   const std::vector<double> met =
       byLoad ? atLoad.stepMs : stepsAsTrainingMeetsThem(steps);
   for (size_t k = 0; k < measured.size(); ++k)
