@@ -198,16 +198,20 @@ int roundsSlowedByBursts(const std::vector<std::vector<double>>& roundSteps);
 bool aNeighbourShows(const std::vector<std::vector<double>>& roundSteps);
 
 // Each plan's step at the load a neighbour puts on a training run, where
-// roundLoads[k][r] holds the cores other processes kept busy during plan
-// k's turn in round r (read from the machine's CPU time). A neighbour that
-// spins in bursts meets some plans' turns more than others' by chance
-// (over 15 turns, 0.24 cores on one plan's and 0.38 on another's), which
-// left a plan's mean uncertain by 5-11%; the load explained 80-97% of how
-// its turns varied. Per plan, its mean step moved
-// along its least-squares slope from its turns' mean load to the mean load
-// over every plan's turns. relativeError: the fit's standard error there,
-// over the figure. Empty unless a neighbour shows (aNeighbourShows), every
-// turn has a load and they spread by more than a tenth of a core.
+// roundLoads[k][r] holds the cores other processes wanted during plan k's
+// turn in round r: the time their threads ran or waited to run, which no
+// plan changes (the cores they got, read from the machine's busy time,
+// depend on what the plan left them: 0.31 beside one stage, 0.43 beside
+// dualpipe, and a plan taken at the pooled figure was misjudged by up to
+// 16%). A neighbour that spins in bursts meets some plans' turns more than
+// others' by chance (over 15 turns, 0.24 cores on one plan's and 0.38 on
+// another's), which left a plan's mean uncertain by 5-11%; the load
+// explained 80-97% of how its turns varied. Per plan, its mean step moved
+// along its least-squares slope from its turns' mean load to the load over
+// the time every plan's turns took (each turn weighed by its step: bursts
+// lengthen the turns they meet). relativeError: the fit's standard error
+// there, over the figure. Empty unless a neighbour shows (aNeighbourShows),
+// every turn has a load and they spread by more than a tenth of a core.
 struct StepsAtALoad {
   std::vector<double> stepMs;
   std::vector<double> relativeError;

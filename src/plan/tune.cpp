@@ -242,15 +242,26 @@ StepsAtALoad stepsAtTheLoadTrainingMeets(
       return out;
     every.insert(every.end(), loads.begin(), loads.end());
   }
-  // The load training meets: the neighbour's mean over every turn of every
-  // plan, which chance spread over the plans unevenly.
-  const double trainingLoad = mean(every);
   // A tenth of a core: below it the load says nothing of the steps.
+  const double everyMean = mean(every);
   double spread = 0.0;
   for (double load : every)
-    spread += (load - trainingLoad) * (load - trainingLoad);
+    spread += (load - everyMean) * (load - everyMean);
   if (std::sqrt(spread / static_cast<double>(every.size())) <= 0.1)
     return out;
+  // The load training meets: the neighbour's over the time every plan's
+  // turns took, which chance spread over the plans unevenly. Each turn
+  // weighs as long as it ran (its steps, as many in every turn): a burst
+  // lengthens the turns it meets, and a mean over turns counted the
+  // quiet ones more often than their share of the time.
+  double loadTime = 0.0, span = 0.0;
+  for (size_t k = 0; k < roundSteps.size(); ++k) {
+    for (size_t r = 0; r < roundSteps[k].size(); ++r) {
+      loadTime += roundLoads[k][r] * roundSteps[k][r];
+      span += roundSteps[k][r];
+    }
+  }
+  const double trainingLoad = span > 0.0 ? loadTime / span : everyMean;
   for (size_t k = 0; k < roundSteps.size(); ++k) {
     const auto& steps = roundSteps[k];
     const auto& loads = roundLoads[k];

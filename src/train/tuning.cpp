@@ -12,14 +12,12 @@
 #include <string>
 #include <thread>
 
-#include <time.h>
-#include <unistd.h>
-
 #include <ATen/Parallel.h>
 #include <nlohmann/json.hpp>
 #include <torch/nn/modules/linear.h>
 #include <torch/types.h>
 
+#include "train/machine_load.h"
 #include "train/parts.h"
 #include "statistics.h"
 
@@ -77,50 +75,9 @@ std::vector<int> threadCounts(const Config& config) {
 struct StepTiming {
   double stepMs = 0.0;     // batch, zero_grad, pipeline, optimizer
   double pipelineMs = 0.0; // Pipeline::trainStep alone
-  // Cores other processes kept busy meanwhile; negative where unknown.
+  // Cores other processes wanted meanwhile; negative where unknown.
   double othersCores = -1.0;
 };
-
-// The machine's busy CPU time and this process's own, at one moment: two of
-// them give the cores other processes used in between.
-struct CpuClock {
-  double busySeconds = -1.0; // every process's, from /proc/stat
-  double ownSeconds = 0.0;
-  Clock::time_point at;
-};
-
-CpuClock readCpuClock() {
-  CpuClock clock;
-  clock.at = Clock::now();
-  timespec own{};
-  ::clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &own);
-  clock.ownSeconds = static_cast<double>(own.tv_sec) + 1e-9 * own.tv_nsec;
-  std::ifstream stat("/proc/stat");
-  std::string label;
-  // user nice system idle iowait irq softirq steal, in clock ticks
-  unsigned long long field[8] = {};
-  if (!(stat >> label) || label != "cpu")
-    return clock;
-  for (auto& f : field) {
-    if (!(stat >> f))
-      return clock;
-  }
-  const unsigned long long busy =
-      field[0] + field[1] + field[2] + field[5] + field[6] + field[7];
-  clock.busySeconds =
-      static_cast<double>(busy) / static_cast<double>(::sysconf(_SC_CLK_TCK));
-  return clock;
-}
-
-// Negative where /proc/stat could not be read.
-double othersCoresBetween(const CpuClock& from, const CpuClock& to) {
-  const double wall = std::chrono::duration<double>(to.at - from.at).count();
-  if (from.busySeconds < 0.0 || to.busySeconds < 0.0 || wall <= 0.0)
-    return -1.0;
-  const double others =
-      (to.busySeconds - from.busySeconds) - (to.ownSeconds - from.ownSeconds);
-  return std::max(0.0, others / wall);
-}
 
 // One candidate built and ready to step: its pipeline, optimizer and batches
 // live as long as it does, so several can take turns, step by step.
@@ -244,7 +201,7 @@ class StepMeter {
     return run.steps(loss_, count);
   }
 
-  // A timed turn, with the cores other processes kept busy meanwhile.
+  // A timed turn, with the cores other processes wanted meanwhile.
   StepTiming turn(PlanRun& run, int count) {
     const CpuClock before = readCpuClock();
     StepTiming timing = step(run, count);
@@ -930,7 +887,7 @@ TuneRequest requestFor(const Config& config, const LayerList& layers) {
   return request;
 }
 
-// Each plan's ms per step a round, and the cores other processes kept busy
+// Each plan's ms per step a round, and the cores other processes wanted
 // during each of its turns (negative where unknown).
 struct InTurn {
   std::vector<std::vector<double>> steps;
@@ -1079,7 +1036,8 @@ TuneOutcome tuneConfig(const Config& config, const TuneOptions& options) {
     note << anchored << "; measured ms: ";
     if (byLoad) {
       note << "at the load a neighbour put on the " << steps.front().size()
-           << " rounds (the cores its bursts took, measured each turn)";
+           << " rounds (the cores other processes wanted, measured each "
+              "turn)";
     } else {
       note << "medians of " << steps.front().size() << " rounds";
       if (const int slowed = roundsSlowedByBursts(steps))
