@@ -70,11 +70,22 @@ Demand readOthersDemand() {
   return demand;
 }
 
+// Whether turns read what other threads wanted: where the kernel keeps
+// schedstat and the machine runs few enough threads that a reading stays
+// a few milliseconds (about 13 us a thread on a 2-core VM), decided once so
+// that every turn of a tune is read alike. Elsewhere the busy time stands.
+bool demandRead() {
+  constexpr size_t kMostThreadsRead = 1000;
+  static const bool read =
+      schedstatKept() && readOthersDemand().size() <= kMostThreadsRead;
+  return read;
+}
+
 } // namespace
 
 CpuClock readCpuClock() {
   CpuClock clock;
-  if (schedstatKept())
+  if (demandRead())
     clock.othersDemand = readOthersDemand();
   clock.at = std::chrono::steady_clock::now();
   timespec own{};
@@ -101,7 +112,7 @@ double othersCoresBetween(const CpuClock& from, const CpuClock& to) {
   const double wall = std::chrono::duration<double>(to.at - from.at).count();
   if (wall <= 0.0)
     return -1.0;
-  if (schedstatKept()) {
+  if (demandRead()) {
     unsigned long long wanted = 0;
     for (const auto& [tid, ns] : to.othersDemand) {
       const auto before = from.othersDemand.find(tid);
