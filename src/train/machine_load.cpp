@@ -85,8 +85,11 @@ bool demandRead() {
 
 CpuClock readCpuClock() {
   CpuClock clock;
-  if (demandRead())
+  if (demandRead()) {
     clock.othersDemand = readOthersDemand();
+    clock.at = std::chrono::steady_clock::now();
+    return clock; // the busy time is not wanted beside it
+  }
   clock.at = std::chrono::steady_clock::now();
   timespec own{};
   ::clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &own);

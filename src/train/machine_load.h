@@ -8,9 +8,9 @@
 
 namespace tpipe {
 
-// One moment's reading: the machine's busy CPU time and this process's
-// own, and what each other process's threads had wanted of the cores so far
-// (where the kernel keeps schedstat).
+// One moment's reading: what each other process's threads had wanted of
+// the cores so far, or where that is not read (othersCoresBetween), the
+// machine's busy CPU time and this process's own.
 struct CpuClock {
   double busySeconds = -1.0; // every process's, from /proc/stat
   double ownSeconds = 0.0;
