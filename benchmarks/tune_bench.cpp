@@ -100,10 +100,11 @@ std::string keyOf(const TuneCandidate& c) {
 }
 
 // One fresh `tpipe tune --quick --json` process: its candidates, choice
-// first.
+// first, and its notes (what it measured and why it chose).
 std::vector<TuneCandidate> tuneInAFreshProcess(
     const std::string& tpipe,
-    const std::string& config) {
+    const std::string& config,
+    std::vector<std::string>& notes) {
   const std::string command =
       "'" + tpipe + "' tune '" + config + "' --quick --json 2>/dev/null";
   FILE* pipe = ::popen(command.c_str(), "r");
@@ -118,6 +119,7 @@ std::vector<TuneCandidate> tuneInAFreshProcess(
     throw std::runtime_error(command + " failed");
   const nlohmann::json result = nlohmann::json::parse(text);
   std::vector<TuneCandidate> out{candidateOf(result.at("choice"))};
+  notes = result.value("notes", std::vector<std::string>{});
   for (const auto& c : result.at("candidates")) {
     if (!c.contains("infeasible"))
       out.push_back(candidateOf(c));
@@ -203,6 +205,7 @@ std::vector<TuneCandidate> gridOf(
 struct TunedAndTrained {
   std::vector<TuneCandidate> choices;             // each tune's
   std::vector<std::vector<TuneCandidate>> ranked; // each tune's ranking
+  std::vector<std::vector<std::string>> notes;    // each tune's
   std::vector<TuneCandidate> grid;
   std::vector<double> measured;          // per grid plan, the mean of its runs
   std::vector<std::vector<double>> runs; // per grid plan, in run order
@@ -231,7 +234,9 @@ TunedAndTrained tuneAndTrainInTurn(
   };
   for (int round = 0; round < std::max(repeats, rounds); ++round) {
     if (round < repeats) {
-      std::vector<TuneCandidate> run = tuneInAFreshProcess(tpipe, path);
+      out.notes.emplace_back();
+      std::vector<TuneCandidate> run =
+          tuneInAFreshProcess(tpipe, path, out.notes.back());
       out.choices.push_back(run.front());
       out.ranked.emplace_back(run.begin() + 1, run.end());
       std::cout << "run " << round + 1 << ": " << run.front().label()
@@ -485,6 +490,7 @@ nlohmann::json benchConfig(
       {"paired_worst_choice_abs_error", summary.pairedWorstChoiceError},
       {"choice_runs_max_over_min", summary.machineSpread},
       {"choices", runs},
+      {"tune_notes", trial.notes},
       {"grid", rows}};
 }
 

@@ -133,6 +133,29 @@ TEST(TuneTest, PlansRunningTheSameInstructionsAreListedOnce) {
     }
   }
   EXPECT_EQ(oneMicroBatch, 1);
+  // Two stages at 2 micro-batches: ZB-H2 runs ZB-H1's instructions, and the
+  // three ZB-V variants one program; at 4 micro-batches ZB-H2 differs.
+  auto count = [&](ScheduleKind kind, int microBatches) {
+    return std::count_if(
+        result.candidates.begin(),
+        result.candidates.end(),
+        [&](const TuneCandidate& c) {
+          return c.ranks == 2 && c.microBatches == microBatches &&
+              c.checkpoint == CheckpointMode::kNever && c.schedule == kind &&
+              c.infeasible.empty();
+        });
+  };
+  EXPECT_EQ(count(ScheduleKind::kZeroBubbleH1, 2), 1);
+  EXPECT_EQ(count(ScheduleKind::kZeroBubbleH2, 2), 0);
+  EXPECT_EQ(count(ScheduleKind::kZeroBubbleV, 2), 1);
+  EXPECT_EQ(count(ScheduleKind::kZeroBubbleVHalf, 2), 0);
+  EXPECT_EQ(count(ScheduleKind::kZeroBubbleVMin, 2), 0);
+  EXPECT_EQ(count(ScheduleKind::kZeroBubbleH2, 4), 1);
+  EXPECT_TRUE(std::any_of(
+      result.notes.begin(), result.notes.end(), [](const std::string& note) {
+        return note.find("same instructions as a simpler one") !=
+            std::string::npos;
+      }));
   // Asked for 1F1B alone, one stage and one micro-batch is still there.
   TuneRequest only = twoCores();
   only.schedules = {ScheduleKind::kOneFOneB};
@@ -172,8 +195,8 @@ TEST(TuneTest, HeldActivationsAreChargedBeyondOneMicroBatch) {
       1e-9);
 }
 
-// Among plans equally fast, fewer devices, then the plainer schedule, then
-// less recomputation, then fewer micro-batches.
+// Among plans equally fast, fewer devices, then fewer stages a device, then
+// the plainer schedule, then less recomputation, then fewer micro-batches.
 TEST(TuneTest, SimplerPlansComeFirst) {
   TuneCandidate a, b;
   b.ranks = 2;
@@ -189,6 +212,19 @@ TEST(TuneTest, SimplerPlansComeFirst) {
   b.microBatches = 2;
   EXPECT_TRUE(isSimplerPlan(a, b));
   EXPECT_FALSE(isSimplerPlan(a, a));
+  // DualPipe holds the other chain's copy of a stage beside each of its
+  // own: no simpler than a V of two stages a device, which is listed first.
+  TuneCandidate v = a, dual = a;
+  v.ranks = dual.ranks = 2;
+  v.virtualStages = 2;
+  v.schedule = ScheduleKind::kZeroBubbleV;
+  dual.schedule = ScheduleKind::kDualPipe;
+  EXPECT_TRUE(isSimplerPlan(v, dual));
+  EXPECT_FALSE(isSimplerPlan(dual, v));
+  b = v;
+  b.virtualStages = 1;
+  b.schedule = ScheduleKind::kZeroBubbleH1;
+  EXPECT_TRUE(isSimplerPlan(b, v));
 }
 
 TEST(TuneTest, PredictionsAreAnchoredToThePlansMeasuredInTurn) {
@@ -273,9 +309,10 @@ TEST(TuneTest, TheSimplestPlanIsAlwaysAContender) {
   result.choice = 0;
   std::vector<size_t> contenders = measurementContenders(result);
   std::sort(contenders.begin(), contenders.end());
-  // The top four, the four-device plan (its count's fastest) and the
+  // The top four, the simplest two-device plan within 25% (4 micro-batches,
+  // fifth predicted), the four-device plan (its count's fastest) and the
   // simplest; never a plan over twice the fastest.
-  EXPECT_EQ(contenders, (std::vector<size_t>{0, 1, 2, 3, 5, 6}));
+  EXPECT_EQ(contenders, (std::vector<size_t>{0, 1, 2, 3, 4, 5, 6}));
 
   result.candidates[5].predictedStepMs = 21.0; // now over twice: left out
   std::swap(result.candidates[5], result.candidates[6]);

@@ -252,9 +252,11 @@ std::string anchorToMeasured(TuneResult& result);
 // up to 4 within 25% of the fastest predicted, the predicted choice, the
 // fastest predicted on each device count within twice the fastest (a
 // calibration a busy second spoiled misjudges all plans of one shape
-// alike), and the simplest plan within twice the fastest, which the
-// choice falls back to when nothing measures clearly faster: measured
-// every time, so a run's noisy calibration cannot leave it out. Positions
+// alike), the simplest on each device count within 25% of the fastest
+// (what the choice prefers among plans of one shape that train alike), and
+// the simplest plan within twice the fastest, which the choice falls back
+// to when nothing measures clearly faster: measured every time, so a run's
+// noisy calibration cannot leave it out. Positions
 // in result.candidates; empty when nothing is feasible.
 std::vector<size_t> measurementContenders(const TuneResult& result);
 
@@ -281,7 +283,8 @@ void chooseByMeasurement(
     const std::vector<std::vector<double>>& roundLoads = {});
 
 // The order in which plans that run equally fast are preferred: fewer
-// devices, fewer virtual stages, the plainer schedule (gpipe, 1f1b, ...),
+// devices, fewer stages a device (DualPipe's copies of the other chain's
+// stages count), the plainer schedule (gpipe, 1f1b, ...),
 // less recomputation, fewer micro-batches.
 bool isSimplerPlan(const TuneCandidate& a, const TuneCandidate& b);
 
