@@ -27,6 +27,7 @@
 
 #include <cstdint>
 #include <iosfwd>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -194,8 +195,30 @@ PlanRequest candidatePlanRequest(
 int roundsSlowedByBursts(const std::vector<std::vector<double>>& roundSteps);
 
 // Bursts slowed at least 4 rounds of 15: a neighbour, not a quiet machine's
-// jitter (two or three of 15 rounds of tiny steps can look slowed).
-bool aNeighbourShows(const std::vector<std::vector<double>>& roundSteps);
+// jitter (two or three of 15 rounds of tiny steps can look slowed). Or,
+// where roundLoads holds the cores other processes wanted during each turn
+// (as stepsAtTheLoadTrainingMeets), they wanted kNeighbourCores or more over
+// the turns' time, varying by more than a tenth of a core: a Fashion CNN
+// tune of 8 plans, whose rounds of half a second a burst slows only in
+// part, counted 3 slowed rounds of 15 beside a neighbour that wanted half a
+// core, and chose one stage by calm figures (1.20x the best in training).
+// A quiet machine's other processes wanted 0.02 cores.
+constexpr double kNeighbourCores = 0.25;
+bool aNeighbourShows(
+    const std::vector<std::vector<double>>& roundSteps,
+    const std::vector<std::vector<double>>& roundLoads = {});
+
+// The cores other processes wanted during the turns of plans measured in
+// turn (roundLoads[k][r]: during plan k's turn in round r): over the turns'
+// time (each turn weighed by its step), their mean, standard deviation and
+// range. Empty where some turn's load is unknown (negative) or the lists do
+// not match roundSteps.
+struct LoadSummary {
+  double overTime = 0.0, mean = 0.0, spread = 0.0, least = 0.0, most = 0.0;
+};
+std::optional<LoadSummary> loadOver(
+    const std::vector<std::vector<double>>& roundSteps,
+    const std::vector<std::vector<double>>& roundLoads);
 
 // Each plan's step at the load a neighbour puts on a training run, where
 // roundLoads[k][r] holds the cores other processes wanted during plan k's
@@ -252,11 +275,9 @@ std::string anchorToMeasured(TuneResult& result);
 // up to 4 within 25% of the fastest predicted, the predicted choice, the
 // fastest predicted on each device count within twice the fastest (a
 // calibration a busy second spoiled misjudges all plans of one shape
-// alike), the simplest on each device count within 25% of the fastest
-// (what the choice prefers among plans of one shape that train alike), and
-// the simplest plan within twice the fastest, which the choice falls back
-// to when nothing measures clearly faster: measured every time, so a run's
-// noisy calibration cannot leave it out. Positions
+// alike), and the simplest plan within twice the fastest, which the
+// choice falls back to when nothing measures clearly faster: measured
+// every time, so a run's noisy calibration cannot leave it out. Positions
 // in result.candidates; empty when nothing is feasible.
 std::vector<size_t> measurementContenders(const TuneResult& result);
 

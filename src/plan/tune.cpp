@@ -7,7 +7,9 @@
 #include <cmath>
 #include <cstdio>
 #include <iomanip>
+#include <functional>
 #include <map>
+#include <optional>
 #include <ostream>
 #include <sstream>
 #include <stdexcept>
@@ -229,32 +231,21 @@ int roundsSlowedByBursts(const std::vector<std::vector<double>>& roundSteps) {
   return static_cast<int>(std::count(slowed.begin(), slowed.end(), true));
 }
 
-bool aNeighbourShows(const std::vector<std::vector<double>>& roundSteps) {
-  return neighbourShows(burstRounds(roundSteps));
-}
-
-StepsAtALoad stepsAtTheLoadTrainingMeets(
+bool aNeighbourShows(
     const std::vector<std::vector<double>>& roundSteps,
     const std::vector<std::vector<double>>& roundLoads) {
-  StepsAtALoad out;
-  if (roundLoads.size() != roundSteps.size() || !aNeighbourShows(roundSteps))
-    return out;
+  if (neighbourShows(burstRounds(roundSteps)))
+    return true;
+  const std::optional<LoadSummary> load = loadOver(roundSteps, roundLoads);
+  return load && load->overTime >= kNeighbourCores && load->spread > 0.1;
+}
+
+std::optional<LoadSummary> loadOver(
+    const std::vector<std::vector<double>>& roundSteps,
+    const std::vector<std::vector<double>>& roundLoads) {
+  if (roundLoads.size() != roundSteps.size() || roundSteps.empty())
+    return std::nullopt;
   std::vector<double> every;
-  for (size_t k = 0; k < roundSteps.size(); ++k) {
-    const auto& loads = roundLoads[k];
-    const bool read = std::all_of(
-        loads.begin(), loads.end(), [](double load) { return load >= 0.0; });
-    if (!read || loads.size() != roundSteps[k].size() || loads.size() < 3)
-      return out;
-    every.insert(every.end(), loads.begin(), loads.end());
-  }
-  // A tenth of a core: below it the load says nothing of the steps.
-  const double everyMean = mean(every);
-  double spread = 0.0;
-  for (double load : every)
-    spread += (load - everyMean) * (load - everyMean);
-  if (std::sqrt(spread / static_cast<double>(every.size())) <= 0.1)
-    return out;
   // The load training meets: the neighbour's over the time every plan's
   // turns took, which chance spread over the plans unevenly. Each turn
   // weighs as long as it ran (its steps, as many in every turn): a burst
@@ -262,12 +253,44 @@ StepsAtALoad stepsAtTheLoadTrainingMeets(
   // quiet ones more often than their share of the time.
   double loadTime = 0.0, span = 0.0;
   for (size_t k = 0; k < roundSteps.size(); ++k) {
-    for (size_t r = 0; r < roundSteps[k].size(); ++r) {
-      loadTime += roundLoads[k][r] * roundSteps[k][r];
+    const auto& loads = roundLoads[k];
+    if (loads.size() != roundSteps[k].size())
+      return std::nullopt;
+    for (size_t r = 0; r < loads.size(); ++r) {
+      if (!(loads[r] >= 0.0))
+        return std::nullopt;
+      loadTime += loads[r] * roundSteps[k][r];
       span += roundSteps[k][r];
     }
+    every.insert(every.end(), loads.begin(), loads.end());
   }
-  const double trainingLoad = span > 0.0 ? loadTime / span : everyMean;
+  if (every.empty())
+    return std::nullopt;
+  LoadSummary load;
+  load.mean = mean(every);
+  load.overTime = span > 0.0 ? loadTime / span : load.mean;
+  double squares = 0.0;
+  for (double x : every)
+    squares += (x - load.mean) * (x - load.mean);
+  load.spread = std::sqrt(squares / static_cast<double>(every.size()));
+  load.least = *std::min_element(every.begin(), every.end());
+  load.most = *std::max_element(every.begin(), every.end());
+  return load;
+}
+
+StepsAtALoad stepsAtTheLoadTrainingMeets(
+    const std::vector<std::vector<double>>& roundSteps,
+    const std::vector<std::vector<double>>& roundLoads) {
+  StepsAtALoad out;
+  const std::optional<LoadSummary> load = loadOver(roundSteps, roundLoads);
+  // A tenth of a core: below it the load says nothing of the steps.
+  if (!load || load->spread <= 0.1 || !aNeighbourShows(roundSteps, roundLoads))
+    return out;
+  for (const auto& steps : roundSteps) {
+    if (steps.size() < 3)
+      return out;
+  }
+  const double trainingLoad = load->overTime;
   for (size_t k = 0; k < roundSteps.size(); ++k) {
     const auto& steps = roundSteps[k];
     const auto& loads = roundLoads[k];
@@ -405,31 +428,18 @@ std::vector<size_t> measurementContenders(const TuneResult& result) {
   pick(result.choice);
   std::vector<int> devicesSeen;
   size_t simplest = 0;
-  // Per device count, the simplest plan predicted near the fastest: where
-  // plans of one shape train within a few percent of each other, that one
-  // is what the choice prefers, and the prediction alone put it 22% behind
-  // its count's fastest (Fashion CNN beside a neighbour: ZB-H1 at 2
-  // micro-batches trained within 1-4% of the best plan).
-  std::map<int, size_t> simplestNear;
   for (size_t i = 0; i < all.size(); ++i) {
     const int devices = all[i].devices();
     if (!all[i].infeasible.empty() || all[i].predictedStepMs > 2.0 * fastest)
       break;
     if (isSimplerPlan(all[i], all[simplest]))
       simplest = i;
-    if (all[i].predictedStepMs <= 1.25 * fastest) {
-      const auto [near, fresh] = simplestNear.emplace(devices, i);
-      if (!fresh && isSimplerPlan(all[i], all[near->second]))
-        near->second = i;
-    }
     if (std::find(devicesSeen.begin(), devicesSeen.end(), devices) !=
         devicesSeen.end())
       continue;
     devicesSeen.push_back(devices);
     pick(i);
   }
-  for (const auto& [devices, i] : simplestNear)
-    pick(i);
   pick(simplest);
   return picked;
 }
@@ -449,6 +459,27 @@ std::vector<double> perRoundRatios(
 }
 
 } // namespace
+
+// Every measured plan's figure, and what other processes wanted meanwhile:
+// what a user needs to see why the choice fell where it did.
+std::string measuredFiguresNote(
+    const std::vector<TuneCandidate>& all,
+    const std::vector<size_t>& measured,
+    const std::function<double(size_t)>& figure,
+    const std::vector<std::vector<double>>& roundSteps,
+    const std::vector<std::vector<double>>& roundLoads) {
+  std::ostringstream note;
+  note << std::fixed << std::setprecision(2) << "measured ms:";
+  for (size_t k = 0; k < measured.size(); ++k)
+    note << (k == 0 ? " " : "; ") << all[measured[k]].label() << " "
+         << figure(k);
+  const std::optional<LoadSummary> load = loadOver(roundSteps, roundLoads);
+  if (load)
+    note << "; other processes wanted " << load->overTime
+         << " cores over the turns' time (each turn " << load->least << " to "
+         << load->most << ")";
+  return note.str();
+}
 
 void chooseByMeasurement(
     TuneResult& result,
@@ -473,7 +504,7 @@ void chooseByMeasurement(
   // two one-thread stages ran 1.13x theirs. Calm, the one stage was the
   // fastest; as trained beside the neighbour it was 13% slower. So there
   // the plans are held against each other as training meets them.
-  const bool neighbour = aNeighbourShows(roundSteps);
+  const bool neighbour = aNeighbourShows(roundSteps, roundLoads);
   const StepsAtALoad atLoad =
       stepsAtTheLoadTrainingMeets(roundSteps, roundLoads);
   const bool byLoad = !atLoad.stepMs.empty();
@@ -563,6 +594,13 @@ void chooseByMeasurement(
                                          : all[result.choice].measuredStepMs)
          << " ms)";
   }
+  // The figures first: the choice's note stays the last word.
+  result.notes.push_back(measuredFiguresNote(
+      all,
+      measured,
+      [&](size_t k) { return figure(k); },
+      roundSteps,
+      roundLoads));
   result.notes.push_back(note.str());
   result.choice = measured[best];
 }

@@ -917,7 +917,8 @@ InTurn measureInTurn(
   if (averageBursts) {
     // A neighbour's bursts of 0.1-0.9 s slow whichever rounds they meet:
     // rounds over a few seconds catch them in the share a training run
-    // does only by luck. Once four rounds show bursts, measuring goes on
+    // does only by luck. Once a neighbour shows (four rounds slowed, or
+    // the load other processes put on the turns), measuring goes on
     // for kBurstAveragingMs, and on while some plan's mean is unsettled
     // (kBurstAveragingError, up to kBurstAveragingMostMs). A quiet machine's
     // tiny steps jitter enough that two or three of 15 rounds can look slowed
@@ -929,18 +930,26 @@ InTurn measureInTurn(
       const double span = msSince(began);
       if (span >= kBurstAveragingMostMs)
         return false;
-      std::vector<std::vector<double>> ms;
-      for (const auto& timings : t)
+      std::vector<std::vector<double>> ms, loads;
+      for (const auto& timings : t) {
         ms.push_back(stepTimes(timings));
-      const int slowed = roundsSlowedByBursts(ms);
-      if (slowed < 4)
+        loads.emplace_back();
+        for (const auto& turn : timings)
+          loads.back().push_back(turn.othersCores);
+      }
+      if (!aNeighbourShows(ms, loads))
         return false;
-      if (log && ms.front().size() == static_cast<size_t>(rounds))
-        *log << "tune: a neighbour's bursts slowed " << slowed << " of "
-             << ms.front().size() << " rounds: measuring for "
-             << kBurstAveragingMs / 1000.0 << "-"
+      if (log && ms.front().size() == static_cast<size_t>(rounds)) {
+        const auto load = loadOver(ms, loads);
+        *log << "tune: a neighbour's bursts slowed " << roundsSlowedByBursts(ms)
+             << " of " << ms.front().size() << " rounds";
+        if (load)
+          *log << ", other processes wanted " << fixed(load->overTime, 2)
+               << " cores";
+        *log << ": measuring for " << kBurstAveragingMs / 1000.0 << "-"
              << kBurstAveragingMostMs / 1000.0
              << " s, so that they count in the share a run meets" << std::endl;
+      }
       if (span < kBurstAveragingMs)
         return true;
       double leastSettled = 0.0;
