@@ -320,6 +320,37 @@ TEST(TuneTest, TheSimplestPlanIsAlwaysAContender) {
   EXPECT_EQ(std::count(contenders.begin(), contenders.end(), 5u), 1);
 }
 
+// Beside a neighbour, contenders clearly behind after the first rounds
+// make way for the next plans, by predictions scaled as their device
+// count's measured plans were.
+TEST(TuneTest, PlansANeighbourSlowedMakeWayForTheNext) {
+  TuneResult result;
+  result.candidates = {
+      predictedPlan(1, 1, 10.0),  // measured 1.5x the fastest figure
+      predictedPlan(2, 4, 11.0),  // measured: the fastest
+      predictedPlan(1, 2, 11.5),  // measured 1.4x
+      predictedPlan(2, 2, 12.0),  // next: 12 x 15 / 11 = 16.4
+      predictedPlan(3, 4, 12.5),  // no three-device plan measured
+      predictedPlan(2, 8, 12.8),  // next: 17.5
+      predictedPlan(2, 16, 15.0), // 20.5: over 25% behind
+      predictedPlan(4, 4, 13.0)};
+  result.candidates[7].infeasible = "does not fit";
+  const std::vector<size_t> measured{0, 1, 2};
+  std::vector<size_t> next =
+      contendersBesideANeighbour(result, measured, {22.5, 15.0, 21.0});
+  EXPECT_EQ(next, (std::vector<size_t>{1, 3, 5}));
+  // Nothing clearly behind: the same plans.
+  next = contendersBesideANeighbour(result, measured, {15.5, 15.0, 16.4});
+  EXPECT_EQ(next, measured);
+  // Room for one more than waits within 25%: the plans shrink to those.
+  result.candidates[5].predictedStepMs = 14.0; // 19.1
+  next = contendersBesideANeighbour(result, measured, {22.5, 15.0, 21.0});
+  EXPECT_EQ(next, (std::vector<size_t>{1, 3}));
+  EXPECT_THROW(
+      contendersBesideANeighbour(result, measured, {15.0}),
+      std::invalid_argument);
+}
+
 // On a machine that slows by a tenth for seconds at a time, with bursts on
 // single steps (too few for a neighbour): the plan measured fastest by
 // quartiles is held against the others round by round.

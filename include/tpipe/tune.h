@@ -281,6 +281,24 @@ std::string anchorToMeasured(TuneResult& result);
 // in result.candidates; empty when nothing is feasible.
 std::vector<size_t> measurementContenders(const TuneResult& result);
 
+// Beside a neighbour, after the first rounds of the contenders (positions
+// `measured`, their figures as training meets the neighbour, e.g.
+// stepsAsTrainingMeetsThem): those within kClearlyBehind of the fastest
+// stay, and the others make way for as many plans not yet measured, the
+// fastest first by their predictions scaled as their device count's
+// measured plans were, within 25% of the fastest figure. The calm
+// prediction chose the contenders, and a neighbour slows shapes unequally:
+// one stage on two threads, which every operation makes wait for both
+// cores, trained Fashion CNN 1.2x slower there than two one-thread stages,
+// and one to three of six contenders were one-stage plans. Positions in
+// result.candidates; the same plans where none is clearly behind or none
+// can take a place.
+constexpr double kClearlyBehind = 1.10;
+std::vector<size_t> contendersBesideANeighbour(
+    const TuneResult& result,
+    const std::vector<size_t>& measured,
+    const std::vector<double>& figures);
+
 // The choice among the plans measured in turn. roundSteps[k] holds plan
 // measured[k]'s ms per step, a value a round (its turn's mean) in round
 // order, as many as every other plan's. Each plan's measuredStepMs becomes its

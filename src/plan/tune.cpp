@@ -444,6 +444,49 @@ std::vector<size_t> measurementContenders(const TuneResult& result) {
   return picked;
 }
 
+std::vector<size_t> contendersBesideANeighbour(
+    const TuneResult& result,
+    const std::vector<size_t>& measured,
+    const std::vector<double>& figures) {
+  if (figures.size() != measured.size() || measured.empty())
+    throw std::invalid_argument(
+        "contendersBesideANeighbour: one figure per measured plan");
+  const auto& all = result.candidates;
+  const double fastest = *std::min_element(figures.begin(), figures.end());
+  std::vector<size_t> next;
+  std::map<int, std::vector<double>> ratios; // per device count
+  for (size_t k = 0; k < measured.size(); ++k) {
+    const TuneCandidate& c = all[measured[k]];
+    if (figures[k] <= kClearlyBehind * fastest)
+      next.push_back(measured[k]);
+    if (c.predictedStepMs > 0.0)
+      ratios[c.devices()].push_back(figures[k] / c.predictedStepMs);
+  }
+  // The next plans by their predictions anchored to their device count's
+  // figures: where no plan of a count was measured, nothing says how the
+  // neighbour treats that shape.
+  std::vector<std::pair<double, size_t>> waiting;
+  for (size_t i = 0; i < all.size(); ++i) {
+    const auto found = ratios.find(all[i].devices());
+    if (!all[i].infeasible.empty() || found == ratios.end() ||
+        std::find(measured.begin(), measured.end(), i) != measured.end())
+      continue;
+    const double anchored = all[i].predictedStepMs * median(found->second);
+    if (anchored <= 1.25 * fastest)
+      waiting.emplace_back(anchored, i);
+  }
+  std::stable_sort(
+      waiting.begin(), waiting.end(), [](const auto& a, const auto& b) {
+        return a.first < b.first;
+      });
+  for (const auto& [anchored, i] : waiting) {
+    if (next.size() >= measured.size())
+      break;
+    next.push_back(i);
+  }
+  return next;
+}
+
 namespace {
 
 // a's step over b's, round by round.
@@ -692,6 +735,21 @@ double allReduceMs(
 
 // A candidate's settings before it is evaluated.
 struct Setting {
+  Setting(
+      int ranks,
+      int replicas,
+      int threads,
+      int microBatches,
+      int64_t batch,
+      ScheduleKind schedule,
+      CheckpointMode checkpoint)
+      : ranks(ranks),
+        replicas(replicas),
+        threads(threads),
+        microBatches(microBatches),
+        batch(batch),
+        schedule(schedule),
+        checkpoint(checkpoint) {}
   int ranks, replicas, threads, microBatches;
   int64_t batch; // per replica
   ScheduleKind schedule;

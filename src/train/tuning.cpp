@@ -908,7 +908,8 @@ InTurn measureInTurn(
     int rounds,
     int stream,
     std::ostream* log,
-    bool averageBursts = false) {
+    bool averageBursts = false,
+    bool neighbourKnown = false) {
   Turns turns;
   turns.rounds = rounds;
   turns.stream = stream;
@@ -924,8 +925,8 @@ InTurn measureInTurn(
     // tiny steps jitter enough that two or three of 15 rounds can look slowed
     // (three tunes of mlp_synthetic: 2, 3 and 0); beside the neighbour
     // that spins half the time, 4-9 of 15 were (four Fashion tunes).
-    more.maxRounds = 8 * rounds;
-    more.wanted = [log, rounds, began = Clock::now()](
+    more.maxRounds = 8 * std::max(rounds, 15);
+    more.wanted = [log, rounds, neighbourKnown, began = Clock::now()](
                       const std::vector<std::vector<StepTiming>>& t) {
       const double span = msSince(began);
       if (span >= kBurstAveragingMostMs)
@@ -937,9 +938,10 @@ InTurn measureInTurn(
         for (const auto& turn : timings)
           loads.back().push_back(turn.othersCores);
       }
-      if (!aNeighbourShows(ms, loads))
+      if (!neighbourKnown && !aNeighbourShows(ms, loads))
         return false;
-      if (log && ms.front().size() == static_cast<size_t>(rounds)) {
+      if (log && !neighbourKnown &&
+          ms.front().size() == static_cast<size_t>(rounds)) {
         const auto load = loadOver(ms, loads);
         *log << "tune: a neighbour's bursts slowed " << roundsSlowedByBursts(ms)
              << " of " << ms.front().size() << " rounds";
@@ -966,6 +968,64 @@ InTurn measureInTurn(
       out.loads.back().push_back(t.othersCores);
   }
   return out;
+}
+
+// A neighbour showed in the first rounds: plans clearly behind make way
+// for the next ones (contendersBesideANeighbour), which are measured, with
+// those kept, as long as bursts take to count in their share; where the
+// plans stay, their rounds go on. `measured` and `plans` become what the
+// returned rounds measured.
+InTurn measureBesideANeighbour(
+    StepMeter& meter,
+    TuneResult& result,
+    std::vector<size_t>& measured,
+    std::vector<TuneCandidate>& plans,
+    InTurn first,
+    std::ostream* log) {
+  const std::vector<double> figures =
+      stepsAsTrainingMeetsThem(first.steps, first.loads);
+  const std::vector<size_t> next =
+      contendersBesideANeighbour(result, measured, figures);
+  std::vector<size_t> before = measured, after = next;
+  std::sort(before.begin(), before.end());
+  std::sort(after.begin(), after.end());
+  // Rounds of a handful of plans meet a burst whole: at least 5 more, and
+  // on while measureInTurn's criteria want them.
+  constexpr int kLeastRounds = 5;
+  if (before == after || next.size() < 2) {
+    const InTurn more = measureInTurn(
+        meter, plans, kLeastRounds, kStepsPerTurn, log, true, true);
+    for (size_t k = 0; k < plans.size(); ++k) {
+      first.steps[k].insert(
+          first.steps[k].end(), more.steps[k].begin(), more.steps[k].end());
+      first.loads[k].insert(
+          first.loads[k].end(), more.loads[k].begin(), more.loads[k].end());
+    }
+    return first;
+  }
+  size_t left = 0;
+  for (size_t i : measured)
+    left += std::count(next.begin(), next.end(), i) == 0;
+  const size_t joined = next.size() - (measured.size() - left);
+  std::ostringstream note;
+  note << "beside a neighbour, after " << first.steps.front().size()
+       << " rounds: " << left << " plan(s) over "
+       << static_cast<int>(std::lround(100.0 * (kClearlyBehind - 1.0)))
+       << "% behind the fastest made way for " << joined << " more, and the "
+       << next.size() << " were measured again";
+  result.notes.push_back(note.str());
+  if (log)
+    *log << "tune: " << note.str() << std::endl;
+  // A plan that made way keeps its first rounds' figure: the predictions
+  // of its shape are anchored to it, and the notes say what it ran.
+  for (size_t k = 0; k < measured.size(); ++k)
+    result.candidates[measured[k]].measuredStepMs = figures[k];
+  measured = next;
+  plans.clear();
+  for (size_t i : measured)
+    plans.push_back(result.candidates[i]);
+  return measureInTurn(
+      meter, plans, kLeastRounds, kStepsPerTurn, log, true, true);
 }
 
 } // namespace
@@ -1020,13 +1080,15 @@ TuneOutcome tuneConfig(const Config& config, const TuneOptions& options) {
     *options.log << "tune: running " << plans.size()
                  << " plans the prediction cannot tell apart, in turn"
                  << std::endl;
-  const InTurn inTurn = measureInTurn(
+  InTurn inTurn = measureInTurn(
       meter,
       plans,
       options.measure ? options.measureRounds * options.measureSteps : 15,
       kStepsPerTurn,
-      options.log,
-      !options.measure);
+      options.log);
+  if (!options.measure && aNeighbourShows(inTurn.steps, inTurn.loads))
+    inTurn = measureBesideANeighbour(
+        meter, outcome.result, measured, plans, std::move(inTurn), options.log);
   const std::vector<std::vector<double>>& steps = inTurn.steps;
   chooseByMeasurement(outcome.result, measured, steps, inTurn.loads);
   if (options.measure)
