@@ -7,7 +7,6 @@
 #include <cmath>
 #include <cstdio>
 #include <iomanip>
-#include <functional>
 #include <map>
 #include <optional>
 #include <ostream>
@@ -501,21 +500,19 @@ std::vector<double> perRoundRatios(
   return ratios;
 }
 
-} // namespace
-
 // Every measured plan's figure, and what other processes wanted meanwhile:
 // what a user needs to see why the choice fell where it did.
 std::string measuredFiguresNote(
     const std::vector<TuneCandidate>& all,
     const std::vector<size_t>& measured,
-    const std::function<double(size_t)>& figure,
+    const std::vector<double>& figures,
     const std::vector<std::vector<double>>& roundSteps,
     const std::vector<std::vector<double>>& roundLoads) {
   std::ostringstream note;
   note << std::fixed << std::setprecision(2) << "measured ms:";
   for (size_t k = 0; k < measured.size(); ++k)
     note << (k == 0 ? " " : "; ") << all[measured[k]].label() << " "
-         << figure(k);
+         << figures[k];
   const std::optional<LoadSummary> load = loadOver(roundSteps, roundLoads);
   if (load)
     note << "; other processes wanted " << load->overTime
@@ -523,6 +520,8 @@ std::string measuredFiguresNote(
          << load->most << ")";
   return note.str();
 }
+
+} // namespace
 
 void chooseByMeasurement(
     TuneResult& result,
@@ -638,12 +637,11 @@ void chooseByMeasurement(
          << " ms)";
   }
   // The figures first: the choice's note stays the last word.
-  result.notes.push_back(measuredFiguresNote(
-      all,
-      measured,
-      [&](size_t k) { return figure(k); },
-      roundSteps,
-      roundLoads));
+  std::vector<double> figures;
+  for (size_t k = 0; k < measured.size(); ++k)
+    figures.push_back(figure(k));
+  result.notes.push_back(
+      measuredFiguresNote(all, measured, figures, roundSteps, roundLoads));
   result.notes.push_back(note.str());
   result.choice = measured[best];
 }

@@ -908,8 +908,7 @@ InTurn measureInTurn(
     int rounds,
     int stream,
     std::ostream* log,
-    bool averageBursts = false,
-    bool neighbourKnown = false) {
+    bool averageBursts = false) {
   Turns turns;
   turns.rounds = rounds;
   turns.stream = stream;
@@ -918,45 +917,21 @@ InTurn measureInTurn(
   if (averageBursts) {
     // A neighbour's bursts of 0.1-0.9 s slow whichever rounds they meet:
     // rounds over a few seconds catch them in the share a training run
-    // does only by luck. Once a neighbour shows (four rounds slowed, or
-    // the load other processes put on the turns), measuring goes on
-    // for kBurstAveragingMs, and on while some plan's mean is unsettled
-    // (kBurstAveragingError, up to kBurstAveragingMostMs). A quiet machine's
-    // tiny steps jitter enough that two or three of 15 rounds can look slowed
-    // (three tunes of mlp_synthetic: 2, 3 and 0); beside the neighbour
-    // that spins half the time, 4-9 of 15 were (four Fashion tunes).
+    // does only by luck. Where a neighbour showed, measuring goes on for
+    // kBurstAveragingMs, and on while some plan's mean is unsettled
+    // (kBurstAveragingError, up to kBurstAveragingMostMs).
     more.maxRounds = 8 * std::max(rounds, 15);
-    more.wanted = [log, rounds, neighbourKnown, began = Clock::now()](
+    more.wanted = [began = Clock::now()](
                       const std::vector<std::vector<StepTiming>>& t) {
       const double span = msSince(began);
       if (span >= kBurstAveragingMostMs)
         return false;
-      std::vector<std::vector<double>> ms, loads;
-      for (const auto& timings : t) {
-        ms.push_back(stepTimes(timings));
-        loads.emplace_back();
-        for (const auto& turn : timings)
-          loads.back().push_back(turn.othersCores);
-      }
-      if (!neighbourKnown && !aNeighbourShows(ms, loads))
-        return false;
-      if (log && !neighbourKnown &&
-          ms.front().size() == static_cast<size_t>(rounds)) {
-        const auto load = loadOver(ms, loads);
-        *log << "tune: a neighbour's bursts slowed " << roundsSlowedByBursts(ms)
-             << " of " << ms.front().size() << " rounds";
-        if (load)
-          *log << ", other processes wanted " << fixed(load->overTime, 2)
-               << " cores";
-        *log << ": measuring for " << kBurstAveragingMs / 1000.0 << "-"
-             << kBurstAveragingMostMs / 1000.0
-             << " s, so that they count in the share a run meets" << std::endl;
-      }
       if (span < kBurstAveragingMs)
         return true;
       double leastSettled = 0.0;
-      for (const auto& steps : ms)
-        leastSettled = std::max(leastSettled, relativeStandardError(steps));
+      for (const auto& timings : t)
+        leastSettled =
+            std::max(leastSettled, relativeStandardError(stepTimes(timings)));
       return leastSettled > kBurstAveragingError;
     };
   }
@@ -986,6 +961,17 @@ InTurn measureBesideANeighbour(
       stepsAsTrainingMeetsThem(first.steps, first.loads);
   const std::vector<size_t> next =
       contendersBesideANeighbour(result, measured, figures);
+  if (log) {
+    *log << "tune: a neighbour's bursts slowed "
+         << roundsSlowedByBursts(first.steps) << " of "
+         << first.steps.front().size() << " rounds";
+    if (const auto load = loadOver(first.steps, first.loads))
+      *log << ", other processes wanted " << fixed(load->overTime, 2)
+           << " cores";
+    *log << ": measuring for " << kBurstAveragingMs / 1000.0 << "-"
+         << kBurstAveragingMostMs / 1000.0
+         << " s more, so that they count in the share a run meets" << std::endl;
+  }
   std::vector<size_t> before = measured, after = next;
   std::sort(before.begin(), before.end());
   std::sort(after.begin(), after.end());
@@ -993,8 +979,8 @@ InTurn measureBesideANeighbour(
   // on while measureInTurn's criteria want them.
   constexpr int kLeastRounds = 5;
   if (before == after || next.size() < 2) {
-    const InTurn more = measureInTurn(
-        meter, plans, kLeastRounds, kStepsPerTurn, log, true, true);
+    const InTurn more =
+        measureInTurn(meter, plans, kLeastRounds, kStepsPerTurn, log, true);
     for (size_t k = 0; k < plans.size(); ++k) {
       first.steps[k].insert(
           first.steps[k].end(), more.steps[k].begin(), more.steps[k].end());
@@ -1024,8 +1010,7 @@ InTurn measureBesideANeighbour(
   plans.clear();
   for (size_t i : measured)
     plans.push_back(result.candidates[i]);
-  return measureInTurn(
-      meter, plans, kLeastRounds, kStepsPerTurn, log, true, true);
+  return measureInTurn(meter, plans, kLeastRounds, kStepsPerTurn, log, true);
 }
 
 } // namespace
