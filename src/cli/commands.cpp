@@ -1,11 +1,16 @@
 // The tpipe command line.
 #include <chrono>
+#include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iomanip>
 #include <iostream>
 #include <algorithm>
+#include <atomic>
+
+#include <unistd.h>
 
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
@@ -382,6 +387,28 @@ int printSchedule(
   std::cout.flush();
   std::fflush(nullptr);
   std::_Exit(code);
+}
+
+// A rank of `tpipe launch` is sent SIGTERM when another rank fails, and is
+// killed 3 s later if still there. Outside the training loop (which has its
+// own stop handling) that first SIGTERM must not end the rank silently: most
+// often the rank is itself on its way out with its own account of the
+// failure, and the default action would cut that account off. A second
+// signal still ends the rank at once.
+std::atomic<int> launcherStop{0};
+
+void onLauncherStop(int signal) {
+  if (launcherStop.exchange(signal) != 0)
+    ::_exit(128 + signal);
+}
+
+void holdStopSignalsIfLaunched() {
+  if (std::getenv("TPIPE_JOB_TOKEN") == nullptr)
+    return;
+  struct sigaction action {};
+  action.sa_handler = onLauncherStop;
+  ::sigaction(SIGINT, &action, nullptr);
+  ::sigaction(SIGTERM, &action, nullptr);
 }
 
 // "[json.exception.type_error.302] type must be number" -> "type must be
@@ -945,6 +972,7 @@ int tpipe::runCommandLine(int argc, char** argv) {
     std::cerr << app.help() << std::endl;
     exitWith(2, error.what());
   }
+  holdStopSignalsIfLaunched();
   try {
     return dispatch(commands, arguments);
   } catch (const tpipe::UserError&
