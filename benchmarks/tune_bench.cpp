@@ -8,7 +8,8 @@
 // run's mean step (runs of 4 s quiet, 8 s busy). Tunes and rounds alternate, so
 // that predictions and measurements span the same minutes. With --busy,
 // everything is done again while another process spins one core in bursts of
-// 0.1-0.9 s, as jobs starting and stopping do. Reports, per config and machine
+// 0.1-0.9 s, as jobs starting and stopping do (the grid's runs of one round
+// meet one draw of bursts, each round its own). Reports, per config and machine
 // state:
 // - how often the most frequent choice was chosen, and how much slower the
 //   other choices measured;
@@ -43,12 +44,12 @@ using namespace tpipe;
 namespace {
 
 // The other process of --busy: one core spinning and resting in turn,
-// 0.1-0.9 s each, until killed.
-pid_t startBusyNeighbour() {
+// 0.1-0.9 s each, until killed; the lengths drawn from `seed`.
+pid_t startBusyNeighbour(unsigned seed) {
   const pid_t child = ::fork();
   if (child != 0)
     return child;
-  std::mt19937 random(static_cast<unsigned>(::getpid()));
+  std::mt19937 random(seed);
   std::uniform_int_distribution<int> ms(100, 900);
   volatile double sink = 0.0;
   for (;;) {
@@ -68,6 +69,45 @@ void stopBusyNeighbour(pid_t child) {
   ::kill(child, SIGKILL);
   ::waitpid(child, nullptr, 0);
 }
+
+// The --busy neighbour as the tunes and the training runs meet it. Tunes
+// meet it running, as a job started at any moment does. Each training run
+// of the grid meets bursts drawn from its round's seed, started with the
+// run, so the plans held against each other in a round meet the same
+// bursts (common random numbers) and their five rounds five draws: with
+// bursts drawn afresh for every run, a plan's runs spread 1.2-1.3x and
+// plans within 2% of each other in paired in-turn rounds trained 6% apart
+// in the grid.
+class BusyNeighbour {
+ public:
+  explicit BusyNeighbour(bool on) : on_(on) {
+    running();
+  }
+  ~BusyNeighbour() {
+    stopBusyNeighbour(pid_);
+  }
+  BusyNeighbour(const BusyNeighbour&) = delete;
+  BusyNeighbour& operator=(const BusyNeighbour&) = delete;
+
+  void running() {
+    restart(static_cast<unsigned>(::getpid()) ^ ++restarts_ * 2654435761u);
+  }
+  void seeded(unsigned seed) {
+    restart(seed);
+  }
+
+ private:
+  void restart(unsigned seed) {
+    if (!on_)
+      return;
+    stopBusyNeighbour(pid_);
+    pid_ = startBusyNeighbour(seed);
+  }
+
+  bool on_;
+  pid_t pid_ = 0;
+  unsigned restarts_ = 0;
+};
 
 ScheduleKind scheduleNamed(const std::string& name) {
   const ScheduleSource source(name);
@@ -218,7 +258,8 @@ TunedAndTrained tuneAndTrainInTurn(
     const std::string& path,
     int repeats,
     int rounds,
-    double runSeconds) {
+    double runSeconds,
+    BusyNeighbour& neighbour) {
   nlohmann::json config;
   std::ifstream(path) >> config;
   char pattern[] = "/tmp/tune-bench-XXXXXX";
@@ -227,7 +268,9 @@ TunedAndTrained tuneAndTrainInTurn(
     throw std::runtime_error("cannot make a scratch directory");
   TunedAndTrained out;
   std::vector<std::vector<double>>& runs = out.runs;
-  auto train = [&](size_t g, int round) {
+  // `bursts`: the seed of the neighbour's bursts the run meets.
+  auto train = [&](size_t g, int round, unsigned bursts) {
+    neighbour.seeded(bursts);
     runs[g].push_back(
         trainedStepMs(tpipe, config, out.grid[g], scratch, runSeconds));
     out.roundOfRun[g].push_back(round);
@@ -235,6 +278,7 @@ TunedAndTrained tuneAndTrainInTurn(
   for (int round = 0; round < std::max(repeats, rounds); ++round) {
     if (round < repeats) {
       out.notes.emplace_back();
+      neighbour.running();
       std::vector<TuneCandidate> run =
           tuneInAFreshProcess(tpipe, path, out.notes.back());
       out.choices.push_back(run.front());
@@ -255,12 +299,12 @@ TunedAndTrained tuneAndTrainInTurn(
     }
     if (round < rounds) {
       for (size_t g = 0; g < out.grid.size(); ++g)
-        train(g, round);
+        train(g, round, 1 + round);
     }
   }
   for (size_t g = 0; g < out.grid.size(); ++g) {
     while (runs[g].size() < std::min<size_t>(3, rounds))
-      train(g, -1);
+      train(g, -1, 1 + static_cast<unsigned>(runs[g].size()));
   }
   // The grid's two fastest and every choice trained again, side by side,
   // as many rounds more: the least of ten plans' means is low by its own
@@ -284,7 +328,7 @@ TunedAndTrained tuneAndTrainInTurn(
   }
   for (int round = 0; round < rounds; ++round) {
     for (size_t g : contenders)
-      train(g, -1);
+      train(g, -1, 101 + round);
   }
   std::system(("rm -rf '" + std::string(scratch) + "'").c_str());
   for (auto& r : runs)
@@ -336,15 +380,17 @@ nlohmann::json benchConfig(
     Summary& summary) {
   loadConfig(path); // a bad config is refused before any run
   std::cout << "== " << path << (busy ? " (busy)" : " (quiet)") << std::endl;
-  const pid_t neighbour = busy ? startBusyNeighbour() : 0;
   // Beside the neighbour a plan's step swings with the share of its run the
   // bursts took: its runs train twice as long there.
-  const TunedAndTrained trial =
-      tuneAndTrainInTurn(tpipe, path, repeats, 5, busy ? 8.0 : 4.0);
+  TunedAndTrained trial;
+  {
+    BusyNeighbour neighbour(busy);
+    trial = tuneAndTrainInTurn(
+        tpipe, path, repeats, 5, busy ? 8.0 : 4.0, neighbour);
+  }
   const std::vector<TuneCandidate>& choices = trial.choices;
   const std::vector<TuneCandidate>& grid = trial.grid;
   const std::vector<double>& measured = trial.measured;
-  stopBusyNeighbour(neighbour);
   std::map<std::string, double> measuredOf;
   for (size_t g = 0; g < grid.size(); ++g)
     measuredOf[keyOf(grid[g])] = measured[g];
