@@ -351,28 +351,6 @@ TEST(TuneTest, PlansANeighbourSlowedMakeWayForTheNext) {
       std::invalid_argument);
 }
 
-// The choice beside a neighbour is the simplest plan within the noise of
-// the fastest: a simpler plan that waits near the fastest figure is
-// measured before a faster-predicted one.
-TEST(TuneTest, TheSimplestPlanNearTheFastestIsMeasuredBesideANeighbour) {
-  TuneResult result;
-  result.candidates = {
-      predictedPlan(1, 1, 10.0),  // measured 1.5x the fastest: makes way
-      predictedPlan(2, 4, 11.0),  // measured: the fastest, 15.0
-      predictedPlan(2, 8, 11.2),  // waits at 11.2 x 15 / 11 = 15.3
-      predictedPlan(2, 2, 11.9),  // 16.2: within 10%, simpler than plan 1
-      predictedPlan(2, 1, 12.5)}; // 17.0: 13% behind
-  const std::vector<size_t> measured{0, 1};
-  EXPECT_EQ(
-      contendersBesideANeighbour(result, measured, {22.5, 15.0}),
-      (std::vector<size_t>{1, 3}));
-  // Where a plan that stays is already simpler, the places go by prediction.
-  result.candidates[1].microBatches = 1;
-  EXPECT_EQ(
-      contendersBesideANeighbour(result, measured, {22.5, 15.0}),
-      (std::vector<size_t>{1, 2}));
-}
-
 // On a machine that slows by a tenth for seconds at a time, with bursts on
 // single steps (too few for a neighbour): the plan measured fastest by
 // quartiles is held against the others round by round.

@@ -284,13 +284,10 @@ std::vector<size_t> measurementContenders(const TuneResult& result);
 // Beside a neighbour, after the first rounds of the contenders (positions
 // `measured`, their figures as training meets the neighbour, e.g.
 // stepsAsTrainingMeetsThem): those within kClearlyBehind of the fastest
-// stay, and the others make way for as many plans not yet measured: first
-// the simplest whose scaled prediction is within kClearlyBehind of the
-// fastest figure, where it is simpler than every plan that stays (the
-// choice is the simplest near the fastest, and only a measured plan can
-// be it), then the fastest first by their predictions scaled as their
-// device count's measured plans were, within 25% of the fastest figure. The
-// calm prediction chose the contenders, and a neighbour slows shapes unequally:
+// stay, and the others make way for as many plans not yet measured, the
+// fastest first by their predictions scaled as their device count's
+// measured plans were, within 25% of the fastest figure. The calm
+// prediction chose the contenders, and a neighbour slows shapes unequally:
 // one stage on two threads, which every operation makes wait for both
 // cores, trained Fashion CNN 1.2x slower there than two one-thread stages,
 // and one to three of six contenders were one-stage plans. Positions in

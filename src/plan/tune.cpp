@@ -478,32 +478,7 @@ std::vector<size_t> contendersBesideANeighbour(
       waiting.begin(), waiting.end(), [](const auto& a, const auto& b) {
         return a.first < b.first;
       });
-  // First, the simplest plan that waits within kClearlyBehind of the
-  // fastest, where it is simpler than every plan that stays: the choice is
-  // the simplest within the noise of the fastest, and a plan that is not
-  // measured cannot be it. Reference tunes whose predictions put the
-  // two-stage ZB-H1 at 2 micro-batches 7% behind the V shapes left it out
-  // in two of five runs and chose among near ties by noise (zb-v at 2 and
-  // 4 micro-batches, ZB-H1 where it was measured: 2, 1 and 2 runs).
-  const size_t simplest = [&] {
-    size_t found = all.size();
-    for (const auto& [anchored, i] : waiting) {
-      if (anchored <= kClearlyBehind * fastest &&
-          (found == all.size() || isSimplerPlan(all[i], all[found])))
-        found = i;
-    }
-    return found;
-  }();
-  const bool simplerThanTheStaying =
-      simplest < all.size() &&
-      std::all_of(next.begin(), next.end(), [&](size_t i) {
-        return isSimplerPlan(all[simplest], all[i]);
-      });
-  if (simplerThanTheStaying && next.size() < measured.size())
-    next.push_back(simplest);
   for (const auto& [anchored, i] : waiting) {
-    if (std::find(next.begin(), next.end(), i) != next.end())
-      continue;
     if (next.size() >= measured.size())
       break;
     next.push_back(i);
