@@ -8,7 +8,6 @@
 #include <iomanip>
 #include <iostream>
 #include <algorithm>
-#include <atomic>
 
 #include <unistd.h>
 
@@ -389,17 +388,25 @@ int printSchedule(
   std::_Exit(code);
 }
 
-// A rank of `tpipe launch` is sent SIGTERM when another rank fails, and is
-// killed 3 s later if still there. Outside the training loop (which has its
-// own stop handling) that first SIGTERM must not end the rank silently: most
-// often the rank is itself on its way out with its own account of the
-// failure, and the default action would cut that account off. A second
-// signal still ends the rank at once.
-std::atomic<int> launcherStop{0};
+// A rank of `tpipe launch` is sent SIGTERM when another rank fails (and
+// SIGINT or SIGTERM when the launcher is stopped). Outside the training
+// loop, which stops after its step, that first signal must not end the rank
+// at once: most often the rank is itself on its way out with its own
+// account of the failure, and the default action cut that account off (the
+// trainer had restored it). The rank ends 2 s later, on its own error if it
+// gets there first; a second signal ends it at once.
+constexpr unsigned kStopReportSeconds = 2;
+volatile std::sig_atomic_t launcherStop = 0;
 
 void onLauncherStop(int signal) {
-  if (launcherStop.exchange(signal) != 0)
+  if (launcherStop != 0)
     ::_exit(128 + signal);
+  launcherStop = signal;
+  ::alarm(kStopReportSeconds);
+}
+
+void onStopReportTime(int) {
+  ::_exit(128 + launcherStop);
 }
 
 void holdStopSignalsIfLaunched() {
@@ -409,6 +416,8 @@ void holdStopSignalsIfLaunched() {
   action.sa_handler = onLauncherStop;
   ::sigaction(SIGINT, &action, nullptr);
   ::sigaction(SIGTERM, &action, nullptr);
+  action.sa_handler = onStopReportTime;
+  ::sigaction(SIGALRM, &action, nullptr);
 }
 
 // "[json.exception.type_error.302] type must be number" -> "type must be
