@@ -576,6 +576,23 @@ TEST(TuneTest, ASpinningNeighbourWantsACoreWhateverItGets) {
   EXPECT_LT(wanted, 3.0 + std::thread::hardware_concurrency());
 }
 
+// A thread one reading did not list counts as a newcomer, for at most the
+// interval: a long-lived thread a listing missed is not its lifetime's load.
+TEST(TuneTest, NoThreadWantsMoreThanTheInterval) {
+  if (::access("/proc/self/schedstat", R_OK) != 0)
+    GTEST_SKIP() << "this kernel keeps no schedstat";
+  CpuClock before = readCpuClock(), after = before;
+  if (before.othersDemand.empty())
+    GTEST_SKIP() << "the machine's threads are not read one by one here";
+  after.at = before.at + std::chrono::milliseconds(100);
+  before.othersDemand = {{101, 1'000'000'000ULL}};
+  after.othersDemand = {
+      {101, 1'050'000'000ULL},  // ran 50 ms of the 100
+      {102, 24'000'000'000ULL}, // listed now only: 24 s of its life
+      {103, 30'000'000ULL}};    // begun meanwhile: 30 ms
+  EXPECT_NEAR(othersCoresBetween(before, after), 0.5 + 1.0 + 0.3, 1e-6);
+}
+
 // Rounds a burst slowed for every plan are counted; a quiet machine's
 // jitter, or one plan's slow round, is not a burst.
 TEST(TuneTest, CountsTheRoundsABurstSlowed) {

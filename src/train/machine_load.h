@@ -27,10 +27,11 @@ CpuClock readCpuClock();
 // whatever we run, while the cores it gets (/proc/stat's busy time) are
 // what the plan left it: beside one, training plans left it 0.31 cores (one
 // stage on two threads), 0.39 (zb-v) and 0.43 (dualpipe), and it wanted
-// 0.49-0.54 under each. A thread begun meanwhile counts whole, one ended
-// meanwhile is lost. Where the kernel keeps no schedstat, or the machine
-// runs over a thousand threads (each reading would take over 10 ms), the
-// cores other processes kept busy; negative where neither could be read.
+// 0.49-0.54 under each. A thread begun meanwhile counts whole, up to the
+// interval (as every thread), one ended meanwhile is lost. Where the kernel
+// keeps no schedstat, or the machine runs over a thousand threads (each reading
+// would take over 10 ms), the cores other processes kept busy; negative where
+// neither could be read.
 double othersCoresBetween(const CpuClock& from, const CpuClock& to);
 
 } // namespace tpipe
