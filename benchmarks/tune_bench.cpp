@@ -80,9 +80,8 @@ void stopBusyNeighbour(pid_t child) {
 // runs of each put 1.4% apart.
 class BusyNeighbour {
  public:
-  explicit BusyNeighbour(bool on) : on_(on) {
-    running();
-  }
+  // Nothing runs until a tune or a run asks for it.
+  explicit BusyNeighbour(bool on) : on_(on) {}
   ~BusyNeighbour() {
     stopBusyNeighbour(pid_);
   }
