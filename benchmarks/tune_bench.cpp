@@ -570,10 +570,15 @@ nlohmann::json benchCluster() {
 
 int main(int argc, char** argv) {
   std::vector<std::string> args(argv + 1, argv + argc);
-  if (args.empty()) {
-    std::cerr
-        << "usage: tune_bench OUT.json [--repeat N] [--busy | --busy-only] "
-           "[CONFIG ...]\n";
+  const char* usage =
+      "usage: tune_bench OUT.json [--repeat N] [--busy | --busy-only] "
+      "[CONFIG ...]\n";
+  if (!args.empty() && (args.front() == "--help" || args.front() == "-h")) {
+    std::cout << usage;
+    return 0;
+  }
+  if (args.empty() || args.front().rfind("-", 0) == 0) {
+    std::cerr << usage;
     return 2;
   }
   const std::string out_path = args.front();
@@ -589,7 +594,10 @@ int main(int argc, char** argv) {
       busy = true;
     else if (args[i] == "--busy-only")
       busy = true, quiet = false;
-    else
+    else if (args[i].rfind("-", 0) == 0) {
+      std::cerr << "tune_bench: unknown option " << args[i] << "\n" << usage;
+      return 2;
+    } else
       configs.push_back(args[i]);
   }
   const std::string self = argv[0];
