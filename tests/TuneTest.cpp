@@ -351,6 +351,40 @@ TEST(TuneTest, PlansANeighbourSlowedMakeWayForTheNext) {
       std::invalid_argument);
 }
 
+// The simplest plan within the noise of the fastest is the choice, so the
+// fastest plan's simpler neighbours join before plans the prediction puts
+// ahead: the same schedule family at half the micro-batches, not a plan
+// that stops splitting the backward nor one at a quarter.
+TEST(TuneTest, TheFastestPlansSimplerNeighbourJoinsFirst) {
+  auto plan = [](int ranks, int microBatches, ScheduleKind kind, double ms) {
+    TuneCandidate c = predictedPlan(ranks, microBatches, ms);
+    c.schedule = kind;
+    c.virtualStages = kind == ScheduleKind::kZeroBubbleV ? 2 : 1;
+    c.stages = ranks * c.virtualStages;
+    return c;
+  };
+  TuneResult result;
+  result.candidates = {
+      plan(2, 4, ScheduleKind::kZeroBubbleH2, 10.0),  // measured: the fastest
+      plan(1, 1, ScheduleKind::kGpipe, 10.5),         // measured, makes way
+      plan(2, 4, ScheduleKind::kZeroBubbleV, 10.6),   // measured, stays
+      plan(2, 2, ScheduleKind::kZeroBubbleV, 10.7),   // next by prediction
+      plan(2, 2, ScheduleKind::kOneFOneB, 10.8),      // does not split
+      plan(2, 1, ScheduleKind::kZeroBubbleH1, 10.9),  // a quarter
+      plan(2, 2, ScheduleKind::kZeroBubbleH1, 11.0)}; // the neighbour
+  const std::vector<size_t> measured{0, 1, 2};
+  const std::vector<double> figures{15.0, 22.5, 15.3};
+  EXPECT_EQ(
+      contendersBesideANeighbour(result, measured, figures),
+      (std::vector<size_t>{0, 2, 6}));
+  // Predicted over kClearlyBehind behind the fastest figure: the next by
+  // prediction instead.
+  result.candidates[6].predictedStepMs = 11.5;
+  EXPECT_EQ(
+      contendersBesideANeighbour(result, measured, figures),
+      (std::vector<size_t>{0, 2, 3}));
+}
+
 // On a machine that slows by a tenth for seconds at a time, with bursts on
 // single steps (too few for a neighbour): the plan measured fastest by
 // quartiles is held against the others round by round.

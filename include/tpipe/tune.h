@@ -284,9 +284,12 @@ std::vector<size_t> measurementContenders(const TuneResult& result);
 // Beside a neighbour, after the first rounds of the contenders (positions
 // `measured`, their figures as training meets the neighbour, e.g.
 // stepsAsTrainingMeetsThem): those within kClearlyBehind of the fastest
-// stay, and the others make way for as many plans not yet measured, the
-// fastest first by their predictions scaled as their device count's
-// measured plans were, within 25% of the fastest figure. The calm
+// stay, and the others make way for as many plans not yet measured: first
+// the fastest plan's simpler neighbours (as many devices or one fewer, its
+// micro-batch count or half, the backward split as it is) predicted within
+// kClearlyBehind, the simplest first; then the fastest first by their
+// predictions, each scaled as its device count's measured plans were,
+// within 25% of the fastest figure. The calm
 // prediction chose the contenders, and a neighbour slows shapes unequally:
 // one stage on two threads, which every operation makes wait for both
 // cores, trained Fashion CNN 1.2x slower there than two one-thread stages,
