@@ -27,6 +27,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <iostream>
 #include <map>
@@ -588,9 +589,17 @@ int main(int argc, char** argv) {
   bool quiet = true;
   std::vector<std::string> configs;
   for (size_t i = 1; i < args.size(); ++i) {
-    if (args[i] == "--repeat" && i + 1 < args.size())
-      repeats = std::max(1, std::atoi(args[++i].c_str()));
-    else if (args[i] == "--busy")
+    if (args[i] == "--repeat") {
+      const std::string count = i + 1 < args.size() ? args[++i] : "";
+      char* end = nullptr;
+      const long value = std::strtol(count.c_str(), &end, 10);
+      if (count.empty() || *end != '\0' || value < 1 || value > 1000) {
+        std::cerr << "tune_bench: --repeat wants a count from 1 to 1000, got '"
+                  << count << "'\n";
+        return 2;
+      }
+      repeats = static_cast<int>(value);
+    } else if (args[i] == "--busy")
       busy = true;
     else if (args[i] == "--busy-only")
       busy = true, quiet = false;
