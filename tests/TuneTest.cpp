@@ -371,14 +371,14 @@ TEST(TuneTest, TheFastestPlansSimplerNeighbourJoinsFirst) {
       plan(2, 2, ScheduleKind::kZeroBubbleV, 10.7),   // next by prediction
       plan(2, 2, ScheduleKind::kOneFOneB, 10.8),      // does not split
       plan(2, 1, ScheduleKind::kZeroBubbleH1, 10.9),  // a quarter
-      plan(2, 2, ScheduleKind::kZeroBubbleH1, 11.0)}; // the neighbour
+      plan(2, 2, ScheduleKind::kZeroBubbleH1, 10.9)}; // the neighbour
   const std::vector<size_t> measured{0, 1, 2};
   const std::vector<double> figures{15.0, 22.5, 15.3};
   EXPECT_EQ(
       contendersBesideANeighbour(result, measured, figures),
       (std::vector<size_t>{0, 2, 6}));
-  // Predicted over kClearlyBehind behind the fastest figure: the next by
-  // prediction instead.
+  // Predicted over kClearlyBehind behind the fastest plan's prediction: the
+  // next by prediction instead.
   result.candidates[6].predictedStepMs = 11.5;
   EXPECT_EQ(
       contendersBesideANeighbour(result, measured, figures),
@@ -494,6 +494,12 @@ TEST(TuneTest, BesideANeighbourPlansAreHeldAsTrainingMeetsThem) {
 // A neighbour's bursts met one plan's turns less often than the other's by
 // chance; the load measured each turn puts both at the load training meets.
 TEST(TuneTest, TheNeighboursLoadEvensOutTheTurnsItMet) {
+  // A turn with the neighbour on for a share of its time runs at the calm
+  // rate and the burst's, mixed in that share: one stage 70 ms a step calm
+  // and 280 in a burst, two stages 75 and 150.
+  auto stepAt = [](double calm, double burst, double load) {
+    return 1.0 / ((1.0 - load) / calm + load / burst);
+  };
   std::vector<std::vector<double>> steps(2), loads(2);
   for (int r = 0; r < 15; ++r) {
     const double jitter = r % 2 ? 1.0 : -1.0;
@@ -501,13 +507,13 @@ TEST(TuneTest, TheNeighboursLoadEvensOutTheTurnsItMet) {
     const double twoStageLoad = r % 5 == 0 ? 0.0 : 0.6; // 12 turns of 15
     loads[0].push_back(oneStageLoad);
     loads[1].push_back(twoStageLoad);
-    steps[0].push_back(70.0 + 140.0 * oneStageLoad + jitter);
-    steps[1].push_back(75.0 + 60.0 * twoStageLoad + jitter);
+    steps[0].push_back(stepAt(70.0, 280.0, oneStageLoad) + jitter);
+    steps[1].push_back(stepAt(75.0, 150.0, twoStageLoad) + jitter);
   }
   ASSERT_TRUE(aNeighbourShows(steps));
   const StepsAtALoad atLoad = stepsAtTheLoadTrainingMeets(steps, loads);
   ASSERT_EQ(atLoad.stepMs.size(), 2u);
-  // Over the time the turns took, 0.42 cores: the bursty turns ran longer
+  // Over the time the turns took, 0.41 cores: the bursty turns ran longer
   // (a mean over turns says 0.34).
   double loadTime = 0.0, span = 0.0;
   for (size_t k = 0; k < 2; ++k) {
@@ -517,13 +523,18 @@ TEST(TuneTest, TheNeighboursLoadEvensOutTheTurnsItMet) {
     }
   }
   const double trainingLoad = loadTime / span;
-  EXPECT_NEAR(trainingLoad, 0.42, 0.01);
-  EXPECT_NEAR(atLoad.stepMs[0], 70.0 + 140.0 * trainingLoad, 1.0);
-  EXPECT_NEAR(atLoad.stepMs[1], 75.0 + 60.0 * trainingLoad, 1.0);
+  EXPECT_NEAR(trainingLoad, 0.41, 0.01);
+  const double oneStage = stepAt(70.0, 280.0, trainingLoad);
+  EXPECT_NEAR(atLoad.stepMs[0], oneStage, 1.0);
+  EXPECT_NEAR(atLoad.stepMs[1], stepAt(75.0, 150.0, trainingLoad), 1.0);
+  // A line through the ms a step reads one stage 8% slow.
+  const double alongSteps =
+      70.0 + (stepAt(70.0, 280.0, 0.6) - 70.0) / 0.6 * trainingLoad;
+  EXPECT_GT(alongSteps, 1.05 * oneStage);
   EXPECT_GT(atLoad.relativeError[0], 0.0);
   EXPECT_LT(atLoad.relativeError[0], 0.01);
   EXPECT_EQ(stepsAsTrainingMeetsThem(steps, loads), atLoad.stepMs);
-  // Their own turns put one stage 12% ahead (98 against 111 ms).
+  // Their own turns put one stage 11% ahead (89 against 100 ms).
   const std::vector<double> byTurns = stepsAsTrainingMeetsThem(steps);
   EXPECT_LT(byTurns[0], 0.9 * byTurns[1]);
 

@@ -229,12 +229,18 @@ std::optional<LoadSummary> loadOver(
 // 16%). A neighbour that spins in bursts meets some plans' turns more than
 // others' by chance (over 15 turns, 0.24 cores on one plan's and 0.38 on
 // another's), which left a plan's mean uncertain by 5-11%; the load
-// explained 80-97% of how its turns varied. Per plan, its mean step moved
-// along its least-squares slope from its turns' mean load to the load over
-// the time every plan's turns took (each turn weighed by its step: bursts
-// lengthen the turns they meet). relativeError: the fit's standard error
-// there, over the figure. Empty unless a neighbour shows (aNeighbourShows),
-// every turn has a load and they spread by more than a tenth of a core.
+// explained 80-97% of how its turns varied. Per plan, its steps a
+// millisecond (not its ms a step) moved along their least-squares slope
+// from its turns' mean load to the load over the time every plan's turns
+// took (each turn weighed by its step: bursts lengthen the turns they
+// meet), and turned back into ms a step. A neighbour that wants a core for
+// a share of the time leaves a run the rate it gets in and out of bursts,
+// mixed in that share, so the rate is what is linear in the load: a line
+// through the ms a step over-read by 4-12% plans that a burst slows 1.5-2x
+// at half a core, more for those slowed most. relativeError: the fit's
+// standard error there, over the figure. Empty unless a neighbour shows
+// (aNeighbourShows), every turn has a load and they spread by more than a tenth
+// of a core.
 struct StepsAtALoad {
   std::vector<double> stepMs;
   std::vector<double> relativeError;
@@ -287,10 +293,10 @@ std::vector<size_t> measurementContenders(const TuneResult& result);
 // stay, and the others make way for as many plans not yet measured: first
 // the fastest plan's simpler neighbours (as many devices or one fewer, its
 // micro-batch count or half, the backward split as it is) predicted within
-// kClearlyBehind, the simplest first; then the fastest first by their
-// predictions, each scaled as its device count's measured plans were,
-// within 25% of the fastest figure. The calm
-// prediction chose the contenders, and a neighbour slows shapes unequally:
+// kClearlyBehind of its prediction, the simplest first; then the fastest
+// first by their predictions, each scaled as its device count's measured
+// plans were, within 25% of the fastest figure. The calm prediction chose
+// the contenders, and a neighbour slows shapes unequally:
 // one stage on two threads, which every operation makes wait for both
 // cores, trained Fashion CNN 1.2x slower there than two one-thread stages,
 // and one to three of six contenders were one-stage plans. Positions in

@@ -291,29 +291,39 @@ StepsAtALoad stepsAtTheLoadTrainingMeets(
   }
   const double trainingLoad = load->overTime;
   for (size_t k = 0; k < roundSteps.size(); ++k) {
-    const auto& steps = roundSteps[k];
+    std::vector<double> rates; // steps a ms
+    for (double step : roundSteps[k]) {
+      if (!(step > 0.0))
+        return StepsAtALoad{};
+      rates.push_back(1.0 / step);
+    }
     const auto& loads = roundLoads[k];
-    const double n = static_cast<double>(steps.size());
-    const double meanLoad = mean(loads), meanStep = mean(steps);
+    const double n = static_cast<double>(rates.size());
+    const double meanLoad = mean(loads), meanRate = mean(rates);
     double sxx = 0.0, sxy = 0.0;
-    for (size_t r = 0; r < steps.size(); ++r) {
+    for (size_t r = 0; r < rates.size(); ++r) {
       sxx += (loads[r] - meanLoad) * (loads[r] - meanLoad);
-      sxy += (loads[r] - meanLoad) * (steps[r] - meanStep);
+      sxy += (loads[r] - meanLoad) * (rates[r] - meanRate);
     }
     const double slope = sxx > 0.0 ? sxy / sxx : 0.0;
     // The fit where the plan's turns are, moved to the load training meets:
     // its intercept, a step with no neighbour, lay 10-20% from one plan's
-    // to another's of the same work (the slowing is not quite linear).
-    const double figure = meanStep + slope * (trainingLoad - meanLoad);
+    // to another's of the same work (the slowing is not quite linear). The
+    // line stops at the plan's slowest turn: past its turns' loads it says
+    // nothing, and it may reach a rate of nothing.
+    const double rate = std::max(
+        meanRate + slope * (trainingLoad - meanLoad),
+        *std::min_element(rates.begin(), rates.end()));
+    const double figure = 1.0 / rate;
     double squares = 0.0;
-    for (size_t r = 0; r < steps.size(); ++r) {
+    for (size_t r = 0; r < rates.size(); ++r) {
       const double residual =
-          steps[r] - meanStep - slope * (loads[r] - meanLoad);
+          rates[r] - meanRate - slope * (loads[r] - meanLoad);
       squares += residual * residual;
     }
     const double error = std::sqrt(squares / (n - 2.0)) / std::sqrt(n);
     out.stepMs.push_back(figure);
-    out.relativeError.push_back(figure > 0.0 ? error / figure : 0.0);
+    out.relativeError.push_back(error / rate);
   }
   return out;
 }
@@ -505,19 +515,24 @@ std::vector<size_t> contendersBesideANeighbour(
       waiting.begin(), waiting.end(), [](const auto& a, const auto& b) {
         return a.first < b.first;
       });
-  // First the fastest plan's simpler neighbours waiting within
-  // kClearlyBehind, the simplest first: the choice is the simplest plan
-  // within the noise of the fastest, and one not measured cannot be it.
-  // Ranked by their predictions alone, other plans took every free place
-  // in three of five reference tunes and three of five Fashion tunes, which
-  // then chose among near ties by noise; the four that measured two-stage
-  // ZB-H1 at 2 micro-batches chose it.
+  // First the fastest plan's simpler neighbours that the prediction puts
+  // within kClearlyBehind of it, the simplest first: the choice is the
+  // simplest plan within the noise of the fastest, and one not measured
+  // cannot be it. Ranked by their predictions alone, other plans took every
+  // free place in three of five reference tunes and three of five Fashion
+  // tunes, which then chose among near ties by noise; the four that
+  // measured two-stage ZB-H1 at 2 micro-batches chose it. Held against the
+  // fastest's own prediction, not against its figure through their device
+  // count's: where DualPipe was the only two-device plan measured, it put
+  // every two-stage ZB plan over 10% behind three-stage ZB-H2, and the
+  // grid trained two-stage ZB-H2 the fastest.
   const TuneCandidate& quickest = all[measured[static_cast<size_t>(
       std::min_element(figures.begin(), figures.end()) - figures.begin())]];
   std::vector<size_t> neighbours;
-  for (const auto& [anchored, i] : waiting) {
-    if (anchored <= kClearlyBehind * fastest &&
-        isASimplerNeighbour(all[i], quickest))
+  for (size_t i = 0; i < all.size(); ++i) {
+    if (isASimplerNeighbour(all[i], quickest) &&
+        all[i].predictedStepMs <= kClearlyBehind * quickest.predictedStepMs &&
+        std::find(measured.begin(), measured.end(), i) == measured.end())
       neighbours.push_back(i);
   }
   std::stable_sort(
