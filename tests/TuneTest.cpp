@@ -377,9 +377,9 @@ TEST(TuneTest, TheFastestPlansSimplerNeighbourJoinsFirst) {
   EXPECT_EQ(
       contendersBesideANeighbour(result, measured, figures),
       (std::vector<size_t>{0, 2, 6}));
-  // Predicted over kClearlyBehind behind the fastest plan's prediction: the
-  // next by prediction instead.
-  result.candidates[6].predictedStepMs = 11.5;
+  // Predicted over 25% behind the fastest plan's prediction: the next by
+  // prediction instead.
+  result.candidates[6].predictedStepMs = 12.6;
   EXPECT_EQ(
       contendersBesideANeighbour(result, measured, figures),
       (std::vector<size_t>{0, 2, 3}));
