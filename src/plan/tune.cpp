@@ -488,7 +488,9 @@ std::vector<size_t> contendersBesideANeighbour(
     throw std::invalid_argument(
         "contendersBesideANeighbour: one figure per measured plan");
   const auto& all = result.candidates;
-  const double fastest = *std::min_element(figures.begin(), figures.end());
+  const size_t fastestAt = static_cast<size_t>(
+      std::min_element(figures.begin(), figures.end()) - figures.begin());
+  const double fastest = figures[fastestAt];
   std::vector<size_t> next;
   std::map<int, std::vector<double>> ratios; // per device count
   for (size_t k = 0; k < measured.size(); ++k) {
@@ -528,8 +530,7 @@ std::vector<size_t> contendersBesideANeighbour(
   // Fashion tunes (the grid trained two-stage ZB-H2 the fastest); within
   // 10% of the fastest's own prediction, ZB-H1 at 2 micro-batches (12%
   // behind zb-v at 4) was out of three reference tunes.
-  const TuneCandidate& quickest = all[measured[static_cast<size_t>(
-      std::min_element(figures.begin(), figures.end()) - figures.begin())]];
+  const TuneCandidate& quickest = all[measured[fastestAt]];
   std::vector<size_t> neighbours;
   for (size_t i = 0; i < all.size(); ++i) {
     if (isASimplerNeighbour(all[i], quickest) &&
