@@ -624,18 +624,44 @@ TEST(TuneTest, ASpinningNeighbourWantsACoreWhateverItGets) {
 // A thread one reading did not list counts as a newcomer, for at most the
 // interval: a long-lived thread a listing missed is not its lifetime's load.
 TEST(TuneTest, NoThreadWantsMoreThanTheInterval) {
-  if (::access("/proc/self/schedstat", R_OK) != 0)
-    GTEST_SKIP() << "this kernel keeps no schedstat";
-  CpuClock before = readCpuClock(), after = before;
-  if (before.othersDemand.empty())
-    GTEST_SKIP() << "the machine's threads are not read one by one here";
+  CpuClock before, after;
+  before.othersRead = after.othersRead = true;
   after.at = before.at + std::chrono::milliseconds(100);
-  before.othersDemand = {{101, 1'000'000'000ULL}};
-  after.othersDemand = {
-      {101, 1'050'000'000ULL},  // ran 50 ms of the 100
-      {102, 24'000'000'000ULL}, // listed now only: 24 s of its life
-      {103, 30'000'000ULL}};    // begun meanwhile: 30 ms
+  before.others = {{101, {1'000'000'000ULL, 0}}};
+  after.others = {
+      {101, {1'050'000'000ULL, 0}},  // ran 50 ms of the 100
+      {102, {24'000'000'000ULL, 0}}, // listed now only: 24 s of its life
+      {103, {20'000'000ULL, 10'000'000ULL}}}; // begun meanwhile: 30 ms
   EXPECT_NEAR(othersCoresBetween(before, after), 0.5 + 1.0 + 0.3, 1e-6);
+}
+
+// In a container's PID namespace a neighbour outside it lists no threads:
+// the busy time of our cores that no seen thread and none of ours took is
+// its. Without it, a tune beside a neighbour there read 0.00 cores.
+TEST(TuneTest, AProcessOutOfSightCountsByTheBusyTimeLeft) {
+  CpuClock before, after;
+  before.othersRead = after.othersRead = true;
+  after.at = before.at + std::chrono::milliseconds(100);
+  before.others = {{101, {1'000'000'000ULL, 0}}};
+  after.others = {{101, {1'050'000'000ULL, 10'000'000ULL}}}; // 60 ms wanted
+  EXPECT_NEAR(othersCoresBetween(before, after), 0.6, 1e-6);
+  // Two cores busy throughout: 90 ms ours, 50 ms the seen thread's, so
+  // 60 ms went to processes out of sight.
+  before.busySeconds = 10.0;
+  before.ownSeconds = 1.0;
+  after.busySeconds = 10.2;
+  after.ownSeconds = 1.09;
+  EXPECT_NEAR(othersCoresBetween(before, after), 0.6 + 0.6, 1e-6);
+  // Ticks of the busy time are coarser than the threads' nanoseconds: a
+  // reading under what the seen threads ran takes nothing away.
+  after.busySeconds = 10.12;
+  EXPECT_NEAR(othersCoresBetween(before, after), 0.6, 1e-6);
+  // Where threads are not read, the busy time alone.
+  before.othersRead = after.othersRead = false;
+  after.busySeconds = 10.2;
+  EXPECT_NEAR(othersCoresBetween(before, after), 1.1, 1e-6);
+  before.busySeconds = -1.0;
+  EXPECT_LT(othersCoresBetween(before, after), 0.0);
 }
 
 // Rounds a burst slowed for every plan are counted; a quiet machine's

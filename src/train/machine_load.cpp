@@ -8,13 +8,14 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <sched.h>
 #include <time.h>
 #include <unistd.h>
 
 namespace tpipe {
 namespace {
 
-using Demand = std::unordered_map<long, unsigned long long>;
+using Threads = std::unordered_map<long, ThreadTime>;
 
 // Whether this kernel keeps schedstat (CONFIG_SCHED_INFO): asked once.
 bool schedstatKept() {
@@ -30,12 +31,12 @@ long numberNamed(const char* name) {
 
 // Every other process's threads, from /proc/<pid>/task/<tid>/schedstat:
 // a few dozen small reads, outside any timed step.
-Demand readOthersDemand() {
-  Demand demand;
+Threads readOthersThreads() {
+  Threads threads;
   const long own = static_cast<long>(::getpid());
   DIR* proc = ::opendir("/proc");
   if (!proc)
-    return demand;
+    return threads;
   char path[64];
   char text[128];
   while (const dirent* process = ::readdir(proc)) {
@@ -62,12 +63,12 @@ Demand readOthersDemand() {
       text[got] = '\0';
       unsigned long long ran = 0, waited = 0;
       if (std::sscanf(text, "%llu %llu", &ran, &waited) == 2)
-        demand[tid] = ran + waited;
+        threads[tid] = ThreadTime{ran, waited};
     }
     ::closedir(tasks);
   }
   ::closedir(proc);
-  return demand;
+  return threads;
 }
 
 // Whether turns read what other threads wanted: where the kernel keeps
@@ -77,8 +78,60 @@ Demand readOthersDemand() {
 bool demandRead() {
   constexpr size_t kMostThreadsRead = 1000;
   static const bool read =
-      schedstatKept() && readOthersDemand().size() <= kMostThreadsRead;
+      schedstatKept() && readOthersThreads().size() <= kMostThreadsRead;
   return read;
+}
+
+// Whether some processes may be out of this one's sight: it runs in a PID
+// namespace other than the machine's first (a container's), whose fixed
+// inode number the kernel gives that one alone.
+bool othersMayBeHidden() {
+  static const bool hidden = [] {
+    char link[64] = {};
+    const ssize_t got = ::readlink("/proc/self/ns/pid", link, sizeof link - 1);
+    return got > 0 && std::string(link, got) != "pid:[4026531836]";
+  }();
+  return hidden;
+}
+
+// The busy seconds of the cores this process may run on (/proc/stat's
+// lines per core): a neighbour elsewhere on a larger host takes nothing
+// from us. Negative where /proc/stat cannot be read.
+double busySecondsOfOurCores() {
+  cpu_set_t ours;
+  CPU_ZERO(&ours);
+  const bool pinned = ::sched_getaffinity(0, sizeof ours, &ours) == 0;
+  std::ifstream stat("/proc/stat");
+  if (!stat)
+    return -1.0;
+  unsigned long long busy = 0;
+  bool anyCore = false;
+  for (std::string line; std::getline(stat, line);) {
+    int core = -1;
+    // user nice system idle iowait irq softirq steal, in clock ticks
+    unsigned long long f[8] = {};
+    if (std::sscanf(
+            line.c_str(),
+            "cpu%d %llu %llu %llu %llu %llu %llu %llu %llu",
+            &core,
+            &f[0],
+            &f[1],
+            &f[2],
+            &f[3],
+            &f[4],
+            &f[5],
+            &f[6],
+            &f[7]) != 9)
+      continue; // the total line, or no core's
+    if (pinned && (core < 0 || core >= CPU_SETSIZE || !CPU_ISSET(core, &ours)))
+      continue;
+    busy += f[0] + f[1] + f[2] + f[5] + f[6] + f[7];
+    anyCore = true;
+  }
+  if (!anyCore)
+    return -1.0;
+  return static_cast<double>(busy) /
+      static_cast<double>(::sysconf(_SC_CLK_TCK));
 }
 
 } // namespace
@@ -86,28 +139,18 @@ bool demandRead() {
 CpuClock readCpuClock() {
   CpuClock clock;
   if (demandRead()) {
-    clock.othersDemand = readOthersDemand();
-    clock.at = std::chrono::steady_clock::now();
-    return clock; // the busy time is not wanted beside it
+    clock.othersRead = true;
+    clock.others = readOthersThreads();
+    if (!othersMayBeHidden()) {
+      clock.at = std::chrono::steady_clock::now();
+      return clock; // the busy time is not wanted beside it
+    }
   }
   clock.at = std::chrono::steady_clock::now();
   timespec own{};
   ::clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &own);
   clock.ownSeconds = static_cast<double>(own.tv_sec) + 1e-9 * own.tv_nsec;
-  std::ifstream stat("/proc/stat");
-  std::string label;
-  // user nice system idle iowait irq softirq steal, in clock ticks
-  unsigned long long field[8] = {};
-  if (!(stat >> label) || label != "cpu")
-    return clock;
-  for (auto& f : field) {
-    if (!(stat >> f))
-      return clock;
-  }
-  const unsigned long long busy =
-      field[0] + field[1] + field[2] + field[5] + field[6] + field[7];
-  clock.busySeconds =
-      static_cast<double>(busy) / static_cast<double>(::sysconf(_SC_CLK_TCK));
+  clock.busySeconds = busySecondsOfOurCores();
   return clock;
 }
 
@@ -115,27 +158,38 @@ double othersCoresBetween(const CpuClock& from, const CpuClock& to) {
   const double wall = std::chrono::duration<double>(to.at - from.at).count();
   if (wall <= 0.0)
     return -1.0;
-  if (demandRead()) {
+  const bool busyRead = from.busySeconds >= 0.0 && to.busySeconds >= 0.0;
+  const double othersBusy = busyRead
+      ? (to.busySeconds - from.busySeconds) - (to.ownSeconds - from.ownSeconds)
+      : 0.0;
+  if (from.othersRead && to.othersRead) {
     // No thread can have run or waited longer than the interval. A thread
     // the first reading did not list counts whole, and that is not always a
     // new one: a busy reference tune read 241 cores in one turn (some
     // thread's 24 s in 0.1 s), and the fit to the load put every prediction
     // of that tune 6x too slow.
     const auto interval = static_cast<unsigned long long>(1e9 * wall);
-    unsigned long long wanted = 0;
-    for (const auto& [tid, ns] : to.othersDemand) {
-      const auto before = from.othersDemand.find(tid);
-      const bool same =
-          before != from.othersDemand.end() && before->second <= ns;
-      wanted += std::min(same ? ns - before->second : ns, interval);
+    unsigned long long wanted = 0, ran = 0;
+    for (const auto& [tid, now] : to.others) {
+      const auto before = from.others.find(tid);
+      const bool same = before != from.others.end() &&
+          before->second.ranNs <= now.ranNs &&
+          before->second.waitedNs <= now.waitedNs;
+      const ThreadTime since = same
+          ? ThreadTime{now.ranNs - before->second.ranNs,
+                       now.waitedNs - before->second.waitedNs}
+          : now;
+      wanted += std::min(since.ranNs + since.waitedNs, interval);
+      ran += std::min(since.ranNs, interval);
     }
-    return 1e-9 * static_cast<double>(wanted) / wall;
+    const double hidden = busyRead
+        ? std::max(0.0, othersBusy - 1e-9 * static_cast<double>(ran))
+        : 0.0;
+    return (1e-9 * static_cast<double>(wanted) + hidden) / wall;
   }
-  if (from.busySeconds < 0.0 || to.busySeconds < 0.0)
+  if (!busyRead)
     return -1.0;
-  const double others =
-      (to.busySeconds - from.busySeconds) - (to.ownSeconds - from.ownSeconds);
-  return std::max(0.0, others / wall);
+  return std::max(0.0, othersBusy / wall);
 }
 
 } // namespace tpipe
