@@ -449,6 +449,36 @@ TEST(TuneTest, MoreDevicesMustMeasureTenPercentFaster) {
   EXPECT_EQ(chooseBetween(1, 1.07), 4); // on one device, 7% decides
 }
 
+// A plan measured no slower than one within the noise is within it too: one
+// stage on two threads runs in two modes, so its lower quartile can be the
+// fast one while its round-by-round ratio is the slow one's.
+TEST(TuneTest, APlanNoSlowerThanOneWithinTheNoiseIsWithinIt) {
+  TuneResult result;
+  result.candidates = {
+      predictedPlan(2, 4, 10.0),  // dualpipe: the fastest
+      predictedPlan(1, 2, 10.0),  // steady, 8% behind round by round
+      predictedPlan(1, 1, 10.0)}; // two modes: 10.6 ms and 12 ms
+  result.choice = 0;
+  std::vector<std::vector<double>> steps(3);
+  for (int r = 0; r < 15; ++r) {
+    const double machine = 1.0 + 0.01 * (r % 3);
+    steps[0].push_back(10.0 * machine);
+    steps[1].push_back(10.8 * machine);
+    steps[2].push_back((r % 3 == 0 ? 10.6 : 12.0) * machine);
+  }
+  // Round by round the two-mode plan is 20% behind, past the 10% a plan on
+  // fewer devices is allowed; its figure is under the steady plan's.
+  TuneResult both = result;
+  chooseByMeasurement(both, {0, 1, 2}, steps);
+  EXPECT_EQ(both.candidates[both.choice].microBatches, 1) << both.notes.back();
+  EXPECT_NE(both.notes.back().find("no slower than 1 stage"), std::string::npos)
+      << both.notes.back();
+  // Alone beside the fastest, it is not within the noise.
+  TuneResult alone = result;
+  chooseByMeasurement(alone, {0, 2}, {steps[0], steps[2]});
+  EXPECT_EQ(alone.candidates[alone.choice].ranks, 2) << alone.notes.back();
+}
+
 // Beside a neighbour, plans are held against each other as training meets
 // them: one stage on two threads, the fastest calm, which the neighbour's
 // bursts slow 1.8x, loses to two one-thread stages that they slow 1.25x.
