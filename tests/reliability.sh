@@ -238,6 +238,25 @@ else
   bad "launch SIGINT (exit $status, steps '$steps')" "$(tail -8 "$work/lsig.log")"
 fi
 
+# A stop while pipeline.auto tunes ends the run at the tune's next
+# measurement, not after the tune.
+"$tpipe" train "$source_dir/configs/reference_mlp.json" --set train.steps=5 >"$work/tsig.log" 2>&1 &
+victim=$!
+for _ in $(seq 600); do
+  kill -0 $victim 2>/dev/null || break
+  grep -qF "tune: profiling" "$work/tsig.log" && break
+  sleep 0.1
+done
+kill -INT $victim
+wait $victim
+status=$?
+if [[ $status -eq 130 ]] && grep -qF "stopped by SIGINT while pipeline.auto tuned" "$work/tsig.log" &&
+   ! grep -qF "tune: chose" "$work/tsig.log"; then
+  ok "SIGINT while pipeline.auto tunes stops the tune and exits 130"
+else
+  bad "SIGINT while tuning (exit $status)" "$(tail -5 "$work/tsig.log")"
+fi
+
 # ---- 14: exit codes ---------------------------------------------------------
 "$tpipe" train "$work/missing.json" >"$work/e.log" 2>&1
 expect "a missing config exits 2" 2 "missing.json" "$work/e.log" $?

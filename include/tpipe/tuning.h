@@ -4,7 +4,9 @@
 // job, and measures candidates where the prediction cannot decide.
 #pragma once
 
+#include <functional>
 #include <iosfwd>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -22,6 +24,15 @@ struct TuneOptions {
   int measureRounds = 2;       // rounds over the candidates, in turn
   bool quick = false;          // fewer calibration rounds (for pipeline.auto)
   std::ostream* log = nullptr; // progress lines; null: none
+  // Asked before each measurement; true ends the tune with TuneStopped. A
+  // run stopped by SIGINT while pipeline.auto tunes ends within a step,
+  // not after the tune's minute.
+  std::function<bool()> stopRequested;
+};
+
+// The tune was stopped (TuneOptions::stopRequested) before it chose.
+struct TuneStopped : std::runtime_error {
+  TuneStopped() : std::runtime_error("the tune was stopped before it chose") {}
 };
 
 struct TuneOutcome {
@@ -38,10 +49,11 @@ struct TuneOutcome {
 // noise) and searches. Where the prediction cannot decide (the plans
 // predicted within 25% of the fastest, at most 4, the predicted choice, and
 // the fastest predicted per device count within 2x) or with measure (the
-// top candidates), they run in turn, built once, two steps each per round
-// (the second timed) over 15 rounds, and the fastest measured becomes the
-// choice, or the simplest within the measurement's noise of it (at least
-// 3%). The config's devices are the devices a plan may use; its pipeline
+// top candidates), they run in turn, built once, one untimed step and then
+// 4 timed ones each per round over 15 rounds (measureRounds x measureSteps
+// with measure; more beside a neighbour's bursts), and the fastest measured
+// becomes the choice, or the simplest within the measurement's noise of it (at
+// least 5%). The config's devices are the devices a plan may use; its pipeline
 // settings are ignored.
 TuneOutcome tuneConfig(const Config& config, const TuneOptions& options);
 

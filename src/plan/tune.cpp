@@ -668,20 +668,21 @@ void chooseByMeasurement(
         ? std::max(tolerance, 0.10)
         : tolerance;
   };
-  // A plan whose figure is no slower than that of a plan within the noise
-  // is within it too. The figure (a lower quartile) and the round-by-round
-  // ratio are two statistics of one plan's rounds, and one stage on two
-  // threads runs in two modes: a calm Fashion tune held one stage at 2
-  // micro-batches (11.93 ms) 6.3% behind dualpipe round by round and one
-  // stage at 1 (11.38 ms) over 10%, and chose the one at 2, which trained
-  // 6.8% slower than the one at 1.
+  // Calm, a plan whose figure is no slower than that of a plan within the
+  // noise is within it too. The figure (a lower quartile) and the
+  // round-by-round ratio are two statistics of one plan's rounds, and one
+  // stage on two threads runs in two modes: a calm Fashion tune held one
+  // stage at 2 micro-batches (11.93 ms) 6.3% behind dualpipe round by round
+  // and one stage at 1 (11.38 ms) over 10%, and chose the one at 2, which
+  // trained 6.8% slower than the one at 1. Beside a neighbour the figure is
+  // the ratio's own, and each plan is held to its own noise.
   constexpr size_t kNone = static_cast<size_t>(-1);
   std::vector<size_t> withinBy(measured.size(), kNone); // the plan it passed
   for (size_t k = 0; k < measured.size(); ++k) {
     if (k == fastest || ratios[k] <= 1.0 + allowed(k))
       withinBy[k] = k;
   }
-  for (size_t k = 0; k < measured.size(); ++k) {
+  for (size_t k = 0; k < measured.size() && !neighbour; ++k) {
     for (size_t j = 0; j < measured.size() && withinBy[k] == kNone; ++j) {
       if (withinBy[j] == j && figure(k) <= figure(j))
         withinBy[k] = j;

@@ -136,6 +136,7 @@ ResolvedPlan tunedPlan(const Config& config, std::ostream& log) {
   TuneOptions tune;
   tune.quick = true;
   tune.log = &log;
+  tune.stopRequested = [] { return requestedStop.load() != 0; };
   const TuneOutcome outcome = tuneConfig(config, tune);
   const TuneCandidate& choice =
       outcome.result.candidates[outcome.result.choice];
@@ -207,7 +208,17 @@ class TrainingRun {
   TrainSummary run() {
     StopSignals signals; // from the start: a signal during set-up stops before
                          // the first step
-    setUp();
+    try {
+      setUp();
+    } catch (const TuneStopped&) {
+      summary_.stopSignal = requestedStop.load();
+      *log_ << "stopped by "
+            << (summary_.stopSignal == SIGINT ? "SIGINT" : "SIGTERM")
+            << " while pipeline.auto tuned, before the first step (nothing "
+               "trained or saved)"
+            << std::endl;
+      return summary_;
+    }
     resume();
     startOverlap();
     openMetrics();

@@ -183,14 +183,22 @@ constexpr double kBurstAveragingMs = 10000.0;
 constexpr double kBurstAveragingMostMs = 30000.0;
 constexpr double kBurstAveragingError = 0.04;
 
+void stopIfAsked(const std::function<bool()>& stopRequested) {
+  if (stopRequested && stopRequested())
+    throw TuneStopped();
+}
+
 // Runs candidates on the config's data from the config's initial weights.
 class StepMeter {
  public:
-  explicit StepMeter(const Config& config)
+  explicit StepMeter(
+      const Config& config,
+      std::function<bool()> stopRequested = {})
       : config_(config),
         shapes_(buildModel(config)),
         data_(loadDataset(config, shapes_)),
-        loss_(makeLoss(config.train.loss)) {}
+        loss_(makeLoss(config.train.loss)),
+        stopRequested_(std::move(stopRequested)) {}
 
   std::unique_ptr<PlanRun> start(const TuneCandidate& c) {
     return std::make_unique<PlanRun>(
@@ -198,6 +206,7 @@ class StepMeter {
   }
 
   StepTiming step(PlanRun& run, int count = 1) {
+    stopIfAsked(stopRequested_);
     return run.steps(loss_, count);
   }
 
@@ -294,6 +303,7 @@ class StepMeter {
   BuiltModel shapes_;
   Dataset data_;
   LossFunction loss_;
+  std::function<bool()> stopRequested_;
 };
 
 std::vector<double> stepTimes(const std::vector<StepTiming>& timings) {
@@ -378,6 +388,7 @@ void profileCurves(
   model.layers.assign(built.layers.size(), LayerModel{});
   double worst = 0.0, noise = 0.0, weighted = 0.0, total = 0.0;
   for (int threads : model.threads) {
+    stopIfAsked(options.stopRequested);
     if (options.log)
       *options.log << "tune: profiling " << built.layers.size() << " layers at "
                    << profile.fitSizes.size() << " micro-batch sizes, "
@@ -1035,7 +1046,8 @@ std::vector<double> measureCandidates(
 
 TuneOutcome tuneConfig(const Config& config, const TuneOptions& options) {
   TuneOutcome outcome;
-  StepMeter meter(config);
+  stopIfAsked(options.stopRequested);
+  StepMeter meter(config, options.stopRequested);
   outcome.model.source = "measured now on this machine";
   warmUp(meter, options);
   profileCurves(
