@@ -377,6 +377,17 @@ TEST(TuneTest, TheFastestPlansSimplerNeighbourJoinsFirst) {
   EXPECT_EQ(
       contendersBesideANeighbour(result, measured, figures),
       (std::vector<size_t>{0, 2, 6}));
+  // None clearly behind: the slowest that stays makes way for the
+  // neighbour all the same, but not a plan simpler than the neighbour.
+  EXPECT_EQ(
+      contendersBesideANeighbour(result, {0, 2, 4}, {15.0, 15.9, 15.3}),
+      (std::vector<size_t>{0, 4, 6}));
+  EXPECT_EQ(
+      contendersBesideANeighbour(result, measured, {15.0, 15.9, 15.3}),
+      (std::vector<size_t>{0, 1, 6}));
+  EXPECT_EQ(
+      contendersBesideANeighbour(result, {0, 1}, {15.0, 15.9}),
+      (std::vector<size_t>{0, 1}));
   // Predicted over 25% behind the fastest plan's prediction: the next by
   // prediction instead.
   result.candidates[6].predictedStepMs = 12.6;

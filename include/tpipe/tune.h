@@ -301,7 +301,9 @@ std::vector<size_t> measurementContenders(const TuneResult& result);
 // cores, trained Fashion CNN 1.2x slower there than two one-thread stages,
 // and one to three of six contenders were one-stage plans. Positions in
 // result.candidates; the same plans where none is clearly behind or none
-// can take a place.
+// can take a place. Where none is clearly behind, the slowest plan but the
+// fastest (and those simpler than the neighbour) makes way for the fastest's
+// simplest neighbour.
 constexpr double kClearlyBehind = 1.10;
 std::vector<size_t> contendersBesideANeighbour(
     const TuneResult& result,

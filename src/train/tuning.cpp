@@ -1006,9 +1006,11 @@ InTurn measureBesideANeighbour(
   const size_t joined = next.size() - (measured.size() - left);
   std::ostringstream note;
   note << "beside a neighbour, after " << first.steps.front().size()
-       << " rounds: " << left << " plan(s) over "
+       << " rounds: " << left << " plan(s) made way for " << joined
+       << " more (those over "
        << static_cast<int>(std::lround(100.0 * (kClearlyBehind - 1.0)))
-       << "% behind the fastest made way for " << joined << " more, and the "
+       << "% behind the fastest, or else the slowest for a plan a step "
+          "simpler than the fastest), and the "
        << next.size() << " were measured again";
   result.notes.push_back(note.str());
   if (log)
