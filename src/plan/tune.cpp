@@ -698,10 +698,12 @@ void chooseByMeasurement(
     if (k == fastest || ratios[k] <= 1.0 + allowed(k))
       withinBy[k] = k;
   }
-  for (size_t k = 0; k < measured.size() && !neighbour; ++k) {
-    for (size_t j = 0; j < measured.size() && withinBy[k] == kNone; ++j) {
-      if (withinBy[j] == j && figure(k) <= figure(j))
-        withinBy[k] = j;
+  if (!neighbour) {
+    for (size_t k = 0; k < measured.size(); ++k) {
+      for (size_t j = 0; j < measured.size() && withinBy[k] == kNone; ++j) {
+        if (withinBy[j] == j && figure(k) <= figure(j))
+          withinBy[k] = j;
+      }
     }
   }
   size_t best = fastest;
