@@ -318,6 +318,18 @@ TEST(TuneTest, TheSimplestPlanIsAlwaysAContender) {
   contenders = measurementContenders(result);
   EXPECT_EQ(std::count(contenders.begin(), contenders.end(), 6u), 0);
   EXPECT_EQ(std::count(contenders.begin(), contenders.end(), 5u), 1);
+
+  // A device count whose every plan a spoiled calibration put over twice
+  // the fastest still has its fastest measured, within 4x; beyond, not.
+  result.candidates = {
+      predictedPlan(1, 1, 10.0),
+      predictedPlan(1, 2, 10.5),
+      predictedPlan(2, 2, 23.0),
+      predictedPlan(2, 4, 24.0),
+      predictedPlan(4, 8, 41.0)};
+  contenders = measurementContenders(result);
+  std::sort(contenders.begin(), contenders.end());
+  EXPECT_EQ(contenders, (std::vector<size_t>{0, 1, 2}));
 }
 
 // Beside a neighbour, contenders clearly behind after the first rounds
@@ -530,6 +542,67 @@ TEST(TuneTest, BesideANeighbourPlansAreHeldAsTrainingMeetsThem) {
   const TuneResult quiet = choose(1.8, false);
   EXPECT_EQ(quiet.candidates[quiet.choice].ranks, 1) << quiet.notes.back();
   EXPECT_NE(quiet.notes.back().find("lower quartile"), std::string::npos);
+}
+
+// Beside a neighbour, a choice the figures of many plans cannot settle is
+// measured alone with its rival: the fastest other plan, where it is not
+// clearly behind.
+TEST(TuneTest, BesideANeighbourTheChoiceMeetsItsRivalAlone) {
+  TuneResult result;
+  result.candidates = {
+      predictedPlan(1, 1, 10.0),
+      predictedPlan(2, 2, 10.0),
+      predictedPlan(2, 4, 10.0)};
+  result.choice = 0;
+  // The simpler chosen within the noise: the fastest is its rival.
+  EXPECT_EQ(rivalOfTheChoice(result, {0, 1, 2}, {10.3, 10.0, 10.8}), 1u);
+  // The fastest chosen: the next fastest, within 10% of it.
+  EXPECT_EQ(rivalOfTheChoice(result, {0, 1, 2}, {10.0, 10.9, 10.5}), 2u);
+  // None within 10%, or the choice not measured: no rival.
+  EXPECT_FALSE(rivalOfTheChoice(result, {0, 1, 2}, {10.0, 11.5, 12.0}));
+  EXPECT_FALSE(rivalOfTheChoice(result, {1, 2}, {10.0, 10.1}));
+  EXPECT_THROW(rivalOfTheChoice(result, {0, 1}, {10.0}), std::invalid_argument);
+
+  // Turns alternately calm and in a burst that wants a whole core: one
+  // stage `oneStageBurst` ms a step in it (10 calm), two stages 13 (10.5).
+  auto duel = [&](size_t choice, double oneStageBurst, bool neighbour) {
+    TuneResult r = result;
+    r.choice = choice;
+    std::vector<std::vector<double>> steps(2), loads(2);
+    const size_t plans[2] = {choice, choice == 0 ? size_t{1} : size_t{0}};
+    for (int round = 0; round < 20; ++round) {
+      const bool burst = neighbour && round % 2 == 1;
+      for (size_t k = 0; k < 2; ++k) {
+        const bool oneStage = plans[k] == 0;
+        steps[k].push_back(
+            burst ? (oneStage ? oneStageBurst : 13.0)
+                  : (oneStage ? 10.0 : 10.5));
+        loads[k].push_back(burst ? 1.0 : 0.0);
+      }
+    }
+    settleByADuel(r, plans[1], steps, loads);
+    return r;
+  };
+  // Slowed 2x in bursts, one stage trains at 14.5 ms against 11.9: the
+  // two stages, though one stage was chosen.
+  TuneResult settled = duel(0, 20.0, true);
+  EXPECT_EQ(settled.choice, 1u) << settled.notes.back();
+  EXPECT_NE(settled.notes.back().find("chosen instead"), std::string::npos);
+  EXPECT_NEAR(settled.candidates[0].measuredStepMs, 14.46, 0.01);
+  EXPECT_NEAR(settled.candidates[1].measuredStepMs, 11.91, 0.01);
+  // Slowed 1.2x, one stage runs no slower: the simpler, though two stages
+  // were chosen.
+  settled = duel(1, 12.0, true);
+  EXPECT_EQ(settled.choice, 0u) << settled.notes.back();
+  EXPECT_NE(settled.notes.back().find("runs no slower"), std::string::npos)
+      << settled.notes.back();
+  // Gone, the neighbour leaves nothing to settle: the choice stands.
+  settled = duel(1, 12.0, false);
+  EXPECT_EQ(settled.choice, 1u);
+  EXPECT_NE(settled.notes.back().find("no longer showed"), std::string::npos);
+  EXPECT_THROW(
+      settleByADuel(settled, 1, {{10.0}, {10.0}}, {{0.0}, {0.0}}),
+      std::invalid_argument);
 }
 
 // A neighbour's bursts met one plan's turns less often than the other's by

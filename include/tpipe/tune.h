@@ -279,12 +279,12 @@ std::string anchorToMeasured(TuneResult& result);
 
 // The plans to run in turn when the prediction cannot tell them apart:
 // up to 4 within 25% of the fastest predicted, the predicted choice, the
-// fastest predicted on each device count within twice the fastest (a
+// fastest predicted on each device count within 4x the fastest (a
 // calibration a busy second spoiled misjudges all plans of one shape
-// alike), and the simplest plan within twice the fastest, which the
-// choice falls back to when nothing measures clearly faster: measured
-// every time, so a run's noisy calibration cannot leave it out. Positions
-// in result.candidates; empty when nothing is feasible.
+// alike, by up to 2x), and the simplest plan within twice the fastest, which
+// the choice falls back to when nothing measures clearly faster: measured every
+// time, so a run's noisy calibration cannot leave it out. Positions in
+// result.candidates; empty when nothing is feasible.
 std::vector<size_t> measurementContenders(const TuneResult& result);
 
 // Beside a neighbour, after the first rounds of the contenders (positions
@@ -331,6 +331,37 @@ void chooseByMeasurement(
     const std::vector<size_t>& measured,
     const std::vector<std::vector<double>>& roundSteps,
     const std::vector<std::vector<double>>& roundLoads = {});
+
+// Beside a neighbour, the choice is measured once more alone in turn with
+// its rival, where chooseByMeasurement's figures (`figures`, one per
+// plan in `measured`, as training meets the neighbour) cannot settle
+// it: the fastest plan, where a simpler one was chosen within the noise,
+// or else the next fastest within kClearlyBehind of the choice. Among
+// four to eight plans whose rounds meet bursts of 0.1-0.9 s unequally,
+// one stage read within 5% of the fastest in about one busy tune of
+// five and trained 7-12% behind the best. Two plans alone take turns of
+// tens of milliseconds, so they meet the bursts alike. Its position in
+// result.candidates; none where no plan is close enough to matter.
+std::optional<size_t> rivalOfTheChoice(
+    const TuneResult& result,
+    const std::vector<size_t>& measured,
+    const std::vector<double>& figures);
+
+// The choice and its rival measured alone in turn (roundSteps[0] and
+// roundLoads[0] the choice's, [1] the rival's, as chooseByMeasurement's):
+// each at the load training meets (stepsAtTheLoadTrainingMeets), the
+// simpler kept where it runs within kDuelMargin of the other, else the
+// faster. The two measured plans' measuredStepMs become these figures.
+// Where the neighbour no longer shows in these rounds, the choice stands.
+// A note says what was measured and what it decided.
+// Throws std::invalid_argument unless there are two lists of steps, as
+// long, and `rival` is a plan other than the choice.
+constexpr double kDuelMargin = 0.04;
+void settleByADuel(
+    TuneResult& result,
+    size_t rival,
+    const std::vector<std::vector<double>>& roundSteps,
+    const std::vector<std::vector<double>>& roundLoads);
 
 // The order in which plans that run equally fast are preferred: fewer
 // devices, fewer stages a device (DualPipe's copies of the other chain's

@@ -183,6 +183,17 @@ constexpr double kBurstAveragingMs = 10000.0;
 constexpr double kBurstAveragingMostMs = 30000.0;
 constexpr double kBurstAveragingError = 0.04;
 
+// How long the choice and its rival are measured alone in turn beside a
+// neighbour (measureADuel): their difference known within 1.5% is well
+// inside the 4% that decides, and at tens of milliseconds a turn, 5-15 s
+// are some hundreds of turns. At least 8 rounds whatever they take: on a
+// 2 GHz AVX2 machine a reference job's round of two plans took 5 s, and 5
+// rounds left zb-v's figure uncertain by 4.2%.
+constexpr size_t kDuelLeastRounds = 8;
+constexpr double kDuelLeastMs = 5000.0;
+constexpr double kDuelMostMs = 15000.0;
+constexpr double kDuelError = 0.015;
+
 void stopIfAsked(const std::function<bool()>& stopRequested) {
   if (stopRequested && stopRequested())
     throw TuneStopped();
@@ -1026,6 +1037,56 @@ InTurn measureBesideANeighbour(
   return measureInTurn(meter, plans, kLeastRounds, kStepsPerTurn, log, true);
 }
 
+// The choice and its rival alone in turn (rivalOfTheChoice), for at least
+// kDuelLeastMs, then on while their figures at the neighbour's load are
+// known no closer than kDuelError together, up to kDuelMostMs.
+InTurn measureADuel(
+    StepMeter& meter,
+    const TuneResult& result,
+    size_t rival,
+    std::ostream* log) {
+  const std::vector<TuneCandidate> pair{
+      result.candidates[result.choice], result.candidates[rival]};
+  if (log)
+    *log << "tune: measuring " << pair[0].label() << " alone in turn with "
+         << pair[1].label() << " for " << kDuelLeastMs / 1000.0 << "-"
+         << kDuelMostMs / 1000.0 << " s, at least " << kDuelLeastRounds
+         << " rounds" << std::endl;
+  Turns turns;
+  turns.rounds = 5;
+  turns.stream = kStepsPerTurn;
+  turns.warmEachTurn = true;
+  MoreRounds more;
+  more.maxRounds = 100000; // time ends it
+  more.wanted =
+      [began = Clock::now()](const std::vector<std::vector<StepTiming>>& t) {
+        const double span = msSince(began);
+        if (span < kDuelLeastMs || t.front().size() < kDuelLeastRounds)
+          return true;
+        if (span >= kDuelMostMs)
+          return false;
+        std::vector<std::vector<double>> steps, loads;
+        for (const auto& timings : t) {
+          steps.push_back(stepTimes(timings));
+          loads.emplace_back();
+          for (const auto& one : timings)
+            loads.back().push_back(one.othersCores);
+        }
+        const StepsAtALoad atLoad = stepsAtTheLoadTrainingMeets(steps, loads);
+        return !atLoad.stepMs.empty() &&
+            std::hypot(atLoad.relativeError[0], atLoad.relativeError[1]) >
+            kDuelError;
+      };
+  InTurn out;
+  for (const auto& timings : meter.interleave(pair, turns, nullptr, more)) {
+    out.steps.push_back(stepTimes(timings));
+    out.loads.emplace_back();
+    for (const auto& t : timings)
+      out.loads.back().push_back(t.othersCores);
+  }
+  return out;
+}
+
 } // namespace
 
 std::vector<double> measureCandidates(
@@ -1100,6 +1161,15 @@ TuneOutcome tuneConfig(const Config& config, const TuneOptions& options) {
       byLoad ? atLoad.stepMs : stepsAsTrainingMeetsThem(steps);
   for (size_t k = 0; k < measured.size(); ++k)
     outcome.result.candidates[measured[k]].measuredStepMs = met[k];
+  if (aNeighbourShows(steps, inTurn.loads)) {
+    if (const auto rival = rivalOfTheChoice(outcome.result, measured, met)) {
+      const InTurn duel =
+          measureADuel(meter, outcome.result, *rival, options.log);
+      settleByADuel(outcome.result, *rival, duel.steps, duel.loads);
+      if (options.log)
+        *options.log << "tune: " << outcome.result.notes.back() << std::endl;
+    }
+  }
   const std::string anchored = anchorToMeasured(outcome.result);
   if (!anchored.empty()) {
     std::ostringstream note;
