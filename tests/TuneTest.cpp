@@ -351,9 +351,16 @@ TEST(TuneTest, PlansANeighbourSlowedMakeWayForTheNext) {
   std::vector<size_t> next =
       contendersBesideANeighbour(result, measured, {22.5, 15.0, 21.0});
   EXPECT_EQ(next, (std::vector<size_t>{1, 3, 5}));
-  // Nothing clearly behind: the same plans.
+  // Nothing clearly behind: the slowest but the simplest makes way for
+  // the fastest's simpler neighbour (2 stages at 2 micro-batches).
   next = contendersBesideANeighbour(result, measured, {15.5, 15.0, 16.4});
-  EXPECT_EQ(next, measured);
+  EXPECT_EQ(next, (std::vector<size_t>{0, 1, 3}));
+  // The fastest with no simpler neighbour: the next plan waiting.
+  next = contendersBesideANeighbour(result, measured, {15.0, 15.5, 16.4});
+  EXPECT_EQ(next, (std::vector<size_t>{0, 1, 3}));
+  // The fastest the simplest too: the other makes way.
+  next = contendersBesideANeighbour(result, {0, 1}, {15.0, 15.5});
+  EXPECT_EQ(next, (std::vector<size_t>{0, 3}));
   // Room for one more than waits within 25%: the plans shrink to those.
   result.candidates[5].predictedStepMs = 14.0; // 19.1
   next = contendersBesideANeighbour(result, measured, {22.5, 15.0, 21.0});
@@ -390,7 +397,7 @@ TEST(TuneTest, TheFastestPlansSimplerNeighbourJoinsFirst) {
       contendersBesideANeighbour(result, measured, figures),
       (std::vector<size_t>{0, 2, 6}));
   // None clearly behind: the slowest that stays makes way for the
-  // neighbour all the same, but not a plan simpler than the neighbour.
+  // neighbour all the same, but not the simplest plan measured.
   EXPECT_EQ(
       contendersBesideANeighbour(result, {0, 2, 4}, {15.0, 15.9, 15.3}),
       (std::vector<size_t>{0, 4, 6}));

@@ -302,8 +302,9 @@ std::vector<size_t> measurementContenders(const TuneResult& result);
 // and one to three of six contenders were one-stage plans. Positions in
 // result.candidates; the same plans where none is clearly behind or none
 // can take a place. Where none is clearly behind, the slowest plan but the
-// fastest (and those simpler than the neighbour) makes way for the fastest's
-// simplest neighbour.
+// fastest and the simplest measured makes way all the same, for the
+// fastest's simplest neighbour or, where it has none, the next plan
+// waiting.
 constexpr double kClearlyBehind = 1.10;
 std::vector<size_t> contendersBesideANeighbour(
     const TuneResult& result,

@@ -1020,8 +1020,8 @@ InTurn measureBesideANeighbour(
        << " rounds: " << left << " plan(s) made way for " << joined
        << " more (those over "
        << static_cast<int>(std::lround(100.0 * (kClearlyBehind - 1.0)))
-       << "% behind the fastest, or else the slowest for a plan a step "
-          "simpler than the fastest), and the "
+       << "% behind the fastest, or else the slowest but the simplest, for "
+          "a plan a step simpler than the fastest or the next), and the "
        << next.size() << " were measured again";
   result.notes.push_back(note.str());
   if (log)
