@@ -916,6 +916,17 @@ struct InTurn {
   std::vector<std::vector<double>> loads;
 };
 
+InTurn inTurnOf(const std::vector<std::vector<StepTiming>>& timings) {
+  InTurn out;
+  for (const auto& plan : timings) {
+    out.steps.push_back(stepTimes(plan));
+    out.loads.emplace_back();
+    for (const auto& t : plan)
+      out.loads.back().push_back(t.othersCores);
+  }
+  return out;
+}
+
 // Each candidate's ms per step, a value a round: each turn one untimed step
 // (a plan's first step after another plan's runs on the caches that plan
 // filled, 4-11% slower than training's steps, which follow their own), then
@@ -957,14 +968,7 @@ InTurn measureInTurn(
       return leastSettled > kBurstAveragingError;
     };
   }
-  InTurn out;
-  for (const auto& timings : meter.interleave(candidates, turns, log, more)) {
-    out.steps.push_back(stepTimes(timings));
-    out.loads.emplace_back();
-    for (const auto& t : timings)
-      out.loads.back().push_back(t.othersCores);
-  }
-  return out;
+  return inTurnOf(meter.interleave(candidates, turns, log, more));
 }
 
 // A neighbour showed in the first rounds: plans clearly behind make way
@@ -1065,26 +1069,14 @@ InTurn measureADuel(
           return true;
         if (span >= kDuelMostMs)
           return false;
-        std::vector<std::vector<double>> steps, loads;
-        for (const auto& timings : t) {
-          steps.push_back(stepTimes(timings));
-          loads.emplace_back();
-          for (const auto& one : timings)
-            loads.back().push_back(one.othersCores);
-        }
-        const StepsAtALoad atLoad = stepsAtTheLoadTrainingMeets(steps, loads);
+        const InTurn sofar = inTurnOf(t);
+        const StepsAtALoad atLoad =
+            stepsAtTheLoadTrainingMeets(sofar.steps, sofar.loads);
         return !atLoad.stepMs.empty() &&
             std::hypot(atLoad.relativeError[0], atLoad.relativeError[1]) >
             kDuelError;
       };
-  InTurn out;
-  for (const auto& timings : meter.interleave(pair, turns, nullptr, more)) {
-    out.steps.push_back(stepTimes(timings));
-    out.loads.emplace_back();
-    for (const auto& t : timings)
-      out.loads.back().push_back(t.othersCores);
-  }
-  return out;
+  return inTurnOf(meter.interleave(pair, turns, nullptr, more));
 }
 
 } // namespace
