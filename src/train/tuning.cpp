@@ -189,7 +189,7 @@ constexpr double kBurstAveragingError = 0.04;
 // are some hundreds of turns. At least 8 rounds whatever they take: on a
 // 2 GHz AVX2 machine a reference job's round of two plans took 5 s, and 5
 // rounds left zb-v's figure uncertain by 4.2%.
-constexpr size_t kDuelLeastRounds = 8;
+constexpr int kDuelLeastRounds = 8;
 constexpr double kDuelLeastMs = 5000.0;
 constexpr double kDuelMostMs = 15000.0;
 constexpr double kDuelError = 0.015;
@@ -1057,7 +1057,7 @@ InTurn measureADuel(
          << kDuelMostMs / 1000.0 << " s, at least " << kDuelLeastRounds
          << " rounds" << std::endl;
   Turns turns;
-  turns.rounds = 5;
+  turns.rounds = kDuelLeastRounds;
   turns.stream = kStepsPerTurn;
   turns.warmEachTurn = true;
   MoreRounds more;
@@ -1065,7 +1065,7 @@ InTurn measureADuel(
   more.wanted =
       [began = Clock::now()](const std::vector<std::vector<StepTiming>>& t) {
         const double span = msSince(began);
-        if (span < kDuelLeastMs || t.front().size() < kDuelLeastRounds)
+        if (span < kDuelLeastMs)
           return true;
         if (span >= kDuelMostMs)
           return false;
