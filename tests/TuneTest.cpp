@@ -309,9 +309,10 @@ TEST(TuneTest, TheSimplestPlanIsAlwaysAContender) {
   result.choice = 0;
   std::vector<size_t> contenders = measurementContenders(result);
   std::sort(contenders.begin(), contenders.end());
-  // The top four, the four-device plan (its count's fastest) and the
-  // simplest; never a plan over twice the fastest.
-  EXPECT_EQ(contenders, (std::vector<size_t>{0, 1, 2, 3, 5, 6}));
+  // The top four with at most two of a device count (the third one-device
+  // plan gives way to the next two-device one), the four-device plan (its
+  // count's fastest) and the simplest; never a plan over twice the fastest.
+  EXPECT_EQ(contenders, (std::vector<size_t>{0, 1, 2, 4, 5, 6}));
 
   result.candidates[5].predictedStepMs = 21.0; // now over twice: left out
   std::swap(result.candidates[5], result.candidates[6]);
@@ -330,6 +331,23 @@ TEST(TuneTest, TheSimplestPlanIsAlwaysAContender) {
   contenders = measurementContenders(result);
   std::sort(contenders.begin(), contenders.end());
   EXPECT_EQ(contenders, (std::vector<size_t>{0, 1, 2}));
+
+  // One stage under 1F1B runs as under gpipe at its micro-batch count: one
+  // of the two is measured, and the place goes to the next plan.
+  result.candidates = {
+      predictedPlan(1, 2, 10.0),
+      predictedPlan(1, 2, 10.2),
+      predictedPlan(1, 1, 10.4),
+      predictedPlan(2, 2, 11.0),
+      predictedPlan(2, 4, 11.5)};
+  result.candidates[1].schedule = ScheduleKind::kOneFOneB;
+  contenders = measurementContenders(result);
+  std::sort(contenders.begin(), contenders.end());
+  EXPECT_EQ(contenders, (std::vector<size_t>{0, 2, 3, 4}));
+  result.candidates[1].microBatches = 4; // no longer the same instructions
+  contenders = measurementContenders(result);
+  std::sort(contenders.begin(), contenders.end());
+  EXPECT_EQ(contenders, (std::vector<size_t>{0, 1, 2, 3, 4}));
 }
 
 // Beside a neighbour, contenders clearly behind after the first rounds

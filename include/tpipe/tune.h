@@ -278,7 +278,9 @@ std::vector<double> stepsAsTrainingMeetsThem(
 std::string anchorToMeasured(TuneResult& result);
 
 // The plans to run in turn when the prediction cannot tell them apart:
-// up to 4 within 25% of the fastest predicted, the predicted choice, the
+// up to 4 within 25% of the fastest predicted, at most 2 of them on one
+// device count and one of one-stage gpipe and 1F1B at a micro-batch count
+// (they differ only in the activations held), the predicted choice, the
 // fastest predicted on each device count within 4x the fastest (a
 // calibration a busy second spoiled misjudges all plans of one shape
 // alike, by up to 2x), and the simplest plan within twice the fastest, which
