@@ -321,13 +321,20 @@ TEST(TuneTest, TheSimplestPlanIsAlwaysAContender) {
   EXPECT_EQ(std::count(contenders.begin(), contenders.end(), 5u), 1);
 
   // A device count whose every plan a spoiled calibration put over twice
-  // the fastest still has its fastest measured, within 4x; beyond, not.
+  // the fastest still has its fastest measured, within 4x, and the next of
+  // the count predicted within 10% of it; beyond, not.
   result.candidates = {
       predictedPlan(1, 1, 10.0),
       predictedPlan(1, 2, 10.5),
       predictedPlan(2, 2, 23.0),
       predictedPlan(2, 4, 24.0),
+      predictedPlan(2, 8, 25.0),
       predictedPlan(4, 8, 41.0)};
+  contenders = measurementContenders(result);
+  std::sort(contenders.begin(), contenders.end());
+  EXPECT_EQ(contenders, (std::vector<size_t>{0, 1, 2, 3}));
+  result.candidates[3].predictedStepMs = 25.5; // over 10% behind 23
+  result.candidates[4].predictedStepMs = 26.0;
   contenders = measurementContenders(result);
   std::sort(contenders.begin(), contenders.end());
   EXPECT_EQ(contenders, (std::vector<size_t>{0, 1, 2}));

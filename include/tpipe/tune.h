@@ -283,10 +283,12 @@ std::string anchorToMeasured(TuneResult& result);
 // (they differ only in the activations held), the predicted choice, the
 // fastest predicted on each device count within 4x the fastest (a
 // calibration a busy second spoiled misjudges all plans of one shape
-// alike, by up to 2x), and the simplest plan within twice the fastest, which
-// the choice falls back to when nothing measures clearly faster: measured every
-// time, so a run's noisy calibration cannot leave it out. Positions in
-// result.candidates; empty when nothing is feasible.
+// alike, by up to 2x) with the next of its count predicted within 10% of
+// it (a neighbour reorders near ties of one shape), and the simplest plan
+// within twice the fastest, which the choice falls back to when nothing
+// measures clearly faster: measured every time, so a run's noisy calibration
+// cannot leave it out. Positions in result.candidates; empty when nothing is
+// feasible.
 std::vector<size_t> measurementContenders(const TuneResult& result);
 
 // Beside a neighbour, after the first rounds of the contenders (positions
