@@ -448,6 +448,11 @@ std::vector<size_t> measurementContenders(const TuneResult& result) {
   const auto& all = result.candidates;
   if (all.empty() || !all.front().infeasible.empty())
     return picked;
+  auto aTwinIsPicked = [&](size_t i) {
+    return std::any_of(picked.begin(), picked.end(), [&](size_t k) {
+      return k != i && runAlike(all[i], all[k]);
+    });
+  };
   const double fastest = all.front().predictedStepMs;
   // At most two of one device count among the top four: a neighbour slows
   // each shape unequally, so the calm ranking says least about the order of
@@ -458,11 +463,7 @@ std::vector<size_t> measurementContenders(const TuneResult& result) {
   for (size_t i = 0, top = 0; i < all.size() && top < 4; ++i) {
     if (!all[i].infeasible.empty() || all[i].predictedStepMs > 1.25 * fastest)
       break;
-    const bool aTwinPicked =
-        std::any_of(picked.begin(), picked.end(), [&](size_t k) {
-          return runAlike(all[i], all[k]);
-        });
-    if (aTwinPicked || pickedOfCount[all[i].devices()] >= 2)
+    if (aTwinIsPicked(i) || pickedOfCount[all[i].devices()] >= 2)
       continue;
     pick(i);
     ++pickedOfCount[all[i].devices()];
@@ -489,11 +490,7 @@ std::vector<size_t> measurementContenders(const TuneResult& result) {
         isSimplerPlan(all[i], all[simplest]))
       simplest = i;
     const auto first = countsFastest.emplace(devices, i).first->second;
-    const bool aTwinPicked =
-        std::any_of(picked.begin(), picked.end(), [&](size_t k) {
-          return k != i && runAlike(all[i], all[k]);
-        });
-    if (pickedByCount[devices] >= 2 || aTwinPicked ||
+    if (pickedByCount[devices] >= 2 || aTwinIsPicked(i) ||
         all[i].predictedStepMs > 1.10 * all[first].predictedStepMs)
       continue;
     pick(i);
