@@ -459,15 +459,14 @@ std::vector<size_t> measurementContenders(const TuneResult& result) {
   // device counts. Busy reference tunes whose top four were one-stage plans
   // measured one two-stage plan, never zb-v or ZB-H1 at 2 micro-batches
   // (the grid's two fastest), and chose one stage, 6-7.5% behind them.
-  std::map<int, int> pickedOfCount;
-  for (size_t i = 0, top = 0; i < all.size() && top < 4; ++i) {
+  std::map<int, int> topOfCount;
+  for (size_t i = 0; i < all.size() && picked.size() < 4; ++i) {
     if (!all[i].infeasible.empty() || all[i].predictedStepMs > 1.25 * fastest)
       break;
-    if (aTwinIsPicked(i) || pickedOfCount[all[i].devices()] >= 2)
+    if (aTwinIsPicked(i) || topOfCount[all[i].devices()] >= 2)
       continue;
     pick(i);
-    ++pickedOfCount[all[i].devices()];
-    ++top;
+    ++topOfCount[all[i].devices()];
   }
   pick(result.choice);
   // Each device count's fastest within 4x: a calibration a burst spoiled
@@ -480,7 +479,7 @@ std::vector<size_t> measurementContenders(const TuneResult& result) {
   // micro-batches (predicted 0.1% from zb-v at 2 calm; trained 10% behind it
   // beside the neighbour), and chose one stage.
   std::map<int, size_t> countsFastest;
-  std::map<int, int> pickedByCount;
+  std::map<int, int> nearItsCountsFastest;
   size_t simplest = 0;
   for (size_t i = 0; i < all.size(); ++i) {
     const int devices = all[i].devices();
@@ -490,11 +489,11 @@ std::vector<size_t> measurementContenders(const TuneResult& result) {
         isSimplerPlan(all[i], all[simplest]))
       simplest = i;
     const auto first = countsFastest.emplace(devices, i).first->second;
-    if (pickedByCount[devices] >= 2 || aTwinIsPicked(i) ||
+    if (nearItsCountsFastest[devices] >= 2 || aTwinIsPicked(i) ||
         all[i].predictedStepMs > 1.10 * all[first].predictedStepMs)
       continue;
     pick(i);
-    ++pickedByCount[devices];
+    ++nearItsCountsFastest[devices];
   }
   pick(simplest);
   return picked;
