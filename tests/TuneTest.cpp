@@ -339,8 +339,9 @@ TEST(TuneTest, TheSimplestPlanIsAlwaysAContender) {
   std::sort(contenders.begin(), contenders.end());
   EXPECT_EQ(contenders, (std::vector<size_t>{0, 1, 2}));
 
-  // One stage under 1F1B runs as under gpipe at its micro-batch count: one
-  // of the two is measured, and the place goes to the next plan.
+  // One stage under 1F1B differs from gpipe at its micro-batch count only in
+  // the activations held: one of the two is measured, and the place goes to
+  // the next plan.
   result.candidates = {
       predictedPlan(1, 2, 10.0),
       predictedPlan(1, 2, 10.2),
@@ -351,7 +352,7 @@ TEST(TuneTest, TheSimplestPlanIsAlwaysAContender) {
   contenders = measurementContenders(result);
   std::sort(contenders.begin(), contenders.end());
   EXPECT_EQ(contenders, (std::vector<size_t>{0, 2, 3, 4}));
-  result.candidates[1].microBatches = 4; // no longer the same instructions
+  result.candidates[1].microBatches = 4; // no longer twins
   contenders = measurementContenders(result);
   std::sort(contenders.begin(), contenders.end());
   EXPECT_EQ(contenders, (std::vector<size_t>{0, 1, 2, 3, 4}));

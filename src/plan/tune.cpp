@@ -421,19 +421,17 @@ std::string anchorToMeasured(TuneResult& result) {
 
 namespace {
 
-// One stage under gpipe and under 1F1B at one micro-batch count run the
-// same layers on one device and differ only in the activations held: one's
-// measurement tells the other's step, within the noise (2-3% apart in every
-// busy reference tune), so the two need not take two places.
+// One-stage plans at one micro-batch count (on one stage every schedule is
+// fill-drain or 1F1B, as the search lists them) run the same layers on one
+// device and differ only in the activations held: one's measurement tells
+// the other's step, within the noise (2-3% apart in every busy reference
+// tune), so the two need not take two places.
 bool runAlike(const TuneCandidate& a, const TuneCandidate& b) {
-  auto oneStageFillDrainOr1F1B = [](const TuneCandidate& c) {
-    return c.stages == 1 && c.ranks == 1 &&
-        (c.schedule == ScheduleKind::kGpipe ||
-         c.schedule == ScheduleKind::kOneFOneB);
+  auto oneStage = [](const TuneCandidate& c) {
+    return c.stages == 1 && c.ranks == 1;
   };
-  return oneStageFillDrainOr1F1B(a) && oneStageFillDrainOr1F1B(b) &&
-      a.microBatches == b.microBatches && a.checkpoint == b.checkpoint &&
-      a.threadsPerStage == b.threadsPerStage &&
+  return oneStage(a) && oneStage(b) && a.microBatches == b.microBatches &&
+      a.checkpoint == b.checkpoint && a.threadsPerStage == b.threadsPerStage &&
       a.dataParallel == b.dataParallel;
 }
 
