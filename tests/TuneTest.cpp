@@ -396,6 +396,33 @@ TEST(TuneTest, PlansANeighbourSlowedMakeWayForTheNext) {
       std::invalid_argument);
 }
 
+// One stage under 1F1B runs as under gpipe at its micro-batch count: where
+// one of the two was measured, or has just joined, the other takes no place.
+TEST(TuneTest, ATwinOfAMeasuredPlanTakesNoPlace) {
+  auto oneStage = [](int microBatches, ScheduleKind kind, double ms) {
+    TuneCandidate c = predictedPlan(1, microBatches, ms);
+    c.schedule = kind;
+    return c;
+  };
+  TuneResult result;
+  result.candidates = {
+      oneStage(2, ScheduleKind::kGpipe, 10.0),     // measured: the fastest
+      oneStage(1, ScheduleKind::kGpipe, 10.5),     // measured, makes way
+      predictedPlan(2, 4, 11.0),                   // measured, makes way
+      oneStage(2, ScheduleKind::kOneFOneB, 10.2),  // 0's twin
+      predictedPlan(2, 2, 11.2),                   // joins second
+      oneStage(4, ScheduleKind::kGpipe, 10.6),     // joins first
+      oneStage(4, ScheduleKind::kOneFOneB, 10.7)}; // 5's twin
+  EXPECT_EQ(
+      contendersBesideANeighbour(result, {0, 1, 2}, {15.0, 17.0, 18.0}),
+      (std::vector<size_t>{0, 5, 4}));
+  // No longer twins: the prediction's order again.
+  result.candidates[3].microBatches = 8;
+  EXPECT_EQ(
+      contendersBesideANeighbour(result, {0, 1, 2}, {15.0, 17.0, 18.0}),
+      (std::vector<size_t>{0, 3, 5}));
+}
+
 // The simplest plan within the noise of the fastest is the choice, so the
 // fastest plan's simpler neighbours join before plans the prediction puts
 // ahead: the same schedule family at half the micro-batches, not a plan
