@@ -356,6 +356,15 @@ TEST(TuneTest, TheSimplestPlanIsAlwaysAContender) {
   contenders = measurementContenders(result);
   std::sort(contenders.begin(), contenders.end());
   EXPECT_EQ(contenders, (std::vector<size_t>{0, 1, 2, 3, 4}));
+  // The prediction's choice (the simpler of two near ties) is measured in
+  // place of its twin, which the top four had picked.
+  result.candidates[1].microBatches = 2;
+  result.candidates[0].schedule = ScheduleKind::kOneFOneB;
+  result.candidates[1].schedule = ScheduleKind::kGpipe;
+  result.choice = 1;
+  contenders = measurementContenders(result);
+  std::sort(contenders.begin(), contenders.end());
+  EXPECT_EQ(contenders, (std::vector<size_t>{1, 2, 3, 4}));
 }
 
 // Beside a neighbour, contenders clearly behind after the first rounds

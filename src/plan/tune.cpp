@@ -466,6 +466,17 @@ std::vector<size_t> measurementContenders(const TuneResult& result) {
     pick(i);
     ++topOfCount[all[i].devices()];
   }
+  // The prediction's choice is measured whatever was picked, in place of
+  // its twin: a busy reference tune measured both, one stage at 2
+  // micro-batches under 1F1B in the top four and under gpipe as the choice.
+  picked.erase(
+      std::remove_if(
+          picked.begin(),
+          picked.end(),
+          [&](size_t k) {
+            return k != result.choice && runAlike(all[result.choice], all[k]);
+          }),
+      picked.end());
   pick(result.choice);
   // Each device count's fastest within 4x: a calibration a burst spoiled
   // put every two-device plan of a busy reference tune over 2x the fastest
@@ -493,7 +504,8 @@ std::vector<size_t> measurementContenders(const TuneResult& result) {
     pick(i);
     ++nearItsCountsFastest[devices];
   }
-  pick(simplest);
+  if (!aTwinIsPicked(simplest))
+    pick(simplest);
   return picked;
 }
 
