@@ -665,6 +665,38 @@ TEST(TuneTest, BesideANeighbourTheChoiceMeetsItsRivalAlone) {
   EXPECT_EQ(settled.choice, 0u) << settled.notes.back();
   EXPECT_NE(settled.notes.back().find("runs no slower"), std::string::npos)
       << settled.notes.back();
+  // One stage 2% behind as training meets the neighbour: where the duel
+  // knows the two figures closer than that, the faster; where its rounds
+  // spread more, the simpler, up to kDuelMargin however they spread.
+  auto noisyDuel = [&](double oneStageCalm, double spread) {
+    TuneResult r = result;
+    r.choice = 0;
+    std::vector<std::vector<double>> steps(2), loads(2);
+    for (int round = 0; round < 20; ++round) {
+      const bool burst = round % 2 == 1;
+      const double jitter = 1.0 + ((round / 2) % 2 ? spread : -spread);
+      steps[0].push_back(jitter * (burst ? 1.3 : 1.0) * oneStageCalm);
+      steps[1].push_back(jitter * (burst ? 1.3 : 1.0) * 10.0);
+      loads[0].push_back(burst ? 1.0 : 0.0);
+      loads[1].push_back(burst ? 1.0 : 0.0);
+    }
+    settleByADuel(r, 1, steps, loads);
+    return r;
+  };
+  settled = noisyDuel(10.2, 0.01);
+  EXPECT_EQ(settled.choice, 1u) << settled.notes.back();
+  EXPECT_NE(
+      settled.notes.back().find("(the figures' combined error)"),
+      std::string::npos)
+      << settled.notes.back();
+  settled = noisyDuel(10.2, 0.08);
+  EXPECT_EQ(settled.choice, 0u) << settled.notes.back();
+  settled = noisyDuel(10.45, 0.2);
+  EXPECT_EQ(settled.choice, 1u) << settled.notes.back();
+  EXPECT_NE(
+      settled.notes.back().find("the most a simpler plan is allowed"),
+      std::string::npos)
+      << settled.notes.back();
   // Gone, the neighbour leaves nothing to settle: the choice stands.
   settled = duel(1, 12.0, false);
   EXPECT_EQ(settled.choice, 1u);

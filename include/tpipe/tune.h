@@ -355,11 +355,11 @@ std::optional<size_t> rivalOfTheChoice(
 // The choice and its rival measured alone in turn (roundSteps[0] and
 // roundLoads[0] the choice's, [1] the rival's, as chooseByMeasurement's):
 // each at the load training meets (stepsAtTheLoadTrainingMeets), the
-// simpler kept where it runs within kDuelMargin of the other, else the
-// faster. The two measured plans' measuredStepMs become these figures.
-// Where the neighbour no longer shows in these rounds, the choice stands.
-// A note says what was measured and what it decided.
-// Throws std::invalid_argument unless there are two lists of steps, as
+// simpler kept where it runs within the two figures' combined error of the
+// other, and never beyond kDuelMargin, else the faster. The two measured plans'
+// measuredStepMs become these figures. Where the neighbour no longer shows in
+// these rounds, the choice stands. A note says what was measured and what it
+// decided. Throws std::invalid_argument unless there are two lists of steps, as
 // long, and `rival` is a plan other than the choice.
 constexpr double kDuelMargin = 0.04;
 void settleByADuel(
