@@ -435,6 +435,16 @@ bool runAlike(const TuneCandidate& a, const TuneCandidate& b) {
       a.dataParallel == b.dataParallel;
 }
 
+// Whether a plan other than all[i] among `plans` runs alike with it.
+bool aTwinAmong(
+    const std::vector<TuneCandidate>& all,
+    const std::vector<size_t>& plans,
+    size_t i) {
+  return std::any_of(plans.begin(), plans.end(), [&](size_t k) {
+    return k != i && runAlike(all[i], all[k]);
+  });
+}
+
 } // namespace
 
 std::vector<size_t> measurementContenders(const TuneResult& result) {
@@ -446,11 +456,7 @@ std::vector<size_t> measurementContenders(const TuneResult& result) {
   const auto& all = result.candidates;
   if (all.empty() || !all.front().infeasible.empty())
     return picked;
-  auto aTwinIsPicked = [&](size_t i) {
-    return std::any_of(picked.begin(), picked.end(), [&](size_t k) {
-      return k != i && runAlike(all[i], all[k]);
-    });
-  };
+  auto aTwinIsPicked = [&](size_t i) { return aTwinAmong(all, picked, i); };
   const double fastest = all.front().predictedStepMs;
   // At most two of one device count among the top four: a neighbour slows
   // each shape unequally, so the calm ranking says least about the order of
@@ -556,23 +562,22 @@ std::vector<size_t> contendersBesideANeighbour(
     if (c.predictedStepMs > 0.0)
       ratios[c.devices()].push_back(figures[k] / c.predictedStepMs);
   }
+  // A plan measured, kept or not, or its twin (runAlike) waits for
+  // nothing: its figure is known. Two of ten busy reference tunes measured
+  // one stage under 1F1B beside its gpipe twin; in one it took the place of
+  // the only two-device plan, and that tune chose one stage.
+  auto inOrATwinIn = [&](size_t i, const std::vector<size_t>& plans) {
+    return std::find(plans.begin(), plans.end(), i) != plans.end() ||
+        aTwinAmong(all, plans, i);
+  };
   // The next plans by their predictions anchored to their device count's
   // figures: where no plan of a count was measured, nothing says how the
   // neighbour treats that shape.
-  // A twin (runAlike) of a plan measured, kept or not, waits for nothing:
-  // its figure is known. Two of ten busy reference tunes measured one stage
-  // under 1F1B beside its gpipe twin; in one it took the place of the only
-  // two-device plan, and that tune chose one stage.
-  auto aTwinIn = [&](size_t i, const std::vector<size_t>& plans) {
-    return std::any_of(plans.begin(), plans.end(), [&](size_t k) {
-      return k == i || runAlike(all[i], all[k]);
-    });
-  };
   std::vector<std::pair<double, size_t>> waiting;
   for (size_t i = 0; i < all.size(); ++i) {
     const auto found = ratios.find(all[i].devices());
     if (!all[i].infeasible.empty() || found == ratios.end() ||
-        aTwinIn(i, measured))
+        inOrATwinIn(i, measured))
       continue;
     const double anchored = all[i].predictedStepMs * median(found->second);
     if (anchored <= 1.25 * fastest)
@@ -600,7 +605,7 @@ std::vector<size_t> contendersBesideANeighbour(
   for (size_t i = 0; i < all.size(); ++i) {
     if (isASimplerNeighbour(all[i], quickest) &&
         all[i].predictedStepMs <= 1.25 * quickest.predictedStepMs &&
-        !aTwinIn(i, measured))
+        !inOrATwinIn(i, measured))
       neighbours.push_back(i);
   }
   std::stable_sort(
@@ -634,7 +639,7 @@ std::vector<size_t> contendersBesideANeighbour(
       next.erase(std::find(next.begin(), next.end(), measured[*slowest]));
   }
   auto join = [&](size_t i) {
-    if (next.size() < measured.size() && !aTwinIn(i, next))
+    if (next.size() < measured.size() && !inOrATwinIn(i, next))
       next.push_back(i);
   };
   for (size_t i : neighbours)
