@@ -607,6 +607,29 @@ TEST(TuneTest, BesideANeighbourPlansAreHeldAsTrainingMeetsThem) {
   const TuneResult close = choose(1.5, true);
   EXPECT_EQ(close.candidates[close.choice].ranks, 1) << close.notes.back();
   EXPECT_NE(close.notes.back().find("within"), std::string::npos);
+  // On as many devices as the fastest, a simpler plan 3% behind is not let
+  // off its lead: two stages at 4 micro-batches 3% behind those at 8.
+  TuneResult twoDevices;
+  twoDevices.candidates = {
+      predictedPlan(2, 4, 10.0), predictedPlan(2, 8, 10.0)};
+  twoDevices.choice = 0;
+  std::vector<std::vector<double>> twoSteps(2);
+  for (int r = 0; r < 15; ++r) {
+    const bool burst = r % 2 == 0 && r < 12;
+    twoSteps[0].push_back(11.3 * (burst ? 1.25 : 1.0));
+    twoSteps[1].push_back(11.0 * (burst ? 1.25 : 1.0));
+  }
+  TuneResult calmTwo = twoDevices;
+  chooseByMeasurement(twoDevices, {0, 1}, twoSteps);
+  EXPECT_EQ(twoDevices.candidates[twoDevices.choice].microBatches, 8)
+      << twoDevices.notes.back();
+  // Calm, 5% decides among plans on as many devices: the simpler.
+  for (auto& steps : twoSteps)
+    for (double& step : steps)
+      step = step > 12.0 ? step / 1.25 : step;
+  chooseByMeasurement(calmTwo, {0, 1}, twoSteps);
+  EXPECT_EQ(calmTwo.candidates[calmTwo.choice].microBatches, 4)
+      << calmTwo.notes.back();
   // Without bursts the calm comparison stands: one stage, the fastest.
   const TuneResult quiet = choose(1.8, false);
   EXPECT_EQ(quiet.candidates[quiet.choice].ranks, 1) << quiet.notes.back();
@@ -697,6 +720,29 @@ TEST(TuneTest, BesideANeighbourTheChoiceMeetsItsRivalAlone) {
       settled.notes.back().find("the most a simpler plan is allowed"),
       std::string::npos)
       << settled.notes.back();
+  // Two plans on as many devices: the simpler (2 micro-batches) is let off
+  // nothing, however its rounds spread; where they tie it is kept.
+  auto sameDevicesDuel = [&](double simplerCalm, double spread) {
+    TuneResult r = result;
+    r.choice = 1;
+    std::vector<std::vector<double>> steps(2), loads(2);
+    for (int round = 0; round < 20; ++round) {
+      const bool burst = round % 2 == 1;
+      const double jitter = 1.0 + ((round / 2) % 2 ? spread : -spread);
+      steps[0].push_back(jitter * (burst ? 1.3 : 1.0) * simplerCalm);
+      steps[1].push_back(jitter * (burst ? 1.3 : 1.0) * 10.0);
+      loads[0].push_back(burst ? 1.0 : 0.0);
+      loads[1].push_back(burst ? 1.0 : 0.0);
+    }
+    settleByADuel(r, 2, steps, loads);
+    return r;
+  };
+  settled = sameDevicesDuel(10.2, 0.08);
+  EXPECT_EQ(settled.choice, 2u) << settled.notes.back();
+  EXPECT_NE(settled.notes.back().find("on as many devices"), std::string::npos)
+      << settled.notes.back();
+  settled = sameDevicesDuel(10.0, 0.08);
+  EXPECT_EQ(settled.choice, 1u) << settled.notes.back();
   // Gone, the neighbour leaves nothing to settle: the choice stands.
   settled = duel(1, 12.0, false);
   EXPECT_EQ(settled.choice, 1u);

@@ -327,8 +327,9 @@ std::vector<size_t> contendersBesideANeighbour(
 // runs on more devices. Beside a neighbour (aNeighbourShows) the plans are
 // held against each other as training meets them instead
 // (stepsAsTrainingMeetsThem, at the neighbour's load where roundLoads has
-// it), within the figures' combined standard error, at least 5%, whatever
-// their devices. A note says what was chosen and why.
+// it), within the figures' combined standard error, at least 5%, and only
+// a plan on fewer devices than the fastest is let off its lead: on as many,
+// the fastest is chosen. A note says what was chosen and why.
 // Throws std::invalid_argument unless there is one list per plan, all as
 // long.
 void chooseByMeasurement(
@@ -355,8 +356,9 @@ std::optional<size_t> rivalOfTheChoice(
 // The choice and its rival measured alone in turn (roundSteps[0] and
 // roundLoads[0] the choice's, [1] the rival's, as chooseByMeasurement's):
 // each at the load training meets (stepsAtTheLoadTrainingMeets), the
-// simpler kept where it runs within the two figures' combined error of the
-// other, and never beyond kDuelMargin, else the faster. The two measured plans'
+// simpler kept where it is on fewer devices and runs within the two
+// figures' combined error of the other, and never beyond kDuelMargin, else
+// the faster (the simpler where they tie). The two measured plans'
 // measuredStepMs become these figures. Where the neighbour no longer shows in
 // these rounds, the choice stands. A note says what was measured and what it
 // decided. Throws std::invalid_argument unless there are two lists of steps, as
