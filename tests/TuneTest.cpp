@@ -688,23 +688,29 @@ TEST(TuneTest, BesideANeighbourTheChoiceMeetsItsRivalAlone) {
   EXPECT_EQ(settled.choice, 0u) << settled.notes.back();
   EXPECT_NE(settled.notes.back().find("runs no slower"), std::string::npos)
       << settled.notes.back();
+  // The choice `choiceCalm` ms a step calm, its rival 10, both 1.3x in
+  // every other round's burst, and each pair of rounds `spread` off.
+  auto jitteredDuel =
+      [&](size_t choice, size_t rival, double choiceCalm, double spread) {
+        TuneResult r = result;
+        r.choice = choice;
+        std::vector<std::vector<double>> steps(2), loads(2);
+        for (int round = 0; round < 20; ++round) {
+          const bool burst = round % 2 == 1;
+          const double jitter = 1.0 + ((round / 2) % 2 ? spread : -spread);
+          steps[0].push_back(jitter * (burst ? 1.3 : 1.0) * choiceCalm);
+          steps[1].push_back(jitter * (burst ? 1.3 : 1.0) * 10.0);
+          loads[0].push_back(burst ? 1.0 : 0.0);
+          loads[1].push_back(burst ? 1.0 : 0.0);
+        }
+        settleByADuel(r, rival, steps, loads);
+        return r;
+      };
   // One stage 2% behind as training meets the neighbour: where the duel
   // knows the two figures closer than that, the faster; where its rounds
   // spread more, the simpler, up to kDuelMargin however they spread.
   auto noisyDuel = [&](double oneStageCalm, double spread) {
-    TuneResult r = result;
-    r.choice = 0;
-    std::vector<std::vector<double>> steps(2), loads(2);
-    for (int round = 0; round < 20; ++round) {
-      const bool burst = round % 2 == 1;
-      const double jitter = 1.0 + ((round / 2) % 2 ? spread : -spread);
-      steps[0].push_back(jitter * (burst ? 1.3 : 1.0) * oneStageCalm);
-      steps[1].push_back(jitter * (burst ? 1.3 : 1.0) * 10.0);
-      loads[0].push_back(burst ? 1.0 : 0.0);
-      loads[1].push_back(burst ? 1.0 : 0.0);
-    }
-    settleByADuel(r, 1, steps, loads);
-    return r;
+    return jitteredDuel(0, 1, oneStageCalm, spread);
   };
   settled = noisyDuel(10.2, 0.01);
   EXPECT_EQ(settled.choice, 1u) << settled.notes.back();
@@ -723,19 +729,7 @@ TEST(TuneTest, BesideANeighbourTheChoiceMeetsItsRivalAlone) {
   // Two plans on as many devices: the simpler (2 micro-batches) is let off
   // nothing, however its rounds spread; where they tie it is kept.
   auto sameDevicesDuel = [&](double simplerCalm, double spread) {
-    TuneResult r = result;
-    r.choice = 1;
-    std::vector<std::vector<double>> steps(2), loads(2);
-    for (int round = 0; round < 20; ++round) {
-      const bool burst = round % 2 == 1;
-      const double jitter = 1.0 + ((round / 2) % 2 ? spread : -spread);
-      steps[0].push_back(jitter * (burst ? 1.3 : 1.0) * simplerCalm);
-      steps[1].push_back(jitter * (burst ? 1.3 : 1.0) * 10.0);
-      loads[0].push_back(burst ? 1.0 : 0.0);
-      loads[1].push_back(burst ? 1.0 : 0.0);
-    }
-    settleByADuel(r, 2, steps, loads);
-    return r;
+    return jitteredDuel(1, 2, simplerCalm, spread);
   };
   settled = sameDevicesDuel(10.2, 0.08);
   EXPECT_EQ(settled.choice, 2u) << settled.notes.back();
