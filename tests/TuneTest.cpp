@@ -650,9 +650,11 @@ TEST(TuneTest, BesideANeighbourTheChoiceMeetsItsRivalAlone) {
   EXPECT_EQ(rivalOfTheChoice(result, {0, 1, 2}, {10.3, 10.0, 10.8}), 1u);
   // The fastest chosen: the next fastest, within 10% of it.
   EXPECT_EQ(rivalOfTheChoice(result, {0, 1, 2}, {10.0, 10.9, 10.5}), 2u);
-  // None within 10%, or the choice not measured: no rival.
-  EXPECT_FALSE(rivalOfTheChoice(result, {0, 1, 2}, {10.0, 11.5, 12.0}));
+  // The next fastest however far behind: a lead past 10% may be luck.
+  EXPECT_EQ(rivalOfTheChoice(result, {0, 1, 2}, {10.0, 11.5, 12.0}), 1u);
+  // The choice not measured, or measured alone: no rival.
   EXPECT_FALSE(rivalOfTheChoice(result, {1, 2}, {10.0, 10.1}));
+  EXPECT_FALSE(rivalOfTheChoice(result, {0}, {10.0}));
   EXPECT_THROW(rivalOfTheChoice(result, {0, 1}, {10.0}), std::invalid_argument);
 
   // Turns alternately calm and in a burst that wants a whole core: one

@@ -339,15 +339,17 @@ void chooseByMeasurement(
     const std::vector<std::vector<double>>& roundLoads = {});
 
 // Beside a neighbour, the choice is measured once more alone in turn with
-// its rival, where chooseByMeasurement's figures (`figures`, one per
+// its rival, since chooseByMeasurement's figures (`figures`, one per
 // plan in `measured`, as training meets the neighbour) cannot settle
 // it: the fastest plan, where a simpler one was chosen within the noise,
-// or else the next fastest within kClearlyBehind of the choice. Among
-// four to eight plans whose rounds meet bursts of 0.1-0.9 s unequally,
-// one stage read within 5% of the fastest in about one busy tune of
-// five and trained 7-12% behind the best. Two plans alone take turns of
-// tens of milliseconds, so they meet the bursts alike. Its position in
-// result.candidates; none where no plan is close enough to matter.
+// or else the next fastest, however far behind it read. Among four to
+// eight plans whose rounds meet bursts of 0.1-0.9 s unequally, one stage
+// read within 5% of the fastest in about one busy tune of five and
+// trained 7-12% behind the best, and one plan read 11% ahead of the rest
+// and trained 13% behind the best. Two plans alone take turns of tens of
+// milliseconds, so they meet the bursts alike. Its position in
+// result.candidates; none where the choice was not measured or was the
+// only plan measured.
 std::optional<size_t> rivalOfTheChoice(
     const TuneResult& result,
     const std::vector<size_t>& measured,
