@@ -739,6 +739,32 @@ TEST(TuneTest, BesideANeighbourTheChoiceMeetsItsRivalAlone) {
       << settled.notes.back();
   settled = sameDevicesDuel(10.0, 0.08);
   EXPECT_EQ(settled.choice, 1u) << settled.notes.back();
+  // A neighbour wanting half a core in every turn, steadily: the plans are
+  // held by their mean steps. One stage, chosen, 10% behind, is past any
+  // margin the simpler plan is allowed.
+  auto steadyDuel = [&](double oneStage) {
+    TuneResult r = result;
+    r.choice = 0;
+    std::vector<std::vector<double>> steps(2), loads(2);
+    for (int round = 0; round < 20; ++round) {
+      const double jitter = round % 2 ? 1.01 : 0.99;
+      steps[0].push_back(jitter * oneStage);
+      steps[1].push_back(jitter * 10.0);
+      loads[0].push_back(0.5);
+      loads[1].push_back(0.5);
+    }
+    settleByADuel(r, 1, steps, loads);
+    return r;
+  };
+  settled = steadyDuel(11.0);
+  EXPECT_EQ(settled.choice, 1u) << settled.notes.back();
+  EXPECT_NE(
+      settled.notes.back().find("as training meets a neighbour's bursts"),
+      std::string::npos)
+      << settled.notes.back();
+  EXPECT_NEAR(settled.candidates[0].measuredStepMs, 11.0, 1e-9);
+  settled = steadyDuel(10.02); // within the figures' 0.3%
+  EXPECT_EQ(settled.choice, 0u) << settled.notes.back();
   // Gone, the neighbour leaves nothing to settle: the choice stands.
   settled = duel(1, 12.0, false);
   EXPECT_EQ(settled.choice, 1u);
@@ -849,6 +875,27 @@ TEST(TuneTest, TheLoadShowsANeighbourTheRoundsMiss) {
   EXPECT_FALSE(loadOver(steps, {busy[0]}).has_value());
   EXPECT_EQ(stepsAtTheLoadTrainingMeets(steps, busy).stepMs.size(), 2u);
   EXPECT_TRUE(stepsAtTheLoadTrainingMeets(steps, quiet).stepMs.empty());
+  const StepsAtALoad fitted = stepsBesideANeighbour(steps, busy);
+  EXPECT_TRUE(fitted.fittedToTheLoad);
+  EXPECT_EQ(fitted.stepMs, stepsAtTheLoadTrainingMeets(steps, busy).stepMs);
+  EXPECT_TRUE(stepsBesideANeighbour(steps, quiet).stepMs.empty());
+
+  // Turns of a second average bursts out: half a core in every turn is a
+  // neighbour all the same, held by each plan's mean step, with no line to
+  // fit to a load that did not vary.
+  const std::vector<std::vector<double>> steady(
+      2, std::vector<double>(15, 0.5));
+  EXPECT_TRUE(aNeighbourShows(steps, steady));
+  EXPECT_TRUE(stepsAtTheLoadTrainingMeets(steps, steady).stepMs.empty());
+  const StepsAtALoad held = stepsBesideANeighbour(steps, steady);
+  ASSERT_EQ(held.stepMs.size(), 2u);
+  EXPECT_FALSE(held.fittedToTheLoad);
+  EXPECT_EQ(held.stepMs, stepsAsTrainingMeetsThem(steps));
+  EXPECT_NEAR(held.relativeError[0], relativeStandardError(steps[0]), 1e-12);
+  EXPECT_GT(held.relativeError[0], 0.0);
+  const std::vector<std::vector<double>> steadyAndQuiet(
+      2, std::vector<double>(15, 0.03));
+  EXPECT_FALSE(aNeighbourShows(steps, steadyAndQuiet));
 }
 
 // Three processes spinning on a machine of two cores want three, whatever

@@ -198,11 +198,14 @@ int roundsSlowedByBursts(const std::vector<std::vector<double>>& roundSteps);
 // jitter (two or three of 15 rounds of tiny steps can look slowed). Or,
 // where roundLoads holds the cores other processes wanted during each turn
 // (as stepsAtTheLoadTrainingMeets), they wanted kNeighbourCores or more over
-// the turns' time, varying by more than a tenth of a core: a Fashion CNN
-// tune of 8 plans, whose rounds of half a second a burst slows only in
-// part, counted 3 slowed rounds of 15 beside a neighbour that wanted half a
-// core, and chose one stage by calm figures (1.20x the best in training).
-// A quiet machine's other processes wanted 0.02 cores.
+// the turns' time: a Fashion CNN tune of 8 plans, whose rounds of half a
+// second a burst slows only in part, counted 3 slowed rounds of 15 beside a
+// neighbour that wanted half a core, and chose one stage by calm figures
+// (1.20x the best in training). However steady the load: turns of a second
+// average bursts of 0.1-0.9 s out, and a reference tune whose every turn
+// met 0.41-0.68 cores compared its plans as if calm, let one stage off
+// 10%, and chose it 5.3% behind the best in training. A quiet machine's
+// other processes wanted 0.02 cores.
 constexpr double kNeighbourCores = 0.25;
 bool aNeighbourShows(
     const std::vector<std::vector<double>>& roundSteps,
@@ -244,8 +247,19 @@ std::optional<LoadSummary> loadOver(
 struct StepsAtALoad {
   std::vector<double> stepMs;
   std::vector<double> relativeError;
+  bool fittedToTheLoad = false;
 };
 StepsAtALoad stepsAtTheLoadTrainingMeets(
+    const std::vector<std::vector<double>>& roundSteps,
+    const std::vector<std::vector<double>>& roundLoads);
+
+// Each plan's step beside a neighbour and how closely it is known: at the
+// load training meets where that load varied enough to fit a line to
+// (stepsAtTheLoadTrainingMeets, fittedToTheLoad set), else as training meets
+// the bursts (stepsAsTrainingMeetsThem) known as closely as each plan's mean
+// step (its relative standard error). Empty where no neighbour shows
+// (aNeighbourShows).
+StepsAtALoad stepsBesideANeighbour(
     const std::vector<std::vector<double>>& roundSteps,
     const std::vector<std::vector<double>>& roundLoads);
 
@@ -357,7 +371,7 @@ std::optional<size_t> rivalOfTheChoice(
 
 // The choice and its rival measured alone in turn (roundSteps[0] and
 // roundLoads[0] the choice's, [1] the rival's, as chooseByMeasurement's):
-// each at the load training meets (stepsAtTheLoadTrainingMeets), the
+// each as stepsBesideANeighbour has it, the
 // simpler kept where it is on fewer devices and runs within the two
 // figures' combined error of the other, and never beyond kDuelMargin, else
 // the faster (the simpler where they tie). The two measured plans'

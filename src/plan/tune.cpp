@@ -236,7 +236,7 @@ bool aNeighbourShows(
   if (neighbourShows(burstRounds(roundSteps)))
     return true;
   const std::optional<LoadSummary> load = loadOver(roundSteps, roundLoads);
-  return load && load->overTime >= kNeighbourCores && load->spread > 0.1;
+  return load && load->overTime >= kNeighbourCores;
 }
 
 std::optional<LoadSummary> loadOver(
@@ -325,7 +325,25 @@ StepsAtALoad stepsAtTheLoadTrainingMeets(
     out.stepMs.push_back(figure);
     out.relativeError.push_back(error / rate);
   }
+  out.fittedToTheLoad = true;
   return out;
+}
+
+StepsAtALoad stepsBesideANeighbour(
+    const std::vector<std::vector<double>>& roundSteps,
+    const std::vector<std::vector<double>>& roundLoads) {
+  if (!aNeighbourShows(roundSteps, roundLoads))
+    return {};
+  StepsAtALoad steps = stepsAtTheLoadTrainingMeets(roundSteps, roundLoads);
+  if (!steps.stepMs.empty())
+    return steps;
+  // A load too steady to fit a line to: turns long enough to average the
+  // bursts out meet about the same share of them, and each plan's figure
+  // settles as its mean does.
+  steps.stepMs = stepsAsTrainingMeetsThem(roundSteps);
+  for (const auto& plan : roundSteps)
+    steps.relativeError.push_back(relativeStandardError(plan));
+  return steps;
 }
 
 std::vector<double> stepsAsTrainingMeetsThem(
@@ -709,13 +727,10 @@ void chooseByMeasurement(
   // two one-thread stages ran 1.13x theirs. Calm, the one stage was the
   // fastest; as trained beside the neighbour it was 13% slower. So there
   // the plans are held against each other as training meets them.
-  const bool neighbour = aNeighbourShows(roundSteps, roundLoads);
-  const StepsAtALoad atLoad =
-      stepsAtTheLoadTrainingMeets(roundSteps, roundLoads);
-  const bool byLoad = !atLoad.stepMs.empty();
-  const std::vector<double> met = byLoad ? atLoad.stepMs
-      : neighbour                        ? stepsAsTrainingMeetsThem(roundSteps)
-                                         : std::vector<double>{};
+  const StepsAtALoad beside = stepsBesideANeighbour(roundSteps, roundLoads);
+  const bool neighbour = !beside.stepMs.empty();
+  const bool byLoad = beside.fittedToTheLoad;
+  const std::vector<double>& met = beside.stepMs;
   auto figure = [&](size_t k) {
     return neighbour ? met[k] : all[measured[k]].measuredStepMs;
   };
@@ -738,11 +753,9 @@ void chooseByMeasurement(
     // Bursts spread each plan's rounds: its figure is known as closely as
     // its mean (measuring goes on until that is within 4%, or 30 s), or,
     // where the neighbour's load was measured, as what the load leaves.
-    noise[k] = byLoad
-        ? std::hypot(atLoad.relativeError[k], atLoad.relativeError[fastest])
-        : std::hypot(
-              relativeStandardError(roundSteps[k]),
-              relativeStandardError(roundSteps[fastest]));
+    if (neighbour)
+      noise[k] =
+          std::hypot(beside.relativeError[k], beside.relativeError[fastest]);
   }
   // At least 5%: in-turn steps and training's put two such plans in either
   // order (2 stages at 4 micro-batches measured 3% faster than 1 stage in
@@ -889,8 +902,7 @@ void settleByADuel(
         "settleByADuel: two lists of steps as long, and a rival other than "
         "the choice");
   const size_t duelled[2] = {result.choice, rival};
-  const StepsAtALoad atLoad =
-      stepsAtTheLoadTrainingMeets(roundSteps, roundLoads);
+  const StepsAtALoad atLoad = stepsBesideANeighbour(roundSteps, roundLoads);
   std::ostringstream note;
   note << std::fixed << std::setprecision(2) << "measured "
        << all[result.choice].label() << " alone in turn with "
@@ -919,9 +931,11 @@ void settleByADuel(
   for (size_t k = 0; k < 2; ++k)
     all[duelled[k]].measuredStepMs = atLoad.stepMs[k];
   note << ": " << atLoad.stepMs[0] << " and " << atLoad.stepMs[1]
-       << " ms per step at the load a neighbour put on training (each known "
-          "within "
-       << std::setprecision(1) << 100.0 * atLoad.relativeError[0] << "% and "
+       << (atLoad.fittedToTheLoad
+               ? " ms per step at the load a neighbour put on training"
+               : " ms per step as training meets a neighbour's bursts")
+       << " (each known within " << std::setprecision(1)
+       << 100.0 * atLoad.relativeError[0] << "% and "
        << 100.0 * atLoad.relativeError[1] << "%); "
        << all[duelled[winner]].label();
   const char* marginIs = error < kDuelMargin

@@ -1071,7 +1071,7 @@ InTurn measureADuel(
           return false;
         const InTurn sofar = inTurnOf(t);
         const StepsAtALoad atLoad =
-            stepsAtTheLoadTrainingMeets(sofar.steps, sofar.loads);
+            stepsBesideANeighbour(sofar.steps, sofar.loads);
         return !atLoad.stepMs.empty() &&
             std::hypot(atLoad.relativeError[0], atLoad.relativeError[1]) >
             kDuelError;
