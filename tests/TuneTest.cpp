@@ -637,25 +637,36 @@ TEST(TuneTest, BesideANeighbourPlansAreHeldAsTrainingMeetsThem) {
 }
 
 // Beside a neighbour, a choice the figures of many plans cannot settle is
-// measured alone with its rival: the fastest other plan, where it is not
-// clearly behind.
-TEST(TuneTest, BesideANeighbourTheChoiceMeetsItsRivalAlone) {
+// measured alone with its closest rivals: the fastest other plans, however
+// far behind they read.
+TEST(TuneTest, BesideANeighbourTheChoiceMeetsItsRivalsAlone) {
   TuneResult result;
   result.candidates = {
       predictedPlan(1, 1, 10.0),
       predictedPlan(2, 2, 10.0),
-      predictedPlan(2, 4, 10.0)};
+      predictedPlan(2, 4, 10.0),
+      predictedPlan(2, 8, 10.0)};
   result.choice = 0;
-  // The simpler chosen within the noise: the fastest is its rival.
-  EXPECT_EQ(rivalOfTheChoice(result, {0, 1, 2}, {10.3, 10.0, 10.8}), 1u);
-  // The fastest chosen: the next fastest, within 10% of it.
-  EXPECT_EQ(rivalOfTheChoice(result, {0, 1, 2}, {10.0, 10.9, 10.5}), 2u);
-  // The next fastest however far behind: a lead past 10% may be luck.
-  EXPECT_EQ(rivalOfTheChoice(result, {0, 1, 2}, {10.0, 11.5, 12.0}), 1u);
+  using Rivals = std::vector<size_t>;
+  // The simpler chosen within the noise: the fastest and the next.
+  EXPECT_EQ(
+      rivalsOfTheChoice(result, {0, 1, 2, 3}, {10.3, 10.0, 10.8, 10.4}),
+      (Rivals{1, 3}));
+  // The fastest chosen: the next two, the nearer first.
+  EXPECT_EQ(
+      rivalsOfTheChoice(result, {0, 1, 2, 3}, {10.0, 10.9, 10.5, 10.6}),
+      (Rivals{2, 3}));
+  // However far behind: a lead past 10% may be luck.
+  EXPECT_EQ(
+      rivalsOfTheChoice(result, {0, 1, 2, 3}, {10.0, 11.5, 12.0, 13.0}),
+      (Rivals{1, 2}));
+  // Two plans measured: the other alone.
+  EXPECT_EQ(rivalsOfTheChoice(result, {0, 2}, {10.0, 10.1}), (Rivals{2}));
   // The choice not measured, or measured alone: no rival.
-  EXPECT_FALSE(rivalOfTheChoice(result, {1, 2}, {10.0, 10.1}));
-  EXPECT_FALSE(rivalOfTheChoice(result, {0}, {10.0}));
-  EXPECT_THROW(rivalOfTheChoice(result, {0, 1}, {10.0}), std::invalid_argument);
+  EXPECT_TRUE(rivalsOfTheChoice(result, {1, 2}, {10.0, 10.1}).empty());
+  EXPECT_TRUE(rivalsOfTheChoice(result, {0}, {10.0}).empty());
+  EXPECT_THROW(
+      rivalsOfTheChoice(result, {0, 1}, {10.0}), std::invalid_argument);
 
   // Turns alternately calm and in a burst that wants a whole core: one
   // stage `oneStageBurst` ms a step in it (10 calm), two stages 13 (10.5).
@@ -674,7 +685,7 @@ TEST(TuneTest, BesideANeighbourTheChoiceMeetsItsRivalAlone) {
         loads[k].push_back(burst ? 1.0 : 0.0);
       }
     }
-    settleByADuel(r, plans[1], steps, loads);
+    settleByAFinal(r, {plans[1]}, steps, loads);
     return r;
   };
   // Slowed 2x in bursts, one stage trains at 14.5 ms against 11.9: the
@@ -705,12 +716,12 @@ TEST(TuneTest, BesideANeighbourTheChoiceMeetsItsRivalAlone) {
           loads[0].push_back(burst ? 1.0 : 0.0);
           loads[1].push_back(burst ? 1.0 : 0.0);
         }
-        settleByADuel(r, rival, steps, loads);
+        settleByAFinal(r, {rival}, steps, loads);
         return r;
       };
   // One stage 2% behind as training meets the neighbour: where the duel
   // knows the two figures closer than that, the faster; where its rounds
-  // spread more, the simpler, up to kDuelMargin however they spread.
+  // spread more, the simpler, up to kFinalMargin however they spread.
   auto noisyDuel = [&](double oneStageCalm, double spread) {
     return jitteredDuel(0, 1, oneStageCalm, spread);
   };
@@ -753,7 +764,7 @@ TEST(TuneTest, BesideANeighbourTheChoiceMeetsItsRivalAlone) {
       loads[0].push_back(0.5);
       loads[1].push_back(0.5);
     }
-    settleByADuel(r, 1, steps, loads);
+    settleByAFinal(r, {1}, steps, loads);
     return r;
   };
   settled = steadyDuel(11.0);
@@ -770,8 +781,67 @@ TEST(TuneTest, BesideANeighbourTheChoiceMeetsItsRivalAlone) {
   EXPECT_EQ(settled.choice, 1u);
   EXPECT_NE(settled.notes.back().find("no longer showed"), std::string::npos);
   EXPECT_THROW(
-      settleByADuel(settled, 1, {{10.0}, {10.0}}, {{0.0}, {0.0}}),
+      settleByAFinal(settled, {1}, {{10.0}, {10.0}}, {{0.0}, {0.0}}),
       std::invalid_argument);
+
+  // Three finalists, each `calm[k]` ms a step calm and 1.3x in every other
+  // round's burst, each pair of rounds `spread` off.
+  auto final = [&](size_t choice,
+                   const Rivals& rivals,
+                   const std::vector<double>& calm,
+                   double spread) {
+    TuneResult r = result;
+    r.choice = choice;
+    std::vector<std::vector<double>> steps(calm.size()), loads(calm.size());
+    for (int round = 0; round < 20; ++round) {
+      const bool burst = round % 2 == 1;
+      const double jitter = 1.0 + ((round / 2) % 2 ? spread : -spread);
+      for (size_t k = 0; k < calm.size(); ++k) {
+        steps[k].push_back(jitter * (burst ? 1.3 : 1.0) * calm[k]);
+        loads[k].push_back(burst ? 1.0 : 0.0);
+      }
+    }
+    settleByAFinal(r, rivals, steps, loads);
+    return r;
+  };
+  // One stage chosen, 5% behind the third finalist: that one, not the
+  // runner-up the choice would have met alone.
+  settled = final(0, {2, 1}, {10.5, 10.2, 10.0}, 0.001);
+  EXPECT_EQ(settled.choice, 1u) << settled.notes.back();
+  EXPECT_NE(
+      settled.notes.back().find("alone in turn with 2 stages"),
+      std::string::npos)
+      << settled.notes.back();
+  EXPECT_NE(settled.notes.back().find(" and 2 stages"), std::string::npos)
+      << settled.notes.back();
+  EXPECT_NE(settled.notes.back().find("chosen instead"), std::string::npos);
+  EXPECT_NEAR(
+      settled.candidates[0].measuredStepMs /
+          settled.candidates[1].measuredStepMs,
+      1.05,
+      0.002);
+  EXPECT_NEAR(
+      settled.candidates[2].measuredStepMs /
+          settled.candidates[1].measuredStepMs,
+      1.02,
+      0.002);
+  // Within what the figures are known to, one stage stands.
+  settled = final(0, {2, 1}, {10.02, 10.2, 10.0}, 0.08);
+  EXPECT_EQ(settled.choice, 0u) << settled.notes.back();
+  EXPECT_NE(
+      settled.notes.back().find("the simpler, runs within"), std::string::npos)
+      << settled.notes.back();
+  // On as many devices, the faster of the two-device plans, however close.
+  settled = final(3, {1, 2}, {10.4, 10.2, 10.1}, 0.08);
+  EXPECT_EQ(settled.choice, 2u) << settled.notes.back();
+  EXPECT_NE(settled.notes.back().find("on as many devices"), std::string::npos)
+      << settled.notes.back();
+  // Rivals that repeat, or a list of steps missing.
+  EXPECT_THROW(
+      final(0, {1, 1}, {10.0, 10.0, 10.0}, 0.0), std::invalid_argument);
+  EXPECT_THROW(
+      final(0, {0, 1}, {10.0, 10.0, 10.0}, 0.0), std::invalid_argument);
+  EXPECT_THROW(final(0, {1, 2}, {10.0, 10.0}, 0.0), std::invalid_argument);
 }
 
 // A neighbour's bursts met one plan's turns less often than the other's by

@@ -353,36 +353,40 @@ void chooseByMeasurement(
     const std::vector<std::vector<double>>& roundLoads = {});
 
 // Beside a neighbour, the choice is measured once more alone in turn with
-// its rival, since chooseByMeasurement's figures (`figures`, one per
-// plan in `measured`, as training meets the neighbour) cannot settle
-// it: the fastest plan, where a simpler one was chosen within the noise,
-// or else the next fastest, however far behind it read. Among four to
-// eight plans whose rounds meet bursts of 0.1-0.9 s unequally, one stage
-// read within 5% of the fastest in about one busy tune of five and
-// trained 7-12% behind the best, and one plan read 11% ahead of the rest
-// and trained 13% behind the best. Two plans alone take turns of tens of
-// milliseconds, so they meet the bursts alike. Its position in
-// result.candidates; none where the choice was not measured or was the
-// only plan measured.
-std::optional<size_t> rivalOfTheChoice(
+// its closest rivals, since chooseByMeasurement's figures (`figures`, one
+// per plan in `measured`, as training meets the neighbour) cannot settle
+// it: the kRivalsInTheFinal fastest plans other than the choice, however
+// far behind they read. Among four to eight plans whose rounds meet bursts
+// of 0.1-0.9 s unequally, one stage read within 5% of the fastest in about
+// one busy tune of five and trained 7-12% behind the best, and one plan
+// read 11% ahead of the rest and trained 13% behind the best. With the
+// runner-up alone, two busy reference tunes of five met the plan that
+// trained fastest (two-device zb-v at 2 micro-batches, third in their
+// turns) in neither; with two rivals every tune met it. A few plans alone
+// take turns of a second or less, so they meet the bursts alike. Their
+// positions in result.candidates, the fastest first; none where the choice
+// was not measured or was the only plan measured.
+constexpr size_t kRivalsInTheFinal = 2;
+std::vector<size_t> rivalsOfTheChoice(
     const TuneResult& result,
     const std::vector<size_t>& measured,
     const std::vector<double>& figures);
 
-// The choice and its rival measured alone in turn (roundSteps[0] and
-// roundLoads[0] the choice's, [1] the rival's, as chooseByMeasurement's):
-// each as stepsBesideANeighbour has it, the
-// simpler kept where it is on fewer devices and runs within the two
-// figures' combined error of the other, and never beyond kDuelMargin, else
-// the faster (the simpler where they tie). The two measured plans'
-// measuredStepMs become these figures. Where the neighbour no longer shows in
-// these rounds, the choice stands. A note says what was measured and what it
-// decided. Throws std::invalid_argument unless there are two lists of steps, as
-// long, and `rival` is a plan other than the choice.
-constexpr double kDuelMargin = 0.04;
-void settleByADuel(
+// The choice and its rivals measured alone in turn (roundSteps[0] and
+// roundLoads[0] the choice's, [k] rivals[k - 1]'s, as chooseByMeasurement's),
+// each as stepsBesideANeighbour has it. The fastest is chosen, or the
+// simplest plan on fewer devices than it that runs within the two figures'
+// combined error of it, never beyond kFinalMargin; on as many devices the
+// simpler is kept only where it runs no slower. The finalists'
+// measuredStepMs become these figures. Where the neighbour no longer shows
+// in these rounds, the choice stands. A note says what was measured and what
+// it decided. Throws std::invalid_argument unless the rivals are plans other
+// than the choice and each other, and there is a list of steps for each
+// finalist, all as long.
+constexpr double kFinalMargin = 0.04;
+void settleByAFinal(
     TuneResult& result,
-    size_t rival,
+    const std::vector<size_t>& rivals,
     const std::vector<std::vector<double>>& roundSteps,
     const std::vector<std::vector<double>>& roundLoads);
 

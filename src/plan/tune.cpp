@@ -863,101 +863,148 @@ void chooseByMeasurement(
   result.choice = measured[best];
 }
 
-std::optional<size_t> rivalOfTheChoice(
+std::vector<size_t> rivalsOfTheChoice(
     const TuneResult& result,
     const std::vector<size_t>& measured,
     const std::vector<double>& figures) {
   if (figures.size() != measured.size())
     throw std::invalid_argument(
-        "rivalOfTheChoice: one figure per measured plan");
-  const auto chosen =
-      std::find(measured.begin(), measured.end(), result.choice);
-  if (chosen == measured.end())
-    return std::nullopt;
+        "rivalsOfTheChoice: one figure per measured plan");
+  if (std::find(measured.begin(), measured.end(), result.choice) ==
+      measured.end())
+    return {};
   // However far ahead the choice reads: among plans that meet bursts
   // unequally a lead past 10% may be one plan's luck. A busy Fashion tune
   // read three-stage ZB-H1 at 8 micro-batches 36.3 ms a step, 11% ahead of
   // the next, chose it without a duel, and trained it 13% behind three-stage
   // ZB-H2 at 4 (52.1 ms against 46.0).
-  std::optional<size_t> rival; // position in `measured`
+  std::vector<size_t> others; // positions in `measured`
   for (size_t k = 0; k < measured.size(); ++k) {
-    if (measured[k] != result.choice &&
-        (!rival || figures[k] < figures[*rival]))
-      rival = k;
+    if (measured[k] != result.choice)
+      others.push_back(k);
   }
-  if (!rival)
-    return std::nullopt;
-  return measured[*rival];
+  std::stable_sort(others.begin(), others.end(), [&](size_t a, size_t b) {
+    return figures[a] < figures[b];
+  });
+  others.resize(std::min(others.size(), kRivalsInTheFinal));
+  std::vector<size_t> rivals;
+  for (size_t k : others)
+    rivals.push_back(measured[k]);
+  return rivals;
 }
 
-void settleByADuel(
+void settleByAFinal(
     TuneResult& result,
-    size_t rival,
+    const std::vector<size_t>& rivals,
     const std::vector<std::vector<double>>& roundSteps,
     const std::vector<std::vector<double>>& roundLoads) {
   auto& all = result.candidates;
-  if (roundSteps.size() != 2 || roundSteps[0].size() != roundSteps[1].size() ||
-      roundSteps[0].empty() || rival >= all.size() || rival == result.choice)
+  std::vector<size_t> finalists{result.choice};
+  finalists.insert(finalists.end(), rivals.begin(), rivals.end());
+  bool valid = !rivals.empty() && roundSteps.size() == finalists.size() &&
+      !roundSteps[0].empty();
+  for (size_t k = 0; valid && k < finalists.size(); ++k) {
+    valid = roundSteps[k].size() == roundSteps[0].size() &&
+        finalists[k] < all.size() &&
+        std::count(finalists.begin(), finalists.end(), finalists[k]) == 1;
+  }
+  if (!valid)
     throw std::invalid_argument(
-        "settleByADuel: two lists of steps as long, and a rival other than "
-        "the choice");
-  const size_t duelled[2] = {result.choice, rival};
+        "settleByAFinal: rivals other than the choice and each other, and a "
+        "list of steps for the choice and each rival, all as long");
   const StepsAtALoad atLoad = stepsBesideANeighbour(roundSteps, roundLoads);
   std::ostringstream note;
   note << std::fixed << std::setprecision(2) << "measured "
-       << all[result.choice].label() << " alone in turn with "
-       << all[rival].label() << " (" << roundSteps[0].size() << " rounds)";
+       << all[result.choice].label() << " alone in turn with ";
+  for (size_t k = 1; k < finalists.size(); ++k)
+    note << (k == 1                          ? ""
+                 : k + 1 == finalists.size() ? " and "
+                                             : ", ")
+         << all[finalists[k]].label();
+  note << " (" << roundSteps[0].size() << " rounds)";
   if (atLoad.stepMs.empty()) {
     note << ": the neighbour no longer showed, and the choice stands";
     result.notes.push_back(note.str());
     return;
   }
-  const size_t simpler = isSimplerPlan(all[rival], all[result.choice]) ? 1 : 0;
-  const size_t other = 1 - simpler;
-  const double ratio = atLoad.stepMs[simpler] / atLoad.stepMs[other];
-  // The simpler is kept where the faster's lead is within what the two
-  // figures are known to (their combined error, at most kDuelMargin): a
-  // lead beyond it was measured, not drawn. Held at 4% whatever the error,
-  // the margin kept dualpipe 2.1% behind three-stage ZB-H2 in a busy
-  // Fashion tune whose figures were known within 1.7%; the grid trained
-  // ZB-H2 the fastest, and three of the other four tunes chose it.
-  // On as many devices, the simpler saves nothing, and the faster wins.
-  const bool savesADevice =
-      all[duelled[simpler]].devices() < all[duelled[other]].devices();
-  const double error =
-      std::hypot(atLoad.relativeError[0], atLoad.relativeError[1]);
-  const double margin = savesADevice ? std::min(kDuelMargin, error) : 0.0;
-  const size_t winner = ratio <= 1.0 + margin ? simpler : other;
-  for (size_t k = 0; k < 2; ++k)
-    all[duelled[k]].measuredStepMs = atLoad.stepMs[k];
-  note << ": " << atLoad.stepMs[0] << " and " << atLoad.stepMs[1]
-       << (atLoad.fittedToTheLoad
+  const std::vector<double>& figures = atLoad.stepMs;
+  size_t fastest = 0; // position in `finalists`
+  for (size_t k = 1; k < finalists.size(); ++k) {
+    if (figures[k] < figures[fastest])
+      fastest = k;
+  }
+  // A plan on fewer devices than the fastest is kept where the fastest's
+  // lead is within what the two figures are known to (their combined
+  // error, at most kFinalMargin): a lead beyond it was measured, not drawn.
+  // Held at 4% whatever the error, the margin kept dualpipe 2.1% behind
+  // three-stage ZB-H2 in a busy Fashion tune whose figures were known
+  // within 1.7%; the grid trained ZB-H2 the fastest, and three of the other
+  // four tunes chose it. On as many devices, a simpler plan saves nothing,
+  // and the faster wins (the simpler where they tie).
+  auto errorAgainstTheFastest = [&](size_t k) {
+    return std::hypot(atLoad.relativeError[k], atLoad.relativeError[fastest]);
+  };
+  auto savesADevice = [&](size_t k) {
+    return all[finalists[k]].devices() < all[finalists[fastest]].devices();
+  };
+  auto margin = [&](size_t k) {
+    return savesADevice(k) ? std::min(kFinalMargin, errorAgainstTheFastest(k))
+                           : 0.0;
+  };
+  auto behind = [&](size_t k) { return figures[k] / figures[fastest] - 1.0; };
+  size_t winner = fastest;
+  for (size_t k = 0; k < finalists.size(); ++k) {
+    if (behind(k) <= margin(k) &&
+        isSimplerPlan(all[finalists[k]], all[finalists[winner]]))
+      winner = k;
+  }
+  for (size_t k = 0; k < finalists.size(); ++k)
+    all[finalists[k]].measuredStepMs = figures[k];
+  for (size_t k = 0; k < finalists.size(); ++k)
+    note << (k == 0                          ? ": "
+                 : k + 1 == finalists.size() ? " and "
+                                             : ", ")
+         << figures[k];
+  note << (atLoad.fittedToTheLoad
                ? " ms per step at the load a neighbour put on training"
                : " ms per step as training meets a neighbour's bursts")
-       << " (each known within " << std::setprecision(1)
-       << 100.0 * atLoad.relativeError[0] << "% and "
-       << 100.0 * atLoad.relativeError[1] << "%); "
-       << all[duelled[winner]].label();
-  const char* marginIs = error < kDuelMargin
-      ? "the figures' combined error"
-      : "the most a simpler plan is allowed";
-  if (winner == simpler && ratio <= 1.0)
-    note << ", the simpler, runs no slower";
-  else if (!savesADevice)
-    note << ": on as many devices, the simpler takes " << 100.0 * (ratio - 1.0)
-         << "% longer a step";
-  else if (winner == simpler)
-    note << ", the simpler, runs within " << 100.0 * margin << "% (" << marginIs
-         << "; " << 100.0 * (ratio - 1.0) << "% behind)";
-  else
-    note << ": the simpler takes " << 100.0 * (ratio - 1.0)
-         << "% longer a step, past " << 100.0 * margin << "% (" << marginIs
-         << ")";
+       << " (each known within " << std::setprecision(1);
+  for (size_t k = 0; k < finalists.size(); ++k)
+    note << (k == 0                          ? ""
+                 : k + 1 == finalists.size() ? " and "
+                                             : ", ")
+         << 100.0 * atLoad.relativeError[k] << "%";
+  note << "); " << all[finalists[winner]].label();
+  auto marginIs = [&](size_t k) {
+    return errorAgainstTheFastest(k) < kFinalMargin
+        ? "the figures' combined error"
+        : "the most a simpler plan is allowed";
+  };
+  if (winner != fastest) {
+    note << ", the simpler, runs within " << 100.0 * margin(winner) << "% ("
+         << marginIs(winner) << "; " << 100.0 * behind(winner)
+         << "% behind the fastest, " << all[finalists[fastest]].label() << ")";
+  } else {
+    bool simplerBehind = false;
+    for (size_t k = 0; k < finalists.size(); ++k) {
+      if (k == winner ||
+          !isSimplerPlan(all[finalists[k]], all[finalists[winner]]))
+        continue;
+      simplerBehind = true;
+      note << (savesADevice(k) ? "; the simpler " : "; on as many devices, ")
+           << all[finalists[k]].label() << " takes " << 100.0 * behind(k)
+           << "% longer a step";
+      if (savesADevice(k))
+        note << ", past " << 100.0 * margin(k) << "% (" << marginIs(k) << ")";
+    }
+    if (!simplerBehind)
+      note << ", the simplest, runs no slower";
+  }
   note
-      << (duelled[winner] == result.choice ? "; the choice stands"
-                                           : "; chosen instead");
+      << (finalists[winner] == result.choice ? "; the choice stands"
+                                             : "; chosen instead");
   result.notes.push_back(note.str());
-  result.choice = duelled[winner];
+  result.choice = finalists[winner];
 }
 
 namespace {

@@ -183,16 +183,19 @@ constexpr double kBurstAveragingMs = 10000.0;
 constexpr double kBurstAveragingMostMs = 30000.0;
 constexpr double kBurstAveragingError = 0.04;
 
-// How long the choice and its rival are measured alone in turn beside a
-// neighbour (measureADuel): their difference known within 1.5% is well
-// inside the 4% that decides, and at tens of milliseconds a turn, 5-15 s
-// are some hundreds of turns. At least 8 rounds whatever they take: on a
-// 2 GHz AVX2 machine a reference job's round of two plans took 5 s, and 5
-// rounds left zb-v's figure uncertain by 4.2%.
-constexpr int kDuelLeastRounds = 8;
-constexpr double kDuelLeastMs = 5000.0;
-constexpr double kDuelMostMs = 15000.0;
-constexpr double kDuelError = 0.015;
+// How long the choice and its rivals are measured alone in turn beside a
+// neighbour (measureAFinal): until the fastest's lead over each of the
+// others is known within 1.5%, well inside the 4% that decides, or is more
+// than twice what it is known to; at tens of milliseconds a turn, 5 s are
+// some hundreds of turns. At least 8 rounds whatever they take: on a 2 GHz
+// AVX2 machine a reference job's round of two plans took 5 s, and 5 rounds
+// left zb-v's figure uncertain by 4.2%. At most 40 s: a round of the
+// reference job's three finalists takes about 4 s, and 15 s had held its
+// duels of two to their 8 rounds, their figures known within 2-3%.
+constexpr int kFinalLeastRounds = 8;
+constexpr double kFinalLeastMs = 5000.0;
+constexpr double kFinalMostMs = 40000.0;
+constexpr double kFinalError = 0.015;
 
 void stopIfAsked(const std::function<bool()>& stopRequested) {
   if (stopRequested && stopRequested())
@@ -1041,23 +1044,50 @@ InTurn measureBesideANeighbour(
   return measureInTurn(meter, plans, kLeastRounds, kStepsPerTurn, log, true);
 }
 
-// The choice and its rival alone in turn (rivalOfTheChoice), for at least
-// kDuelLeastMs, then on while their figures at the neighbour's load are
-// known no closer than kDuelError together, up to kDuelMostMs.
-InTurn measureADuel(
+// Whether the finalists' figures so far settle the final: the fastest's
+// lead over each other plan known within kFinalError, or more than twice
+// what it is known to. None settle where no neighbour shows.
+bool aFinalIsSettled(const StepsAtALoad& figures) {
+  const std::vector<double>& ms = figures.stepMs;
+  if (ms.empty())
+    return true;
+  const size_t fastest =
+      static_cast<size_t>(std::min_element(ms.begin(), ms.end()) - ms.begin());
+  for (size_t k = 0; k < ms.size(); ++k) {
+    if (k == fastest)
+      continue;
+    const double error =
+        std::hypot(figures.relativeError[k], figures.relativeError[fastest]);
+    if (error > kFinalError && ms[k] / ms[fastest] - 1.0 <= 2.0 * error)
+      return false;
+  }
+  return true;
+}
+
+// The choice and its rivals alone in turn (rivalsOfTheChoice), for at
+// least kFinalLeastRounds rounds and kFinalLeastMs, then until their figures
+// settle the final (aFinalIsSettled), up to kFinalMostMs.
+InTurn measureAFinal(
     StepMeter& meter,
     const TuneResult& result,
-    size_t rival,
+    const std::vector<size_t>& rivals,
     std::ostream* log) {
-  const std::vector<TuneCandidate> pair{
-      result.candidates[result.choice], result.candidates[rival]};
-  if (log)
-    *log << "tune: measuring " << pair[0].label() << " alone in turn with "
-         << pair[1].label() << " for " << kDuelLeastMs / 1000.0 << "-"
-         << kDuelMostMs / 1000.0 << " s, at least " << kDuelLeastRounds
-         << " rounds" << std::endl;
+  std::vector<TuneCandidate> finalists{result.candidates[result.choice]};
+  for (size_t rival : rivals)
+    finalists.push_back(result.candidates[rival]);
+  if (log) {
+    *log << "tune: measuring " << finalists[0].label()
+         << " alone in turn with ";
+    for (size_t k = 1; k < finalists.size(); ++k)
+      *log << (k == 1                          ? ""
+                   : k + 1 == finalists.size() ? " and "
+                                               : ", ")
+           << finalists[k].label();
+    *log << " for " << kFinalLeastMs / 1000.0 << "-" << kFinalMostMs / 1000.0
+         << " s, at least " << kFinalLeastRounds << " rounds" << std::endl;
+  }
   Turns turns;
-  turns.rounds = kDuelLeastRounds;
+  turns.rounds = kFinalLeastRounds;
   turns.stream = kStepsPerTurn;
   turns.warmEachTurn = true;
   MoreRounds more;
@@ -1065,18 +1095,15 @@ InTurn measureADuel(
   more.wanted =
       [began = Clock::now()](const std::vector<std::vector<StepTiming>>& t) {
         const double span = msSince(began);
-        if (span < kDuelLeastMs)
+        if (span < kFinalLeastMs)
           return true;
-        if (span >= kDuelMostMs)
+        if (span >= kFinalMostMs)
           return false;
         const InTurn sofar = inTurnOf(t);
-        const StepsAtALoad atLoad =
-            stepsBesideANeighbour(sofar.steps, sofar.loads);
-        return !atLoad.stepMs.empty() &&
-            std::hypot(atLoad.relativeError[0], atLoad.relativeError[1]) >
-            kDuelError;
+        return !aFinalIsSettled(
+            stepsBesideANeighbour(sofar.steps, sofar.loads));
       };
-  return inTurnOf(meter.interleave(pair, turns, nullptr, more));
+  return inTurnOf(meter.interleave(finalists, turns, nullptr, more));
 }
 
 } // namespace
@@ -1154,10 +1181,12 @@ TuneOutcome tuneConfig(const Config& config, const TuneOptions& options) {
   for (size_t k = 0; k < measured.size(); ++k)
     outcome.result.candidates[measured[k]].measuredStepMs = met[k];
   if (aNeighbourShows(steps, inTurn.loads)) {
-    if (const auto rival = rivalOfTheChoice(outcome.result, measured, met)) {
-      const InTurn duel =
-          measureADuel(meter, outcome.result, *rival, options.log);
-      settleByADuel(outcome.result, *rival, duel.steps, duel.loads);
+    const std::vector<size_t> rivals =
+        rivalsOfTheChoice(outcome.result, measured, met);
+    if (!rivals.empty()) {
+      const InTurn final =
+          measureAFinal(meter, outcome.result, rivals, options.log);
+      settleByAFinal(outcome.result, rivals, final.steps, final.loads);
       if (options.log)
         *options.log << "tune: " << outcome.result.notes.back() << std::endl;
     }
