@@ -575,12 +575,13 @@ TEST(TuneTest, APlanNoSlowerThanOneWithinTheNoiseIsWithinIt) {
 // them: one stage on two threads, the fastest calm, which the neighbour's
 // bursts slow 1.8x, loses to two one-thread stages that they slow 1.25x.
 TEST(TuneTest, BesideANeighbourPlansAreHeldAsTrainingMeetsThem) {
-  auto choose = [](double oneStageBurst, bool bursts) {
+  auto choose = [](double oneStageBurst, bool bursts, int oneStageThreads) {
     TuneResult result;
     result.candidates = {
         predictedPlan(1, 1, 10.0),
         predictedPlan(2, 4, 10.0),
         predictedPlan(2, 8, 10.0)};
+    result.candidates[0].threadsPerStage = oneStageThreads;
     result.choice = 0;
     std::vector<std::vector<double>> steps(3);
     for (int r = 0; r < 15; ++r) {
@@ -594,7 +595,7 @@ TEST(TuneTest, BesideANeighbourPlansAreHeldAsTrainingMeetsThem) {
   };
   // As trained: one stage 13.2 ms, two stages 11.66, 13% apart, past the
   // noise of their means (8.5%). Calm, one stage measured 6% faster.
-  const TuneResult busy = choose(1.8, true);
+  const TuneResult busy = choose(1.8, true, 1);
   EXPECT_EQ(busy.candidates[busy.choice].ranks, 2) << busy.notes.back();
   EXPECT_EQ(busy.candidates[busy.choice].microBatches, 4);
   EXPECT_NE(
@@ -604,9 +605,19 @@ TEST(TuneTest, BesideANeighbourPlansAreHeldAsTrainingMeetsThem) {
   EXPECT_NE(busy.notes.back().find("(measured 13.20 ms)"), std::string::npos)
       << busy.notes.back();
   // Slowed 1.5x, one stage trains 12.0 ms, 3% behind: the simpler plan.
-  const TuneResult close = choose(1.5, true);
+  const TuneResult close = choose(1.5, true, 1);
   EXPECT_EQ(close.candidates[close.choice].ranks, 1) << close.notes.back();
   EXPECT_NE(close.notes.back().find("within"), std::string::npos);
+  // On two threads, one stage holds as many cores as two one-thread stages
+  // and saves nothing: 3% behind, it is not let off its lead.
+  const TuneResult asManyCores = choose(1.5, true, 2);
+  EXPECT_EQ(asManyCores.candidates[asManyCores.choice].ranks, 2)
+      << asManyCores.notes.back();
+  EXPECT_TRUE(holdsLess(predictedPlan(1, 1, 10.0), predictedPlan(2, 1, 10.0)));
+  TuneCandidate twoThreads = predictedPlan(1, 1, 10.0);
+  twoThreads.threadsPerStage = 2;
+  EXPECT_FALSE(holdsLess(twoThreads, predictedPlan(2, 1, 10.0)));
+  EXPECT_FALSE(holdsLess(predictedPlan(2, 1, 10.0), predictedPlan(2, 4, 10.0)));
   // On as many devices as the fastest, a simpler plan 3% behind is not let
   // off its lead: two stages at 4 micro-batches 3% behind those at 8.
   TuneResult twoDevices;
@@ -631,7 +642,7 @@ TEST(TuneTest, BesideANeighbourPlansAreHeldAsTrainingMeetsThem) {
   EXPECT_EQ(calmTwo.candidates[calmTwo.choice].microBatches, 4)
       << calmTwo.notes.back();
   // Without bursts the calm comparison stands: one stage, the fastest.
-  const TuneResult quiet = choose(1.8, false);
+  const TuneResult quiet = choose(1.8, false, 1);
   EXPECT_EQ(quiet.candidates[quiet.choice].ranks, 1) << quiet.notes.back();
   EXPECT_NE(quiet.notes.back().find("lower quartile"), std::string::npos);
 }
@@ -830,6 +841,16 @@ TEST(TuneTest, BesideANeighbourTheChoiceMeetsItsRivalsAlone) {
   EXPECT_EQ(settled.choice, 0u) << settled.notes.back();
   EXPECT_NE(
       settled.notes.back().find("the simpler, runs within"), std::string::npos)
+      << settled.notes.back();
+  // One stage on two threads within the figures' error holds as many cores
+  // as the fastest: the fastest.
+  TuneResult twoThreaded = result;
+  twoThreaded.candidates[0].threadsPerStage = 2;
+  std::swap(result, twoThreaded);
+  settled = final(0, {2, 1}, {10.02, 10.2, 10.0}, 0.08);
+  std::swap(result, twoThreaded);
+  EXPECT_EQ(settled.choice, 1u) << settled.notes.back();
+  EXPECT_NE(settled.notes.back().find("on as many cores"), std::string::npos)
       << settled.notes.back();
   // On as many devices, the faster of the two-device plans, however close.
   settled = final(3, {1, 2}, {10.4, 10.2, 10.1}, 0.08);

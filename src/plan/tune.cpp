@@ -163,6 +163,11 @@ int checkpointRank(CheckpointMode mode) {
 
 } // namespace
 
+bool holdsLess(const TuneCandidate& a, const TuneCandidate& b) {
+  return a.devices() < b.devices() &&
+      a.devices() * a.threadsPerStage < b.devices() * b.threadsPerStage;
+}
+
 bool isSimplerPlan(const TuneCandidate& a, const TuneCandidate& b) {
   // DualPipe runs a copy of every stage, the other chain's, on each device:
   // as many stages a device as a V, with its weights held twice.
@@ -784,14 +789,13 @@ void chooseByMeasurement(
   // and one stage at 1 (11.38 ms) over 10%, and chose the one at 2, which
   // trained 6.8% slower than the one at 1. Beside a neighbour the figure is
   // the ratio's own, and each plan is held to its own noise.
-  // Beside a neighbour, only a plan on fewer devices than the fastest is
-  // let off its lead: on as many, a simpler plan saves the user nothing,
-  // and the neighbour's noise (5% and more) spans the gaps between them.
-  // A busy reference tune kept two-stage ZB-H2 at 4 micro-batches within
-  // it of zb-v at 2, which trained 8.9% faster.
+  // Beside a neighbour, only a plan that holds less of the machine than the
+  // fastest is let off its lead: holding as much, a simpler plan saves the
+  // user nothing, and the neighbour's noise (5% and more) spans the gaps
+  // between them. A busy reference tune kept two-stage ZB-H2 at 4
+  // micro-batches within it of zb-v at 2, which trained 8.9% faster.
   auto mayLag = [&](size_t k) {
-    return !neighbour ||
-        all[measured[k]].devices() < all[measured[fastest]].devices();
+    return !neighbour || holdsLess(all[measured[k]], all[measured[fastest]]);
   };
   constexpr size_t kNone = static_cast<size_t>(-1);
   std::vector<size_t> withinBy(measured.size(), kNone); // the plan it passed
@@ -933,19 +937,24 @@ void settleByAFinal(
     if (figures[k] < figures[fastest])
       fastest = k;
   }
-  // A plan on fewer devices than the fastest is kept where the fastest's
-  // lead is within what the two figures are known to (their combined
-  // error, at most kFinalMargin): a lead beyond it was measured, not drawn.
-  // Held at 4% whatever the error, the margin kept dualpipe 2.1% behind
-  // three-stage ZB-H2 in a busy Fashion tune whose figures were known
-  // within 1.7%; the grid trained ZB-H2 the fastest, and three of the other
-  // four tunes chose it. On as many devices, a simpler plan saves nothing,
-  // and the faster wins (the simpler where they tie).
+  // A plan that holds less of the machine than the fastest (holdsLess) is
+  // kept where the fastest's lead is within what the two figures are known
+  // to (their combined error, at most kFinalMargin): a lead beyond it was
+  // measured, not drawn. Held at 4% whatever the error, the margin kept
+  // dualpipe 2.1% behind three-stage ZB-H2 in a busy Fashion tune whose
+  // figures were known within 1.7%; the grid trained ZB-H2 the fastest, and
+  // three of the other four tunes chose it. Holding as much, a simpler plan
+  // saves nothing, and the faster wins (the simpler where they tie).
   auto errorAgainstTheFastest = [&](size_t k) {
     return std::hypot(atLoad.relativeError[k], atLoad.relativeError[fastest]);
   };
   auto savesADevice = [&](size_t k) {
-    return all[finalists[k]].devices() < all[finalists[fastest]].devices();
+    return holdsLess(all[finalists[k]], all[finalists[fastest]]);
+  };
+  auto asMuch = [&](size_t k) {
+    return all[finalists[k]].devices() == all[finalists[fastest]].devices()
+        ? "; on as many devices, "
+        : "; on as many cores, ";
   };
   auto margin = [&](size_t k) {
     return savesADevice(k) ? std::min(kFinalMargin, errorAgainstTheFastest(k))
@@ -991,7 +1000,7 @@ void settleByAFinal(
           !isSimplerPlan(all[finalists[k]], all[finalists[winner]]))
         continue;
       simplerBehind = true;
-      note << (savesADevice(k) ? "; the simpler " : "; on as many devices, ")
+      note << (savesADevice(k) ? "; the simpler " : asMuch(k))
            << all[finalists[k]].label() << " takes " << 100.0 * behind(k)
            << "% longer a step";
       if (savesADevice(k))

@@ -189,9 +189,9 @@ constexpr double kBurstAveragingError = 0.04;
 // than twice what it is known to; at tens of milliseconds a turn, 5 s are
 // some hundreds of turns. At least 8 rounds whatever they take: on a 2 GHz
 // AVX2 machine a reference job's round of two plans took 5 s, and 5 rounds
-// left zb-v's figure uncertain by 4.2%. At most 40 s: a round of the
-// reference job's three finalists takes about 4 s, and 15 s had held its
-// duels of two to their 8 rounds, their figures known within 2-3%.
+// left zb-v's figure uncertain by 4.2%. At most 40 s: 15 s had held the
+// reference job's duels of two to their 8 rounds, and 8 rounds of its three
+// finalists take about 40 s (their figures known within 0.5-3.5%).
 constexpr int kFinalLeastRounds = 8;
 constexpr double kFinalLeastMs = 5000.0;
 constexpr double kFinalMostMs = 40000.0;
