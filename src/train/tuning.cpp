@@ -1092,17 +1092,16 @@ InTurn measureAFinal(
   turns.warmEachTurn = true;
   MoreRounds more;
   more.maxRounds = 100000; // time ends it
-  more.wanted =
-      [began = Clock::now()](const std::vector<std::vector<StepTiming>>& t) {
-        const double span = msSince(began);
-        if (span < kFinalLeastMs)
-          return true;
-        if (span >= kFinalMostMs)
-          return false;
-        const InTurn sofar = inTurnOf(t);
-        return !aFinalIsSettled(
-            stepsBesideANeighbour(sofar.steps, sofar.loads));
-      };
+  more.wanted = [began = Clock::now()](
+                    const std::vector<std::vector<StepTiming>>& t) {
+    const double span = msSince(began);
+    if (span < kFinalLeastMs)
+      return true;
+    if (span >= kFinalMostMs)
+      return false;
+    const InTurn sofar = inTurnOf(t);
+    return !aFinalIsSettled(stepsBesideANeighbour(sofar.steps, sofar.loads));
+  };
   return inTurnOf(meter.interleave(finalists, turns, nullptr, more));
 }
 
