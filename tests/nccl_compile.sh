@@ -11,9 +11,15 @@ cuda=/usr/local/cuda/include
   echo "SKIP: no CUDA and NCCL headers in $cuda"; exit 77; }
 command=$(/usr/bin/python3 - "$build/compile_commands.json" <<'PY'
 import json, shlex, sys
+source = "src/runtime/c10d_transport.cpp"
 for entry in json.load(open(sys.argv[1])):
-    if entry["file"].endswith("src/runtime/c10d_transport.cpp"):
+    # A unity build compiles the file inside a batch: its command, on the file alone.
+    batch = "/Unity/" in entry["file"] and source in open(entry["file"]).read()
+    if entry["file"].endswith(source) or batch:
         args = shlex.split(entry["command"])
+        if batch:
+            included = next(line for line in open(entry["file"]) if source in line)
+            args = [included.split('"')[1] if a == entry["file"] else a for a in args]
         if "ccache" in args[0]:
             args = args[1:]
         if "-o" in args:

@@ -21,10 +21,6 @@ double elements(const Shape& shape) {
   return count;
 }
 
-std::vector<int64_t> pair(const nlohmann::json& value) {
-  return {value[0].get<int64_t>(), value[1].get<int64_t>()};
-}
-
 void requireImage(const LayerInput& in) {
   in.require(
       in.shape.size() == 3,
@@ -51,8 +47,9 @@ int64_t window(
 // and padding.
 Shape windowed(const LayerInput& in, int64_t channels) {
   const auto& p = in.params;
-  const auto kernel = pair(p["kernel_size"]), stride = pair(p["stride"]),
-             padding = pair(p["padding"]);
+  const auto kernel = facts::sizePair(p["kernel_size"]),
+             stride = facts::sizePair(p["stride"]),
+             padding = facts::sizePair(p["padding"]);
   return {
       channels,
       window(in, in.shape[1], kernel[0], stride[0], padding[0]),
@@ -60,13 +57,17 @@ Shape windowed(const LayerInput& in, int64_t channels) {
 }
 
 double kernelArea(const LayerInput& in) {
-  const auto kernel = pair(in.params["kernel_size"]);
+  const auto kernel = facts::sizePair(in.params["kernel_size"]);
   return static_cast<double>(kernel[0] * kernel[1]);
 }
 
 } // namespace
 
 namespace facts {
+
+std::vector<int64_t> sizePair(const nlohmann::json& value) {
+  return {value[0].get<int64_t>(), value[1].get<int64_t>()};
+}
 
 std::string shapeText(const std::vector<int64_t>& shape) {
   std::ostringstream out;
@@ -106,8 +107,8 @@ LayerFacts conv2d(const LayerInput& in) {
 
 LayerFacts pool2d(const LayerInput& in) {
   requireImage(in);
-  const auto kernel = pair(in.params["kernel_size"]);
-  const auto padding = pair(in.params["padding"]);
+  const auto kernel = facts::sizePair(in.params["kernel_size"]);
+  const auto padding = facts::sizePair(in.params["padding"]);
   in.require(
       padding[0] * 2 <= kernel[0] && padding[1] * 2 <= kernel[1],
       "padding must be at most half the kernel size");

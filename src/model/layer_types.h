@@ -118,6 +118,8 @@ LayerFacts batchnorm2d(const LayerInput& in);
 LayerFacts embedding(const LayerInput& in);
 LayerFacts transformerBlock(const LayerInput& in);
 std::string shapeText(const std::vector<int64_t>& shape);
+// A kSize2 parameter's two values (kernel, stride, padding).
+std::vector<int64_t> sizePair(const nlohmann::json& value);
 } // namespace facts
 
 struct BuiltModel;

@@ -195,10 +195,6 @@ class DeferredBatchNorm2dImpl : public torch::nn::Module {
 };
 TORCH_MODULE(DeferredBatchNorm2d);
 
-std::vector<int64_t> pair(const nlohmann::json& value) {
-  return {value[0].get<int64_t>(), value[1].get<int64_t>()};
-}
-
 // Builders: the shape checks and the output shape are the facts' (see
 // layer_facts.cpp); these make the module.
 
@@ -226,8 +222,9 @@ BuiltLayer linear(const LayerInput& in, const LayerFacts& facts) {
 
 BuiltLayer conv2d(const LayerInput& in, const LayerFacts& facts) {
   const auto& p = in.params;
-  const auto kernel = pair(p["kernel_size"]), stride = pair(p["stride"]),
-             padding = pair(p["padding"]);
+  const auto kernel = facts::sizePair(p["kernel_size"]),
+             stride = facts::sizePair(p["stride"]),
+             padding = facts::sizePair(p["padding"]);
   return {torch::nn::AnyModule(torch::nn::Conv2d(
       torch::nn::Conv2dOptions(
           in.shape[0], facts.output[0], {kernel[0], kernel[1]})
@@ -239,8 +236,9 @@ BuiltLayer conv2d(const LayerInput& in, const LayerFacts& facts) {
 template <class Pool, class Options>
 BuiltLayer pool2d(const LayerInput& in, const LayerFacts&) {
   const auto& p = in.params;
-  const auto kernel = pair(p["kernel_size"]), stride = pair(p["stride"]),
-             padding = pair(p["padding"]);
+  const auto kernel = facts::sizePair(p["kernel_size"]),
+             stride = facts::sizePair(p["stride"]),
+             padding = facts::sizePair(p["padding"]);
   return {torch::nn::AnyModule(Pool(Options({kernel[0], kernel[1]})
                                         .stride({stride[0], stride[1]})
                                         .padding({padding[0], padding[1]})))};

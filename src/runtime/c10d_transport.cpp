@@ -26,9 +26,9 @@ namespace tpipe {
 namespace runtime {
 namespace {
 
-constexpr int64_t kMagic = 0x7470697065; // "tpipe"
+constexpr int64_t kMessageMagic = 0x7470697065; // "tpipe"
 constexpr int kHeaderSize = 14;
-constexpr int kMaxDims = kHeaderSize - 8;
+constexpr int kMessageMaxDims = kHeaderSize - 8;
 
 // Gives up on a transfer after a failure. Not every backend can abort one
 // (NCCL's work in some versions): it is then left to the run's end.
@@ -226,16 +226,16 @@ class ProcessGroupTransport final : public Transport {
         continue;
       }
       TORCH_CHECK(
-          tensor.dim() <= kMaxDims,
+          tensor.dim() <= kMessageMaxDims,
           "cannot send a tensor of ",
           tensor.dim(),
           " dimensions (at most ",
-          kMaxDims,
+          kMessageMaxDims,
           ")");
       at::Tensor header = at::empty({kHeaderSize}, at::kLong);
       int64_t* h = header.data_ptr<int64_t>();
       std::fill(h, h + kHeaderSize, 0);
-      h[0] = kMagic;
+      h[0] = kMessageMagic;
       h[1] = microBatch;
       h[2] = boundary;
       h[3] = static_cast<int64_t>(direction);
@@ -468,9 +468,9 @@ class ProcessGroupTransport final : public Transport {
     const at::Tensor hostHeader = header[0].to(at::kCPU);
     const int64_t* h = hostHeader.data_ptr<int64_t>();
     TORCH_CHECK(
-        h[0] == kMagic && h[1] == microBatch && h[2] == boundary &&
+        h[0] == kMessageMagic && h[1] == microBatch && h[2] == boundary &&
             h[3] == static_cast<int64_t>(direction) && h[5] >= 0 &&
-            h[5] <= kMaxDims && h[6] == slot && h[7] > slot &&
+            h[5] <= kMessageMaxDims && h[6] == slot && h[7] > slot &&
             2 * h[7] <= partsPerTransfer_ && (slot == 0 || h[7] == *count),
         "rank ",
         peer,

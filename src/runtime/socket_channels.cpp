@@ -30,13 +30,13 @@ namespace tpipe {
 namespace runtime {
 namespace {
 
-constexpr int64_t kMagic = 0x7470697065736f63; // "tpipesoc"
-constexpr int kMaxDims = 8;
+constexpr int64_t kSocketMagic = 0x7470697065736f63; // "tpipesoc"
+constexpr int kSocketMaxDims = 8;
 
 // What precedes each tensor on a stream.
 struct Header {
   int64_t magic, key, slot, count, dtype, dims, bytes;
-  int64_t shape[kMaxDims];
+  int64_t shape[kSocketMaxDims];
 };
 
 // What a connecting rank first sends: its rank, and the listener's secret,
@@ -247,8 +247,8 @@ struct SocketChannels::Impl {
     Message message;
     Header& h = message.header;
     readExactly(c.fd, &h, sizeof h, aborted, timeout);
-    if (h.magic != kMagic || h.dims < 0 || h.dims > kMaxDims || h.count < 1 ||
-        h.slot < 0 || h.slot >= h.count || h.dtype < 0 ||
+    if (h.magic != kSocketMagic || h.dims < 0 || h.dims > kSocketMaxDims ||
+        h.count < 1 || h.slot < 0 || h.slot >= h.count || h.dtype < 0 ||
         h.dtype >= static_cast<int64_t>(c10::ScalarType::NumOptions)) {
       throw std::runtime_error(
           "sent a message tpipe did not expect (a different version on that "
@@ -367,7 +367,7 @@ void SocketChannels::connect(const std::vector<std::string>& tickets) {
             "cannot connect to rank " + std::to_string(peer) +
             "'s socket on this host");
       }
-      Hello hello{kMagic, rank, {}};
+      Hello hello{kSocketMagic, rank, {}};
       std::memcpy(hello.secret, theirs.secret.data(), sizeof hello.secret);
       if (::send(fd, &hello, sizeof hello, MSG_NOSIGNAL) != sizeof hello)
         failWithErrno("cannot greet rank " + std::to_string(peer));
@@ -406,7 +406,8 @@ void SocketChannels::Impl::accept(std::set<int> below) {
     } catch (const std::runtime_error&) {
       hello.magic = 0;
     }
-    if (hello.magic != kMagic || !below.count(static_cast<int>(hello.rank)) ||
+    if (hello.magic != kSocketMagic ||
+        !below.count(static_cast<int>(hello.rank)) ||
         std::memcmp(hello.secret, secret.data(), sizeof hello.secret) != 0) {
       ::close(fd);
       continue; // not one of ours
@@ -457,16 +458,16 @@ void SocketChannels::send(
           "socket channels carry host memory; a tensor on " +
           tensor.device().str() + " must be copied to the CPU first");
     }
-    if (tensor.dim() > kMaxDims) {
+    if (tensor.dim() > kSocketMaxDims) {
       throw std::runtime_error(
           "cannot send a tensor of " + std::to_string(tensor.dim()) +
-          " dimensions (at most " + std::to_string(kMaxDims) + ")");
+          " dimensions (at most " + std::to_string(kSocketMaxDims) + ")");
     }
     Outgoing out;
     out.data = tensor.contiguous();
     Header& h = out.header;
     h = Header{};
-    h.magic = kMagic, h.key = key, h.slot = slot, h.count = count;
+    h.magic = kSocketMagic, h.key = key, h.slot = slot, h.count = count;
     h.dtype = static_cast<int64_t>(tensor.scalar_type());
     h.dims = tensor.dim();
     h.bytes = static_cast<int64_t>(out.data.nbytes());

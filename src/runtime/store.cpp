@@ -114,11 +114,11 @@ class Writer {
   }
   // The framed message.
   Bytes frame() const {
-    Bytes out(4);
+    Bytes out(4 + bytes_.size());
     const uint32_t n = static_cast<uint32_t>(bytes_.size());
     for (int b = 0; b < 4; ++b)
       out[b] = static_cast<uint8_t>(n >> (8 * (3 - b)));
-    out.insert(out.end(), bytes_.begin(), bytes_.end());
+    std::copy(bytes_.begin(), bytes_.end(), out.begin() + 4);
     return out;
   }
 
