@@ -273,7 +273,7 @@ struct ScheduleSpec {
   // devices' memory).
   std::vector<StageCosts> costs{StageCosts{}};
   int inFlightLimit = 0;
-  std::vector<int> inFlightLimits;
+  std::vector<int> inFlightLimits{};
   double weightPassMemory = 1.0; // see autoSchedule
 };
 
