@@ -948,7 +948,7 @@ void settleByAFinal(
   auto errorAgainstTheFastest = [&](size_t k) {
     return std::hypot(atLoad.relativeError[k], atLoad.relativeError[fastest]);
   };
-  auto savesADevice = [&](size_t k) {
+  auto holdsLessThanTheFastest = [&](size_t k) {
     return holdsLess(all[finalists[k]], all[finalists[fastest]]);
   };
   auto asMuch = [&](size_t k) {
@@ -957,8 +957,9 @@ void settleByAFinal(
         : "; on as many cores, ";
   };
   auto margin = [&](size_t k) {
-    return savesADevice(k) ? std::min(kFinalMargin, errorAgainstTheFastest(k))
-                           : 0.0;
+    return holdsLessThanTheFastest(k)
+        ? std::min(kFinalMargin, errorAgainstTheFastest(k))
+        : 0.0;
   };
   auto behind = [&](size_t k) { return figures[k] / figures[fastest] - 1.0; };
   size_t winner = fastest;
@@ -1000,10 +1001,10 @@ void settleByAFinal(
           !isSimplerPlan(all[finalists[k]], all[finalists[winner]]))
         continue;
       simplerBehind = true;
-      note << (savesADevice(k) ? "; the simpler " : asMuch(k))
+      note << (holdsLessThanTheFastest(k) ? "; the simpler " : asMuch(k))
            << all[finalists[k]].label() << " takes " << 100.0 * behind(k)
            << "% longer a step";
-      if (savesADevice(k))
+      if (holdsLessThanTheFastest(k))
         note << ", past " << 100.0 * margin(k) << "% (" << marginIs(k) << ")";
     }
     if (!simplerBehind)
