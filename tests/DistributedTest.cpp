@@ -619,6 +619,8 @@ TEST_F(DistributedTest, SkipConnectionsCrossProcessesAsInOne) {
   expectNoOrphans();
 }
 
+// A peer that exits mid-step is named by the survivor, which exits at once
+// instead of waiting out the timeout.
 TEST_F(DistributedTest, ADeadRankIsNamedAtOnceWithoutALauncher) {
   const int port = 20000 + static_cast<int>(::getpid() % 20000);
   const std::string env =
@@ -634,6 +636,15 @@ TEST_F(DistributedTest, ADeadRankIsNamedAtOnceWithoutALauncher) {
       r.output.find("lost rank 1 (pipeline rank 1, replica 0)"),
       std::string::npos)
       << r.output;
+  // Its closed connection says the process ended: the account it will never
+  // send is not waited for.
+  EXPECT_NE(
+      r.output.find(
+          "lost: rank(s) 1 ended (their connections closed) without an "
+          "account"),
+      std::string::npos)
+      << r.output;
+  EXPECT_EQ(r.output.find("sent no account"), std::string::npos) << r.output;
   EXPECT_LT(r.seconds, 20.0)
       << "a dead peer must be noticed long before the 30 s timeout";
   expectNoOrphans();

@@ -110,13 +110,20 @@ class Communicator {
   // Every rank's text, in rank order, on rank 0; the others get nothing.
   std::vector<std::string> gatherText(const std::string& mine);
 
+  // What reportFailure collected: one account per rank (empty: the rank sent
+  // none: stopped, dead, or cut off), and which ranks some rank saw close
+  // their connections (their process ended: none of them is waited for).
+  struct FailureAccounts {
+    std::vector<std::string> lines;
+    std::vector<bool> closed;
+  };
   // After a failed step: posts this rank's one-line account (what it was
-  // doing, whom it waited on) and collects every rank's for up to `grace`
-  // (the timeout, when a silent peer must be told from a slow one: each
-  // live rank's own wait runs out within it). Returns one entry per rank;
-  // an empty entry is a rank that sent none (stopped, dead, or cut off).
+  // doing, whom it waited on) and the ranks whose connections it saw close,
+  // and collects every rank's account for up to `grace` (the timeout, when
+  // a silent peer must be told from a slow one: each live rank's own wait
+  // runs out within it), or until each rank has sent one or is known ended.
   // Never throws: an unreachable store leaves only this rank's.
-  std::vector<std::string> reportFailure(
+  FailureAccounts reportFailure(
       const std::string& line,
       std::chrono::milliseconds grace);
 

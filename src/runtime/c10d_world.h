@@ -7,6 +7,8 @@
 
 #include <chrono>
 #include <memory>
+#include <mutex>
+#include <set>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -76,6 +78,7 @@ struct Communicator::Impl {
       const auto newline = reason.find('\n');
       if (newline != std::string::npos)
         reason.resize(newline);
+      noteIfClosed(peer, reason);
       std::ostringstream message;
       message << "lost rank " << peer << " (pipeline rank "
               << peer % pipelineRanks << ", replica " << peer / pipelineRanks
@@ -90,6 +93,29 @@ struct Communicator::Impl {
       }
       TORCH_CHECK(false, message.str());
     }
+  }
+
+  // Peers whose connection this rank saw close (end of stream, reset,
+  // broken pipe): their process ended, unlike a silent peer's, so a failed
+  // step's accounts are not waited for from them. Noted from any thread that
+  // waits on a peer.
+  std::mutex closedMutex;
+  std::set<int> closedPeers;
+  void noteIfClosed(int peer, const std::string& reason) {
+    // Our sockets say "connection closed"; Gloo "Connection closed by peer".
+    // Gloo's "Socket closed" is this side's own closing, and says nothing.
+    for (const char* closed :
+         {"onnection closed", "reset by peer", "Broken pipe"}) {
+      if (reason.find(closed) != std::string::npos) {
+        std::lock_guard<std::mutex> lock(closedMutex);
+        closedPeers.insert(peer);
+        return;
+      }
+    }
+  }
+  std::vector<int> closedPeerList() {
+    std::lock_guard<std::mutex> lock(closedMutex);
+    return {closedPeers.begin(), closedPeers.end()};
   }
 
   // A failure outside c10d (a socket's), worded as withPeer words Gloo's.

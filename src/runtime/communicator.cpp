@@ -59,10 +59,10 @@ int Communicator::stageRank() const {
 std::chrono::milliseconds Communicator::timeout() const {
   return {};
 }
-std::vector<std::string> Communicator::reportFailure(
+Communicator::FailureAccounts Communicator::reportFailure(
     const std::string& line,
     std::chrono::milliseconds) {
-  return {line};
+  return {{line}, {false}};
 }
 double Communicator::clockOffsetUs(double* errorUs) {
   *errorUs = 0.0;
@@ -629,37 +629,61 @@ std::vector<std::string> Communicator::gatherText(const std::string& mine) {
   return all;
 }
 
-std::vector<std::string> Communicator::reportFailure(
+Communicator::FailureAccounts Communicator::reportFailure(
     const std::string& line,
     std::chrono::milliseconds grace) {
-  std::vector<std::string> lines(static_cast<size_t>(worldSize()));
-  lines[static_cast<size_t>(rank())] = line;
+  const auto ranks = static_cast<size_t>(worldSize());
+  FailureAccounts accounts{
+      std::vector<std::string>(ranks), std::vector<bool>(ranks, false)};
+  accounts.lines[static_cast<size_t>(rank())] = line;
+  for (int peer : impl_->closedPeerList())
+    accounts.closed[static_cast<size_t>(peer)] = true;
   auto key = [](int r) { return "tpipe/failure/" + std::to_string(r); };
+  auto closedKey = [](int r) { return "tpipe/closed/" + std::to_string(r); };
   try {
     auto& store = *impl_->store;
     store.set(kEndedKey, std::vector<uint8_t>{1});
+    for (size_t r = 0; r < ranks; ++r) {
+      if (accounts.closed[r])
+        store.set(closedKey(static_cast<int>(r)), std::vector<uint8_t>{1});
+    }
     store.set(key(rank()), std::vector<uint8_t>(line.begin(), line.end()));
-    const auto deadline = std::chrono::steady_clock::now() + grace;
+    const auto now = [] { return std::chrono::steady_clock::now(); };
+    const auto deadline = now() + grace;
+    // A rank seen closing may still be alive: Gloo closes a pair whose wait
+    // timed out, and that rank posts its account moments later.
+    const auto linger = std::chrono::milliseconds(300);
+    auto lingerEnds = std::chrono::steady_clock::time_point::max();
     for (;;) {
-      bool all = true;
-      for (int r = 0; r < worldSize(); ++r) {
-        if (!lines[static_cast<size_t>(r)].empty())
+      bool all = true, waitingOnClosed = false;
+      for (size_t r = 0; r < ranks; ++r) {
+        if (!accounts.lines[r].empty())
           continue;
-        if (store.check({key(r)})) {
-          const std::vector<uint8_t> value = store.get(key(r));
-          lines[static_cast<size_t>(r)].assign(value.begin(), value.end());
-        } else {
-          all = false;
+        const int peer = static_cast<int>(r);
+        if (store.check({key(peer)})) {
+          const std::vector<uint8_t> value = store.get(key(peer));
+          accounts.lines[r].assign(value.begin(), value.end());
+          continue;
         }
+        if (!accounts.closed[r] && store.check({closedKey(peer)}))
+          accounts.closed[r] = true;
+        if (accounts.closed[r])
+          waitingOnClosed = true;
+        else
+          all = false;
       }
-      if (all || std::chrono::steady_clock::now() >= deadline)
+      if (all && !waitingOnClosed)
         break;
-      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      if (all && lingerEnds == std::chrono::steady_clock::time_point::max())
+        lingerEnds = now() + linger;
+      if (now() >= deadline || now() >= lingerEnds)
+        break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
   } catch (const std::exception&) {
     // The store's host is gone: only this rank's account is known.
   }
-  return lines;
+  return accounts;
 }
 
 std::chrono::milliseconds Communicator::timeout() const {

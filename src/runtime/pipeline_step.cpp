@@ -62,22 +62,30 @@ std::string Pipeline::Impl::withAccounts(
   // news at once, and a silent peer has already been waited out for the
   // timeout by whoever reports it. A few seconds collect every live
   // account; waiting the timeout again would only delay the exit (a stopped
-  // rank used to hold the job for twice the timeout).
+  // rank used to hold the job for twice the timeout). A rank whose
+  // connections closed is not waited for at all: a restart goes on at once.
   const auto grace = std::min(world.timeout(), std::chrono::milliseconds(3000));
-  const std::vector<std::string> accounts = world.reportFailure(mine, grace);
-  std::string lost, others;
-  for (size_t r = 0; r < accounts.size(); ++r) {
-    if (accounts[r].empty())
-      lost += (lost.empty() ? "" : ", ") + std::to_string(r);
+  const Communicator::FailureAccounts accounts =
+      world.reportFailure(mine, grace);
+  std::string silent, ended, others;
+  for (size_t r = 0; r < accounts.lines.size(); ++r) {
+    const std::string& line = accounts.lines[r];
+    std::string& list = accounts.closed[r] ? ended : silent;
+    if (line.empty())
+      list += (list.empty() ? "" : ", ") + std::to_string(r);
     else if (static_cast<int>(r) != world.rank())
-      others += "\n  " + accounts[r].substr(0, accounts[r].find('\n'));
+      others += "\n  " + line.substr(0, line.find('\n'));
   }
   std::string text = mine;
-  if (!lost.empty()) {
+  if (!ended.empty()) {
+    text += "\nlost: rank(s) " + ended +
+        " ended (their connections closed) without an account";
+  }
+  if (!silent.empty()) {
     char seconds[32];
     std::snprintf(seconds, sizeof seconds, "%.1f", grace.count() / 1000.0);
-    text +=
-        "\nlost: rank(s) " + lost + " sent no account within " + seconds + " s";
+    text += "\nlost: rank(s) " + silent + " sent no account within " + seconds +
+        " s";
   }
   if (!others.empty())
     text += "\nthe other ranks:" + others;
