@@ -7,7 +7,7 @@ build=$(cd "${1:?usage: package.sh BUILD_DIR SOURCE_DIR}" && pwd)
 source_dir=${2:?usage: package.sh BUILD_DIR SOURCE_DIR}
 work=$(mktemp -d)
 trap 'jobs -p | xargs -r kill -9 2>/dev/null; rm -rf "$work"' EXIT
-passed=0 failed=0
+passed=0 failed=0 builds=()
 check() {
   if [[ $2 -eq 0 ]]; then echo "ok: $1"; passed=$((passed + 1)); else
     echo "FAILED: $1"; [[ -n ${3:-} ]] && tail -20 "$3" | sed 's/^/    /'; failed=$((failed + 1)); fi
@@ -25,18 +25,25 @@ for header in "$work"/prefix/include/tpipe/*.h; do
 done
 check "installed headers include nothing that is not installed" $missing
 
-for example in custom_module multiprocess; do
-  cmake -S "$source_dir/examples/$example" -B "$work/$example" -DCMAKE_PREFIX_PATH="$work/prefix" \
-    >"$work/$example.log" 2>&1 && cmake --build "$work/$example" >>"$work/$example.log" 2>&1
-  check "examples/$example builds against the installed package" $? "$work/$example.log"
+# Each example is one translation unit: the two build side by side.
+examples=(custom_module multiprocess)
+for example in "${examples[@]}"; do
+  (cmake -S "$source_dir/examples/$example" -B "$work/$example" -DCMAKE_PREFIX_PATH="$work/prefix" \
+    >"$work/$example.log" 2>&1 && cmake --build "$work/$example" >>"$work/$example.log" 2>&1) &
+  builds+=($!)
+done
+for i in "${!examples[@]}"; do
+  wait "${builds[$i]}"
+  check "examples/${examples[$i]} builds against the installed package" $? "$work/${examples[$i]}.log"
 done
 "$work/custom_module/custom_module" >"$work/run1.log" 2>&1
 check "examples/custom_module trains (its loss falls)" $? "$work/run1.log"
 port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 env MASTER_ADDR=127.0.0.1 MASTER_PORT=$port WORLD_SIZE=2 RANK=0 "$work/multiprocess/multiprocess" >"$work/r0.log" 2>&1 &
+rank0=$!
 env MASTER_ADDR=127.0.0.1 MASTER_PORT=$port WORLD_SIZE=2 RANK=1 "$work/multiprocess/multiprocess" >"$work/r1.log" 2>&1
 status1=$?
-wait %1
+wait "$rank0"
 status0=$?
 check "examples/multiprocess trains as 2 processes" $((status0 + status1)) "$work/r0.log"
 

@@ -320,7 +320,8 @@ log=$work/race1.log; [[ $refused == "$second" ]] && log=$work/race2.log
 expect "of two runs started together on one --save directory, one is refused naming the holder" 2 "another run (PID $winner) is writing checkpoints there" "$log" $status
 "$tpipe" train "$config" --resume "$work/race" >"$work/race-resume.log" 2>&1
 expect "--resume of a directory another run is writing is refused" 2 "another run (PID $winner)" "$work/race-resume.log" $?
-wait_lines 3 "$work/race1.jsonl" || wait_lines 3 "$work/race2.jsonl"
+winner_metrics=$work/race1.jsonl; [[ $winner == "$second" ]] && winner_metrics=$work/race2.jsonl
+wait_lines 3 "$winner_metrics"
 kill -TERM "$winner"
 wait "$winner"
 if [[ -f $work/race/model.pt ]] && "$tpipe" train "$config" --resume "$work/race" --save "$work/race/" "${long[@]}" --stop-after 1 >"$work/race-after.log" 2>&1 &&
