@@ -10,6 +10,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -18,6 +19,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <c10/util/Exception.h>
@@ -262,17 +264,27 @@ class Launcher {
           std::chrono::steady_clock::now() + std::chrono::seconds(30));
     }
     bool anyRunning = false;
+    std::vector<std::pair<int, int>> exited; // rank, status
     for (int rank = 0; rank < static_cast<int>(children_.size()); ++rank) {
       Child& child = children_[rank];
       if (!child.running)
         continue;
       int status = 0;
       if (::waitpid(child.pid, &status, WNOHANG) == child.pid) {
-        reap(rank, status);
+        drain(child, rank, true);
+        exited.emplace_back(rank, status);
       } else {
         anyRunning = true;
       }
     }
+    // A rank that lost a peer fails because of it, and the survivors of a
+    // dead rank exit within a moment of it: when several are reaped at once,
+    // the failure reported is the one that named no lost peer.
+    std::stable_partition(exited.begin(), exited.end(), [&](const auto& e) {
+      return children_[e.first].named < 0;
+    });
+    for (const auto& [rank, status] : exited)
+      reap(rank, status);
     if (std::chrono::steady_clock::now() > deadline_)
       endOthers(SIGKILL);
     return anyRunning;
