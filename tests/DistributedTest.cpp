@@ -622,31 +622,41 @@ TEST_F(DistributedTest, SkipConnectionsCrossProcessesAsInOne) {
 // A peer that exits mid-step is named by the survivor, which exits at once
 // instead of waiting out the timeout.
 TEST_F(DistributedTest, ADeadRankIsNamedAtOnceWithoutALauncher) {
-  const int port = 20000 + static_cast<int>(::getpid() % 20000);
-  const std::string env =
-      "MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(port) +
-      " WORLD_SIZE=2 ";
-  const std::string timeout = " --set pipeline.timeout_s=30";
-  const Result r = shell(
-      "(" + env + "RANK=1 TPIPE_FAULT=1:3:exit " + faultyBinary() + " train " +
-      config_ + timeout + " > " + path("rank1.log") + " 2>&1 &) ; " + env +
-      "RANK=0 " + binary() + " train " + config_ + timeout);
-  EXPECT_EQ(r.status, 1) << r.output;
-  EXPECT_NE(
-      r.output.find("lost rank 1 (pipeline rank 1, replica 0)"),
-      std::string::npos)
-      << r.output;
-  // Its closed connection says the process ended: the account it will never
-  // send is not waited for.
-  EXPECT_NE(
-      r.output.find(
-          "lost: rank(s) 1 ended (their connections closed) without an "
-          "account"),
-      std::string::npos)
-      << r.output;
-  EXPECT_EQ(r.output.find("sent no account"), std::string::npos) << r.output;
-  EXPECT_LT(r.seconds, 20.0)
-      << "a dead peer must be noticed long before the 30 s timeout";
+  // Rank 1 dies; then rank 0, whose process holds the rendezvous store, so
+  // that rank 1's account can reach no one and only its own view remains.
+  for (const int dying : {1, 0}) {
+    const int survivor = 1 - dying;
+    const int port =
+        20000 + static_cast<int>((::getpid() + 31 * dying) % 20000);
+    const std::string env =
+        "MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(port) +
+        " WORLD_SIZE=2 ";
+    const std::string timeout = " --set pipeline.timeout_s=30";
+    const std::string dead = std::to_string(dying);
+    const Result r = shell(
+        "(" + env + "RANK=" + dead + " TPIPE_FAULT=" + dead + ":3:exit " +
+        faultyBinary() + " train " + config_ + timeout + " > " +
+        path("rank" + dead + ".log") + " 2>&1 &) ; " + env +
+        "RANK=" + std::to_string(survivor) + " " + binary() + " train " +
+        config_ + timeout);
+    EXPECT_EQ(r.status, 1) << r.output;
+    EXPECT_NE(
+        r.output.find(
+            "lost rank " + dead + " (pipeline rank " + dead + ", replica 0)"),
+        std::string::npos)
+        << r.output;
+    // Its closed connection says the process ended: the account it will
+    // never send is not waited for.
+    EXPECT_NE(
+        r.output.find(
+            "lost: rank(s) " + dead +
+            " ended (their connections closed) without an account"),
+        std::string::npos)
+        << r.output;
+    EXPECT_EQ(r.output.find("sent no account"), std::string::npos) << r.output;
+    EXPECT_LT(r.seconds, 20.0)
+        << "a dead peer must be noticed long before the 30 s timeout";
+  }
   expectNoOrphans();
 }
 
