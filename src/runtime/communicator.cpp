@@ -5,6 +5,7 @@
 #include <exception>
 #include "runtime/c10d_transport.h"
 
+#include <algorithm>
 #include <condition_variable>
 #include <cstdlib>
 #include <deque>
@@ -649,13 +650,12 @@ Communicator::FailureAccounts Communicator::reportFailure(
     }
     store.set(key(rank()), std::vector<uint8_t>(line.begin(), line.end()));
     const auto now = [] { return std::chrono::steady_clock::now(); };
-    const auto deadline = now() + grace;
+    auto deadline = now() + grace;
     // A rank seen closing may still be alive: Gloo closes a pair whose wait
     // timed out, and that rank posts its account moments later.
     const auto linger = std::chrono::milliseconds(300);
-    auto lingerEnds = std::chrono::steady_clock::time_point::max();
     for (;;) {
-      bool all = true, waitingOnClosed = false;
+      bool onlyClosedMissing = true, closedMissing = false;
       for (size_t r = 0; r < ranks; ++r) {
         if (!accounts.lines[r].empty())
           continue;
@@ -668,15 +668,15 @@ Communicator::FailureAccounts Communicator::reportFailure(
         if (!accounts.closed[r] && store.check({closedKey(peer)}))
           accounts.closed[r] = true;
         if (accounts.closed[r])
-          waitingOnClosed = true;
+          closedMissing = true;
         else
-          all = false;
+          onlyClosedMissing = false;
       }
-      if (all && !waitingOnClosed)
+      if (onlyClosedMissing && !closedMissing)
         break;
-      if (all && lingerEnds == std::chrono::steady_clock::time_point::max())
-        lingerEnds = now() + linger;
-      if (now() >= deadline || now() >= lingerEnds)
+      if (onlyClosedMissing)
+        deadline = std::min(deadline, now() + linger);
+      if (now() >= deadline)
         break;
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }

@@ -212,7 +212,8 @@ class Launcher {
     }
   }
 
-  // Reaps a rank that exited; the first failure ends the others.
+  // Reaps a rank that exited, its output drained; the first failure ends
+  // the others.
   void reap(int rank, int status) {
     Child& child = children_[rank];
     child.running = false;
@@ -221,7 +222,6 @@ class Launcher {
         WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
     if (code == 0 || result_ != 0)
       return;
-    drain(child, rank, true);
     result_ = code;
     failedRank_ = rank;
     lostRank_ = child.named;
