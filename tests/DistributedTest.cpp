@@ -156,10 +156,14 @@ class DistributedTest : public ::testing::Test {
   // background may still be on its way out (a busy machine): wait for it,
   // bounded, rather than sample once.
   void expectNoOrphans() const {
-    // "[t]rain" matches a running `tpipe train` but not this pgrep's own shell.
+    // A rank runs as `tpipe train CONFIG`, or forked from the launcher,
+    // as `tpipe launch ... CONFIG`: "[t]rain" and "[l]aunch" match them but
+    // not this pgrep's own shell.
     Result r;
     for (int attempt = 0; attempt < 100; ++attempt) {
-      r = shell("pgrep -f '[t]rain " + config_ + "' || true");
+      r = shell(
+          "pgrep -f '[t]rain " + config_ + "|[l]aunch .*" + config_ +
+          "' || true");
       if (r.output.empty())
         return;
       ::usleep(100 * 1000);

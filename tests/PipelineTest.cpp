@@ -1,10 +1,12 @@
 #include <gtest/gtest.h>
 #include <sys/socket.h>
+#include <sys/wait.h>
 #include <sys/un.h>
 #include <unistd.h>
 
 #include <torch/torch.h>
 
+#include <atomic>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdlib>
@@ -19,6 +21,7 @@
 #include "runtime/placement.h"
 #include "runtime/socket_channels.h"
 #include "support/skip_net.h"
+#include "tpipe/distributed.h"
 #include "tpipe/config.h"
 #include "tpipe/model.h"
 #include "tpipe/pipeline.h"
@@ -2080,6 +2083,72 @@ TEST(PipelineTest, PostedStepsRefuseWhatTheyCannotRun) {
   EXPECT_EQ(two.stepsInFlight(), 0);
   two.postStep(x, y, crossEntropy, optimizers.update(false, 0.0));
   EXPECT_TRUE(two.finishStep().updated);
+}
+
+// `tpipe launch` runs each rank in a fork of the launcher, where LibTorch is
+// loaded already, while the launcher runs one thread; beside other threads
+// a fork could inherit a lock one of them held, so the executable is run
+// anew. Each launch runs in a forked child of this test: a process of one
+// thread, whatever threads earlier tests left behind.
+TEST(LaunchTest, RanksRunInTheLaunchersForkOnlyWhileItRunsOneThread) {
+  const std::filesystem::path dir =
+      std::filesystem::path(::testing::TempDir()) / "tpipe-launch-fork";
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  auto launch = [&](bool besideAThread) {
+    const pid_t child = ::fork();
+    if (child == 0) {
+      std::atomic<bool> done{false};
+      std::thread other;
+      if (besideAThread) {
+        other = std::thread([&] {
+          while (!done)
+            ::usleep(1000);
+        });
+      }
+      // /bin/true stands for the executable: it ignores the words and
+      // succeeds, and it leaves no mark.
+      const LaunchOutcome outcome = launchAttempt(
+          "/bin/true",
+          2,
+          {"--word"},
+          {},
+          [&](const std::vector<std::string>& words) {
+            const std::string rank = std::getenv("RANK");
+            std::ofstream(dir / ("rank-" + rank))
+                << words.size() << " " << words.at(1) << " " << words.at(2);
+            return rank == "1" ? 3 : 0;
+          });
+      done = true;
+      if (other.joinable())
+        other.join();
+      ::_exit(outcome.status * 10 + outcome.failedRank + 1);
+    }
+    int status = 0;
+    ::waitpid(child, &status, 0);
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  };
+  auto marks = [&] {
+    std::vector<std::string> found;
+    for (const char* rank : {"rank-0", "rank-1"}) {
+      std::ifstream in(dir / rank);
+      std::string text;
+      std::getline(in, text);
+      found.push_back(text);
+    }
+    return found;
+  };
+  // Forked: each rank runs the given code with its words, and rank 1's
+  // status is the launch's, rank 1 the failed one.
+  EXPECT_EQ(launch(false), 3 * 10 + 1 + 1);
+  EXPECT_EQ(
+      marks(), (std::vector<std::string>{"3 train --word", "3 train --word"}));
+  std::filesystem::remove(dir / "rank-0");
+  std::filesystem::remove(dir / "rank-1");
+  // Beside a thread: /bin/true runs, no rank code, and all succeed.
+  EXPECT_EQ(launch(true), 0);
+  EXPECT_EQ(marks(), (std::vector<std::string>{"", ""}));
+  std::filesystem::remove_all(dir);
 }
 
 } // namespace

@@ -29,6 +29,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -156,10 +157,19 @@ struct LaunchOutcome {
   bool stopped = false; // ended by a forwarded SIGINT / SIGTERM
   std::chrono::steady_clock::time_point failedAt;
 };
+// What a rank runs in place of executing `executable` anew: given the
+// rank's words (`executable train <arguments>`), its exit status. A new
+// process of a LibTorch program spends about 0.6 s of CPU loading LibTorch
+// before main; a rank forked from the launcher has it loaded already. Used
+// only while the launcher runs a single thread (a fork copies no other
+// thread, and a lock another held would stay held), else the executable
+// is run as without it.
+using RankMain = std::function<int(const std::vector<std::string>& words)>;
 LaunchOutcome launchAttempt(
     const std::string& executable,
     int processes,
     const std::vector<std::string>& arguments,
-    std::chrono::steady_clock::time_point sinceFailure = {});
+    std::chrono::steady_clock::time_point sinceFailure = {},
+    const RankMain& rankMain = {});
 
 } // namespace tpipe

@@ -1,6 +1,7 @@
 // `tpipe launch`: local ranks as child processes, their output prefixed,
 // signals forwarded, and no rank left behind when one fails.
 #include <arpa/inet.h>
+#include <dirent.h>
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -17,6 +18,7 @@
 #include <cctype>
 #include <cstdlib>
 #include <cstring>
+#include <iostream>
 #include <random>
 #include <string>
 #include <utility>
@@ -111,17 +113,33 @@ std::string jobToken() {
   return token;
 }
 
+// Whether this process runs one thread: /proc/self/task lists each.
+bool singleThreaded() {
+  DIR* tasks = ::opendir("/proc/self/task");
+  if (tasks == nullptr)
+    return false;
+  int threads = 0;
+  while (const dirent* entry = ::readdir(tasks)) {
+    if (entry->d_name[0] != '.')
+      ++threads;
+  }
+  ::closedir(tasks);
+  return threads == 1;
+}
+
 class Launcher {
  public:
   Launcher(
       std::string executable,
       int processes,
       std::vector<std::string> arguments,
-      std::chrono::steady_clock::time_point sinceFailure)
+      std::chrono::steady_clock::time_point sinceFailure,
+      RankMain rankMain)
       : executable_(std::move(executable)),
         arguments_(std::move(arguments)),
         children_(processes),
-        sinceFailure_(sinceFailure) {
+        sinceFailure_(sinceFailure),
+        rankMain_(std::move(rankMain)) {
     const char* addr = std::getenv("MASTER_ADDR");
     masterAddr_ = addr && *addr ? addr : "127.0.0.1";
     masterPort_ = std::getenv("MASTER_PORT") ? std::getenv("MASTER_PORT")
@@ -157,7 +175,7 @@ class Launcher {
   }
 
  private:
-  [[noreturn]] void execRank(int rank, int output) {
+  [[noreturn]] void startRank(int rank, int output, bool forked) {
     // A rank never outlives the launcher.
     ::prctl(PR_SET_PDEATHSIG, SIGKILL);
     if (::getppid() != launcher_)
@@ -180,6 +198,26 @@ class Launcher {
     for (auto& word : words)
       argv.push_back(word.data());
     argv.push_back(nullptr);
+    if (forked) {
+      // `ps` and `top` would show every rank as the launcher.
+      ::prctl(PR_SET_NAME, ("tpipe-rank-" + std::to_string(rank)).c_str());
+      // What exec would have reset: the launcher's signal handlers and mask
+      // are not the rank's.
+      struct sigaction original {};
+      original.sa_handler = SIG_DFL;
+      for (const int signal : {SIGINT, SIGTERM, SIGALRM})
+        ::sigaction(signal, &original, nullptr);
+      sigset_t none;
+      ::sigemptyset(&none);
+      ::sigprocmask(SIG_SETMASK, &none, nullptr);
+      int status = 1;
+      try {
+        status = rankMain_(words);
+      } catch (...) {
+        std::fprintf(stderr, "launch: rank %d ended by an exception\n", rank);
+      }
+      std::exit(status);
+    }
     ::execv(executable_.c_str(), argv.data());
     std::fprintf(
         stderr,
@@ -193,11 +231,16 @@ class Launcher {
     int pipe[2];
     TORCH_CHECK(
         ::pipe(pipe) == 0, "launch: pipe failed: ", std::strerror(errno));
+    const bool forked = rankMain_ && singleThreaded();
+    // Output still buffered here would be written once more by the child.
+    std::cout.flush();
+    std::cerr.flush();
+    std::fflush(nullptr);
     const pid_t pid = ::fork();
     TORCH_CHECK(pid >= 0, "launch: fork failed: ", std::strerror(errno));
     if (pid == 0) {
       ::close(pipe[0]);
-      execRank(rank, pipe[1]);
+      startRank(rank, pipe[1], forked);
     }
     ::close(pipe[1]);
     ::fcntl(pipe[0], F_SETFL, ::fcntl(pipe[0], F_GETFL) | O_NONBLOCK);
@@ -313,6 +356,7 @@ class Launcher {
   std::vector<std::string> arguments_;
   std::vector<Child> children_;
   std::chrono::steady_clock::time_point sinceFailure_, failedAt_;
+  RankMain rankMain_;
   bool firstStepSeen_ = false, stopped_ = false;
   int failedRank_ = -1, lostRank_ = -1;
   std::string masterAddr_, masterPort_, token_;
@@ -335,9 +379,11 @@ LaunchOutcome launchAttempt(
     const std::string& executable,
     int processes,
     const std::vector<std::string>& arguments,
-    std::chrono::steady_clock::time_point sinceFailure) {
+    std::chrono::steady_clock::time_point sinceFailure,
+    const RankMain& rankMain) {
   TORCH_CHECK(processes >= 1, "launch: --nproc must be >= 1, got ", processes);
-  return Launcher(executable, processes, arguments, sinceFailure).run();
+  return Launcher(executable, processes, arguments, sinceFailure, rankMain)
+      .run();
 }
 
 } // namespace tpipe
