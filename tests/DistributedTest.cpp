@@ -664,6 +664,41 @@ TEST_F(DistributedTest, ADeadRankIsNamedAtOnceWithoutALauncher) {
   expectNoOrphans();
 }
 
+// A rank stopped (SIGSTOP) until the others gave up on it and ended, rank 0
+// with the rendezvous store, wakes to find no store: it cannot know whether
+// rank 0 sent an account, and says so instead of "sent no account".
+TEST_F(DistributedTest, ARankWokenAfterTheStoresHostEndedSaysTheStoreIsGone) {
+  const int port = 20000 + static_cast<int>((::getpid() + 17) % 20000);
+  const std::string env =
+      "MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(port) +
+      " WORLD_SIZE=3 ";
+  const std::string job = " train " + config_ +
+      " --set 'pipeline.devices=[\"cpu:0\",\"cpu:1\",\"cpu:2\"]'"
+      " --set pipeline.timeout_s=2";
+  const Result r = shell(
+      env + "RANK=1 TPIPE_FAULT=1:3:stop " + faultyBinary() + job + " > " +
+      path("woken.log") + " 2>&1 & stopped=$!; " + env + "RANK=2 " + binary() +
+      job + " > " + path("rank2.log") + " 2>&1 & other=$!; " + env + "RANK=0 " +
+      binary() + job + " > " + path("rank0.log") +
+      " 2>&1; wait $other; kill -CONT $stopped; wait $stopped; echo woken $?");
+  EXPECT_NE(r.output.find("woken 1"), std::string::npos) << r.output;
+  std::ifstream in(path("woken.log"));
+  const std::string woken(
+      (std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(woken.find("sent no account"), std::string::npos) << woken;
+  // Rank 0 is either seen to close (its process ended) or, not seen, its
+  // account is unknown because the store went with it.
+  const bool storeGone =
+      woken.find(
+          "lost: rank(s) 0: no account could be read, the store "
+          "stopped answering (rendezvous store at 127.0.0.1:") !=
+      std::string::npos;
+  const bool seenEnded = woken.find("lost: rank(s) 0") != std::string::npos &&
+      woken.find("ended (their connections closed)") != std::string::npos;
+  EXPECT_TRUE(storeGone || seenEnded) << woken;
+  expectNoOrphans();
+}
+
 TEST_F(DistributedTest, AHungRankTimesOutAndTheLauncherEndsIt) {
   const Result r = shell(
       "TPIPE_FAULT=1:3:hang " + faultyBinary() + " launch --nproc 2 " +

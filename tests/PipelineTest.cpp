@@ -1,4 +1,8 @@
 #include <gtest/gtest.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <pthread.h>
+#include <signal.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <sys/un.h>
@@ -20,6 +24,7 @@
 
 #include "runtime/placement.h"
 #include "runtime/socket_channels.h"
+#include "runtime/store.h"
 #include "support/skip_net.h"
 #include "tpipe/distributed.h"
 #include "tpipe/config.h"
@@ -2149,6 +2154,53 @@ TEST(LaunchTest, RanksRunInTheLaunchersForkOnlyWhileItRunsOneThread) {
   EXPECT_EQ(launch(true), 0);
   EXPECT_EQ(marks(), (std::vector<std::string>{"", ""}));
   std::filesystem::remove_all(dir);
+}
+
+// A signal that lands while a store call waits for its answer does not end
+// the call: a launched rank is sent SIGTERM when another rank fails, at the
+// moment it posts its account of the failure in the store.
+TEST(StoreTest, ACallGoesOnThroughASignal) {
+  struct sigaction ignore {
+  }, previous{};
+  ignore.sa_handler = [](int) {}; // no SA_RESTART: poll returns EINTR
+  ASSERT_EQ(::sigaction(SIGUSR1, &ignore, &previous), 0);
+  int port = 0;
+  {
+    const int probe = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in address{};
+    address.sin_family = AF_INET;
+    address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t length = sizeof address;
+    ASSERT_EQ(
+        ::bind(probe, reinterpret_cast<sockaddr*>(&address), sizeof address),
+        0);
+    ASSERT_EQ(
+        ::getsockname(probe, reinterpret_cast<sockaddr*>(&address), &length),
+        0);
+    port = ntohs(address.sin_port);
+    ::close(probe);
+  }
+  const auto timeout = std::chrono::seconds(20);
+  const auto server =
+      runtime::startStoreServer("127.0.0.1", port, "secret", timeout);
+  runtime::RendezvousStore waiter("127.0.0.1", port, 0, "secret", timeout);
+  runtime::RendezvousStore setter("127.0.0.1", port, 1, "secret", timeout);
+  std::atomic<bool> waiting{false};
+  const pthread_t main = ::pthread_self();
+  std::thread other([&] {
+    while (!waiting)
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    for (int k = 0; k < 20; ++k) {
+      ::pthread_kill(main, SIGUSR1);
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    setter.set("key", {7});
+  });
+  waiting = true;
+  EXPECT_NO_THROW(waiter.wait({"key"}));
+  other.join();
+  EXPECT_EQ(waiter.get("key"), std::vector<uint8_t>{7});
+  ::sigaction(SIGUSR1, &previous, nullptr);
 }
 
 } // namespace

@@ -117,6 +117,10 @@ class Communicator {
   struct FailureAccounts {
     std::vector<std::string> lines;
     std::vector<bool> closed;
+    // Why the store stopped answering before every account was in (its
+    // host, rank 0, ended): the missing accounts are then unknown rather
+    // than not sent. Empty otherwise.
+    std::string storeLost;
   };
   // After a failed step: posts this rank's one-line account (what it was
   // doing, whom it waited on) and the ranks whose connections it saw close,

@@ -634,8 +634,9 @@ Communicator::FailureAccounts Communicator::reportFailure(
     const std::string& line,
     std::chrono::milliseconds grace) {
   const auto ranks = static_cast<size_t>(worldSize());
-  FailureAccounts accounts{
-      std::vector<std::string>(ranks), std::vector<bool>(ranks, false)};
+  FailureAccounts accounts;
+  accounts.lines.resize(ranks);
+  accounts.closed.assign(ranks, false);
   accounts.lines[static_cast<size_t>(rank())] = line;
   for (int peer : impl_->closedPeerList())
     accounts.closed[static_cast<size_t>(peer)] = true;
@@ -680,8 +681,10 @@ Communicator::FailureAccounts Communicator::reportFailure(
         break;
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
-  } catch (const std::exception&) {
-    // The store's host is gone: only this rank's account is known.
+  } catch (const std::exception& error) {
+    // The store's host is gone: only the accounts read so far are known.
+    const std::string what = error.what();
+    accounts.storeLost = what.substr(0, what.find('\n'));
   }
   return accounts;
 }

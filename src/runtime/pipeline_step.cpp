@@ -81,7 +81,11 @@ std::string Pipeline::Impl::withAccounts(
     text += "\nlost: rank(s) " + ended +
         " ended (their connections closed) without an account";
   }
-  if (!silent.empty()) {
+  if (!silent.empty() && !accounts.storeLost.empty()) {
+    text += "\nlost: rank(s) " + silent +
+        ": no account could be read, the store stopped answering (" +
+        accounts.storeLost + ")";
+  } else if (!silent.empty()) {
     char seconds[32];
     std::snprintf(seconds, sizeof seconds, "%.1f", grace.count() / 1000.0);
     text += "\nlost: rank(s) " + silent + " sent no account within " + seconds +

@@ -258,6 +258,22 @@ int millisecondsLeft(Clock::time_point deadline) {
       std::max<int64_t>(0, std::min<int64_t>(left, 1 << 30)));
 }
 
+// poll, resumed after a signal handler ran: a launched rank told to stop
+// (SIGTERM, when another rank failed) is at that moment posting its account
+// of the failure, and a store call cut short lost it: both survivors of a
+// dead rank then said that the other had sent none.
+int pollUntil(pollfd& fds, Clock::time_point deadline) {
+  for (;;) {
+    const int ready = poll(&fds, 1, millisecondsLeft(deadline));
+    if (ready >= 0 || errno != EINTR)
+      return ready;
+  }
+}
+
+bool interruptedOrWouldBlock() {
+  return errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK;
+}
+
 } // namespace
 
 std::string keyedHash(const std::string& secret, const std::string& message) {
@@ -650,11 +666,11 @@ struct RendezvousStore::Connection {
     size_t sent = 0;
     while (sent < bytes.size()) {
       pollfd fds{fd, POLLOUT, 0};
-      if (poll(&fds, 1, millisecondsLeft(deadline)) <= 0)
+      if (pollUntil(fds, deadline) <= 0)
         fail("no progress while " + what);
       const ssize_t n =
           send(fd, bytes.data() + sent, bytes.size() - sent, MSG_NOSIGNAL);
-      if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK)
+      if (n < 0 && !interruptedOrWouldBlock())
         fail("connection lost while " + what);
       if (n > 0)
         sent += static_cast<size_t>(n);
@@ -671,7 +687,7 @@ struct RendezvousStore::Connection {
         fail(std::string("a malformed answer: ") + error.what());
       }
       pollfd fds{fd, POLLIN, 0};
-      const int ready = poll(&fds, 1, millisecondsLeft(deadline));
+      const int ready = pollUntil(fds, deadline);
       if (ready <= 0) {
         fail(
             "no answer within " +
@@ -682,7 +698,7 @@ struct RendezvousStore::Connection {
       const ssize_t n = recv(fd, buffer, sizeof buffer, 0);
       if (n == 0)
         fail("the store closed the connection while " + what);
-      if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK)
+      if (n < 0 && !interruptedOrWouldBlock())
         fail("connection lost while " + what);
       if (n > 0)
         in.insert(in.end(), buffer, buffer + n);
