@@ -161,14 +161,15 @@ struct LaunchOutcome {
   bool stopped = false; // ended by a forwarded SIGINT / SIGTERM
   std::chrono::steady_clock::time_point failedAt;
 };
-// What a rank runs in place of executing `executable` anew: given the
-// rank's words (`executable train <arguments>`), its exit status. A new
+// What a rank runs in place of executing `executable` anew, as `main`
+// would: given the rank's argv (`executable train <arguments>`), its exit
+// status. A new
 // process of a LibTorch program spends about 0.6 s of CPU loading LibTorch
 // before main; a rank forked from the launcher has it loaded already. Used
 // only while the launcher runs a single thread (a fork copies no other
 // thread, and a lock another held would stay held), else the executable
 // is run as without it.
-using RankMain = std::function<int(const std::vector<std::string>& words)>;
+using RankMain = std::function<int(int argc, char** argv)>;
 LaunchOutcome launchAttempt(
     const std::string& executable,
     int processes,

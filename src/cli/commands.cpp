@@ -822,16 +822,6 @@ std::string flagValue(
   return "";
 }
 
-// A launched rank's command line, run in the launcher's forked copy.
-int runRankCommandLine(const std::vector<std::string>& words) {
-  std::vector<std::string> copies = words;
-  std::vector<char*> argv;
-  for (std::string& word : copies)
-    argv.push_back(word.data());
-  argv.push_back(nullptr);
-  return tpipe::runCommandLine(static_cast<int>(copies.size()), argv.data());
-}
-
 // `tpipe launch --max-restarts K`: each failed attempt (not one the user
 // stopped) is followed by a new one, which resumes from the --save
 // directory's last checkpoint (--resume auto), until one succeeds or K
@@ -879,7 +869,7 @@ int launchWithRestarts(
   std::chrono::steady_clock::time_point since{};
   for (int restart = 0;; ++restart) {
     const tpipe::LaunchOutcome outcome = tpipe::launchAttempt(
-        "/proc/self/exe", processes, arguments, since, runRankCommandLine);
+        "/proc/self/exe", processes, arguments, since, tpipe::runCommandLine);
     if (outcome.status == 0 || outcome.stopped || maxRestarts == 0)
       return outcome.status;
     if (restart == maxRestarts) {

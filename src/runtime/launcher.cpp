@@ -212,7 +212,7 @@ class Launcher {
       ::sigprocmask(SIG_SETMASK, &none, nullptr);
       int status = 1;
       try {
-        status = rankMain_(words);
+        status = rankMain_(static_cast<int>(words.size()), argv.data());
       } catch (...) {
         std::fprintf(stderr, "launch: rank %d ended by an exception\n", rank);
       }
