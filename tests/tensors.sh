@@ -32,6 +32,8 @@ bad = {
     "counts": {"inputs": x, "targets": y[:300]},
     "shape": {"inputs": torch.randn(320, 15), "targets": y},
     "floattargets": {"inputs": x, "targets": y.float()},
+    # Fresh empty tensors have storages of no bytes, which the file holds.
+    "nosamples": {"inputs": torch.randn(0, 16), "targets": torch.zeros(0, dtype=torch.int64)},
 }
 for name, value in bad.items():
     torch.save(value, f"{w}/{name}.pt")
@@ -281,6 +283,7 @@ for variant in \
   'counts:do not hold the same number of samples' \
   'shape:"inputs" samples are [15] but model.input_shape is [16]' \
   'floattargets:"targets" are Float; cross_entropy takes integer class indices' \
+  'nosamples:"inputs" holds no samples' \
   'list:holds a GenericList' \
   'empty:is empty (expected a torch.save file)' \
   'text:is not a torch.save file'; do

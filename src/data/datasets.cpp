@@ -645,10 +645,12 @@ class MappedFile {
   char* at(size_t offset) const {
     return base_ + offset;
   }
-  // Whether [data, data + bytes) lies inside the file.
+  // Whether [data, data + bytes) lies inside the file. A storage of no
+  // bytes (a tensor with no elements) has no data pointer, and nothing to
+  // read past the end: it was called truncated.
   bool holds(const void* data, size_t bytes) const {
     const char* begin = static_cast<const char*>(data);
-    return begin >= base_ && begin + bytes <= base_ + length_;
+    return bytes == 0 || (begin >= base_ && begin + bytes <= base_ + length_);
   }
 
  private:
