@@ -387,6 +387,25 @@ for flag in "--trace $work" "--timeline $work/missing/t.svg" "--report $work/fif
     bad "$flag (exit $status)" "$(cat "$work/out.log")"
   fi
 done
+# An output never replaces what the run reads, however it is spelled.
+cp "$config" "$work/own.json"
+ln -s "$work/own.json" "$work/own-link.json"
+"$tpipe" train "$work/own.json" --set train.steps=4 --save "$work/own-ck" >"$work/own.log" 2>&1
+for flag in "--metrics $work/own-link.json" "--report $work/own-ck/checkpoint.json" \
+            "--trace $work/own-ck/../own-ck/.tpipe-lock" "--timeline $work/t.svg --trace $work/./t.svg"; do
+  before=$(cat "$work/own.json" "$work/own-ck/checkpoint.json" | md5sum)
+  # shellcheck disable=SC2086
+  "$tpipe" train "$work/own.json" --set train.steps=8 --resume "$work/own-ck" --save "$work/own-ck" $flag >"$work/out.log" 2>&1
+  status=$?
+  if [[ $status -eq 2 ]] && grep -qE -- "would replace|names the same file" "$work/out.log" && ! grep -q "^step " "$work/out.log" &&
+     [[ $(cat "$work/own.json" "$work/own-ck/checkpoint.json" | md5sum) == "$before" ]]; then
+    ok "$flag is refused (exit 2): $(grep -oE "would replace [^(]*|names the same file" "$work/out.log")"
+  else
+    bad "$flag over an input (exit $status)" "$(cat "$work/out.log")"
+  fi
+done
+"$tpipe" train "$work/own.json" --set train.steps=8 --resume "$work/own-ck" --save "$work/own-ck" --metrics "$work/own-ck/metrics.jsonl" >"$work/out.log" 2>&1
+expect "metrics kept beside the checkpoint, in its directory, are the user's to write" 0 "resumed at step 4" "$work/out.log" $?
 "$tpipe" launch --nproc 2 "$config" --trace "$work" >"$work/launch-out.log" 2>&1
 status=$?
 if [[ $status -eq 2 ]] && grep -q "is a directory" "$work/launch-out.log" && ! grep -q "lost rank" "$work/launch-out.log"; then

@@ -276,6 +276,23 @@ else
   echo "skipped: rendering the curves (no chromium; scripts/render-svg installs it)"
 fi
 
+# Outputs that would replace the run's own input files are refused, the
+# files intact: predict's --output over --input (a hard link to it), and a
+# trace over data.path.
+cp "$work/test.pt" "$work/in.pt"
+ln "$work/in.pt" "$work/in-link.pt"
+before=$(cat "$work/in.pt" "$work/train.pt" | md5sum)
+"$tpipe" predict "$work/run.json" --resume "$work/ck" --input "$work/in.pt" --output "$work/in-link.pt" >"$work/clobber.log" 2>&1
+s1=$?
+"$tpipe" train "$work/run.json" --set train.steps=2 --trace "$work/train.pt" >>"$work/clobber.log" 2>&1
+s2=$?
+if [[ $s1 -eq 2 && $s2 -eq 2 && $(cat "$work/in.pt" "$work/train.pt" | md5sum) == "$before" ]] &&
+   grep -qF -- "would replace --input" "$work/clobber.log" && grep -qF -- "would replace data.path" "$work/clobber.log"; then
+  ok "--output over --input and --trace over data.path are refused (exit 2), the files intact"
+else
+  bad "outputs over inputs (exit $s1, $s2)" "$(cat "$work/clobber.log")"
+fi
+
 for variant in \
   'nokey:missing key "targets"' \
   'intinputs:"inputs" are Long; a model without an embedding first takes floating-point inputs' \

@@ -20,6 +20,9 @@ struct PredictOptions {
   // reads; written by the process that holds the last stage (across
   // processes) and checked before anything runs.
   std::string outputPath;
+  // The config's file, if it came from one: outputPath may not replace it
+  // (nor the input, the checkpoint's files or the config's data files).
+  std::string configPath;
   std::ostream* log = nullptr; // null: std::cout
 };
 

@@ -31,6 +31,10 @@ struct TrainOptions {
   // file (a resumed run's history included). Empty: none.
   std::string plotPath;
   std::string runName;   // the plot's title, e.g. the config file's name
+  // The config's file, if it came from one. No output may replace it, nor
+  // any file the run reads (data, a scripted model, the profile, the
+  // checkpoint's own files): such a run is refused before it starts.
+  std::string configPath;
   std::string saveDir;   // checkpoints; empty: none
   std::string resumeDir; // continue from this checkpoint; empty: start;
                          // "auto": saveDir's last checkpoint, if any

@@ -792,6 +792,8 @@ int runTune(Arguments& a) {
 }
 
 int runProfile(Arguments& a) {
+  tpipe::refuseOutputsOverInputs(
+      {{"--out", a.profileOut}}, {{"the config", a.configPath}});
   profileCommand(a.configPath, a.overrides, a.profileOut);
   if (a.profileSteps <= 0)
     return 0;
@@ -801,6 +803,7 @@ int runProfile(Arguments& a) {
   config.train.evalEvery = 0;
   a.train.recordSteps = a.profileSteps;
   a.train.evaluate = false;
+  a.train.configPath = a.configPath;
   std::cout << "\nrunning " << a.profileSteps
             << " recorded steps (after 2 warm-up steps)\n";
   tpipe::train(config, a.train);
@@ -920,6 +923,7 @@ int dispatch(const Subcommands& c, Arguments& a) {
           ? std::string("the built-in Fashion-MNIST CNN")
           : std::filesystem::path(a.configPath).filename().string();
     }
+    a.train.configPath = a.configPath;
     const tpipe::TrainSummary summary = tpipe::train(config, a.train);
     return summary.stopSignal ? 128 + summary.stopSignal : 0;
   }
@@ -933,6 +937,7 @@ int dispatch(const Subcommands& c, Arguments& a) {
   if (*c.plot)
     return plotCommand(a);
   if (*c.predict) {
+    a.predict.configPath = a.configPath;
     tpipe::predict(
         tpipe::parseConfig(configJson(a.configPath, a.overrides)), a.predict);
     return 0;

@@ -12,6 +12,7 @@
 #include <cerrno>
 #include <cstring>
 
+#include "tpipe/config.h"
 #include "tpipe/errors.h"
 
 namespace tpipe {
@@ -203,6 +204,100 @@ void streamTo(const fs::path& device, const std::string& bytes) {
 }
 
 } // namespace
+
+namespace {
+
+// Where `path` lands, symlinks followed, as an absolute path without . or ..
+// (the file need not exist).
+fs::path landingPlace(const std::string& path) {
+  std::error_code error;
+  const fs::path target = fs::weakly_canonical(throughSymlinks(path), error);
+  return error ? fs::absolute(path, error).lexically_normal() : target;
+}
+
+bool isCharacterDevice(const fs::path& path) {
+  struct stat info {};
+  return ::stat(path.c_str(), &info) == 0 && S_ISCHR(info.st_mode);
+}
+
+bool sameFile(const fs::path& a, const fs::path& b) {
+  std::error_code error;
+  return a == b || fs::equivalent(a, b, error);
+}
+
+// `file`'s first component below `dir`, or empty where it is not below it.
+fs::path firstComponentBelow(const fs::path& file, const fs::path& dir) {
+  const fs::path relative = file.lexically_relative(dir);
+  if (relative.empty() || *relative.begin() == "..")
+    return {};
+  return *relative.begin();
+}
+
+bool replaces(const fs::path& output, const RunInput& input) {
+  const fs::path source = landingPlace(input.path);
+  switch (input.kind) {
+    case RunInput::Kind::kFile:
+      return sameFile(output, source);
+    case RunInput::Kind::kDirectory: {
+      std::error_code error;
+      return output.parent_path() == source &&
+          fs::is_regular_file(output, error);
+    }
+    case RunInput::Kind::kCheckpoint: {
+      const std::string first = firstComponentBelow(output, source).string();
+      return first == "checkpoint.json" || first == ".tpipe-lock" ||
+          first.rfind("state-", 0) == 0;
+    }
+  }
+  return false;
+}
+
+} // namespace
+
+std::vector<RunInput> inputsOf(const Config& config) {
+  auto named = [](const std::string& name, const std::string& path) {
+    std::error_code error;
+    return RunInput{
+        name,
+        path,
+        fs::is_directory(path, error) ? RunInput::Kind::kDirectory
+                                      : RunInput::Kind::kFile};
+  };
+  return {
+      named("data.path", config.data.path),
+      named("data.eval_path", config.data.evalPath),
+      named("model.torchscript", config.model.torchscript)};
+}
+
+void refuseOutputsOverInputs(
+    const std::vector<RunOutput>& outputs,
+    const std::vector<RunInput>& inputs) {
+  std::vector<std::pair<const RunOutput*, fs::path>> written;
+  for (const RunOutput& output : outputs) {
+    if (output.path.empty())
+      continue;
+    const fs::path target = landingPlace(output.path);
+    if (isCharacterDevice(target))
+      continue;
+    for (const RunInput& input : inputs) {
+      if (!input.path.empty() && replaces(target, input)) {
+        throw ConfigError(
+            output.flag + " " + output.path + ": would replace " +
+            (input.kind == RunInput::Kind::kFile ? "" : "a file of ") +
+            input.name + " (" + input.path +
+            "), which this run reads; name another file");
+      }
+    }
+    for (const auto& [other, place] : written) {
+      if (sameFile(target, place)) {
+        throw ConfigError(
+            output.flag + " " + output.path + ": " + other->flag + " " +
+            other->path + " names the same file; name one file each");
+      }
+    }
+    written.emplace_back(&output, target);
+  }
+}
 
 void checkOutputPath(const std::string& flag, const std::string& path) {
   if (path.empty())

@@ -10,8 +10,11 @@
 #include <filesystem>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 namespace tpipe {
+
+struct Config;
 
 class WriteFailure : public std::runtime_error {
  public:
@@ -54,5 +57,34 @@ bool sameDirectory(const std::string& a, const std::string& b);
 // never replaced. A failed write throws ConfigError with the reason.
 void checkOutputPath(const std::string& flag, const std::string& path);
 void writeOutputFile(const std::string& path, const std::string& bytes);
+
+// What a run reads, which none of its outputs may replace: a file (the
+// config, data.path, a scripted model, a profile, --input), a directory of
+// files (fashion-mnist's data.path: the files in it), or a checkpoint
+// directory (its checkpoint.json, lock and state-* files; other files in it,
+// such as metrics kept beside the checkpoint, are the user's).
+struct RunInput {
+  enum class Kind { kFile, kDirectory, kCheckpoint };
+  std::string name; // the flag or key that named it: "data.path", "--resume"
+  std::string path; // empty: none
+  Kind kind = Kind::kFile;
+};
+
+// The files a config names: data.path, data.eval_path, model.torchscript.
+std::vector<RunInput> inputsOf(const Config& config);
+
+// An output flag and the path it names; empty: none.
+struct RunOutput {
+  std::string flag;
+  std::string path;
+};
+
+// Throws ConfigError, naming both flags, where an output would replace an
+// input, however the two are spelled (relative, through symlinks, hard
+// links), or where two outputs name one file. Character devices
+// (/dev/stdout, /dev/null) are streamed to, never replaced, and pass.
+void refuseOutputsOverInputs(
+    const std::vector<RunOutput>& outputs,
+    const std::vector<RunInput>& inputs);
 
 } // namespace tpipe

@@ -40,6 +40,11 @@ PredictSummary predict(const Config& given, const PredictOptions& options) {
   if (options.outputPath.empty())
     throw ConfigError("predict: --output Y.pt is required");
   checkOutputPath("--output", options.outputPath);
+  std::vector<RunInput> read = inputsOf(config);
+  read.push_back({"the config", options.configPath});
+  read.push_back({"--input", options.inputPath});
+  read.push_back({"--resume", options.resumeDir, RunInput::Kind::kCheckpoint});
+  refuseOutputsOverInputs({{"--output", options.outputPath}}, read);
   std::ostream& log = options.log ? *options.log : std::cout;
   const std::shared_ptr<Communicator> world = joinWorld(config);
   const BuiltModel model = buildModel(config);

@@ -1004,6 +1004,20 @@ TrainSummary train(const Config& config, const TrainOptions& options) {
   checkOutputPath("--timeline", options.timelinePath);
   checkOutputPath("--report", options.reportPath);
   checkOutputPath("--plot", options.plotPath);
+  std::vector<RunInput> inputs = inputsOf(config);
+  inputs.push_back({"the config", options.configPath});
+  inputs.push_back({"--profile", options.profilePath});
+  inputs.push_back({"--save", options.saveDir, RunInput::Kind::kCheckpoint});
+  if (options.resumeDir != "auto")
+    inputs.push_back(
+        {"--resume", options.resumeDir, RunInput::Kind::kCheckpoint});
+  refuseOutputsOverInputs(
+      {{"--metrics", options.metricsPath},
+       {"--trace", options.tracePath},
+       {"--timeline", options.timelinePath},
+       {"--report", options.reportPath},
+       {"--plot", options.plotPath}},
+      inputs);
   return TrainingRun(config, options).run();
 }
 
