@@ -1298,6 +1298,48 @@ TEST(TuneTest, ClusterRooflineMakesSmallMicroBatchesBandwidthBound) {
   EXPECT_NEAR(forwardAt(flat, 4096), 4096 * flops / 1e11, 1e-6);
 }
 
+// Nodes and devices per node are whole numbers (1.5 nodes of 8 had planned
+// 12 devices), and their product is a device count tpipe can plan.
+TEST(TuneTest, AClusterCountsWholeNodesAndDevices) {
+  const Config config = parseConfig(nlohmann::json::parse(R"({
+    "model": {"input_shape": [64], "layers": [{"type": "linear",
+              "out_features": 64}]},
+    "data": {"dataset": "synthetic", "samples": 8},
+    "pipeline": {"devices": ["cpu:0"]},
+    "train": {"batch_size": 8, "steps": 1, "loss": "mse"}})"));
+  auto clusterWith = [](const std::string& counts) {
+    return nlohmann::json::parse(
+        "{" + counts +
+        R"(, "device": {"peak_tflops": 100, "memory": "80GiB"},
+           "intra_node": {"bandwidth_gb_s": 100}})");
+  };
+  auto refusal = [&](const std::string& counts) -> std::string {
+    try {
+      clusterCostModel(config, clusterWith(counts), "test");
+    } catch (const ConfigError& error) {
+      return error.what();
+    }
+    return "";
+  };
+  EXPECT_NE(
+      refusal(R"("nodes": 1.5, "devices_per_node": 8)")
+          .find("cluster.nodes: expected a whole number, got 1.5"),
+      std::string::npos);
+  EXPECT_NE(
+      refusal(R"("nodes": 2, "devices_per_node": 2.5)")
+          .find("cluster.devices_per_node: expected a whole number"),
+      std::string::npos);
+  EXPECT_NE(
+      refusal(R"("nodes": 1048576, "devices_per_node": 8)")
+          .find("more than 1048576 devices"),
+      std::string::npos);
+  EXPECT_EQ(
+      clusterCostModel(
+          config, clusterWith(R"("nodes": 2, "devices_per_node": 4)"), "test")
+          .request.devices.size(),
+      8u);
+}
+
 // A block's norms, softmax and dropout run as kernels of their own: with a
 // bandwidth, their traffic (19 s h + 6.5 a s^2 elements forward, twice
 // backward) adds to the products' time instead of hiding under it, so a

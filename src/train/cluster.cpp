@@ -45,6 +45,16 @@ double numberAt(
   return value.get<double>();
 }
 
+// A count: a whole number at `key` in [min, max], required. A fractional
+// node count (1.5 nodes of 8) had planned for 12 devices.
+int countAt(const Json& object, const char* key, int min, int max) {
+  const double value = numberAt(object, "cluster", key, NAN, min, max);
+  if (value != std::floor(value))
+    bad(std::string("cluster.") + key,
+        "expected a whole number, got " + object[key].dump());
+  return static_cast<int>(value);
+}
+
 const Json& objectAt(const Json& root, const std::string& key) {
   if (!root.contains(key))
     bad("cluster." + key, "missing (required)");
@@ -112,11 +122,14 @@ Cluster parseCluster(const Json& root) {
        "instruction_us",
        "flash_attention"});
   Cluster c;
-  const double nodes = numberAt(root, "cluster", "nodes", NAN, 1, 1 << 20);
-  const double perNode =
-      numberAt(root, "cluster", "devices_per_node", NAN, 1, 1024);
-  c.devices = static_cast<int>(nodes * perNode);
-  c.topology.devicesPerNode = static_cast<int>(perNode);
+  const int nodes = countAt(root, "nodes", 1, 1 << 20);
+  const int perNode = countAt(root, "devices_per_node", 1, 1024);
+  if (static_cast<int64_t>(nodes) * perNode > (1 << 20))
+    bad("cluster",
+        std::to_string(nodes) + " nodes of " + std::to_string(perNode) +
+            " devices are more than 1048576 devices");
+  c.devices = nodes * perNode;
+  c.topology.devicesPerNode = perNode;
   c.topology.intraNode = linkFrom(root, "intra_node");
   c.topology.interNode = root.contains("inter_node")
       ? linkFrom(root, "inter_node")
