@@ -391,7 +391,7 @@ done
 cp "$config" "$work/own.json"
 ln -s "$work/own.json" "$work/own-link.json"
 "$tpipe" train "$work/own.json" --set train.steps=4 --save "$work/own-ck" >"$work/own.log" 2>&1
-for flag in "--metrics $work/own-link.json" "--report $work/own-ck/checkpoint.json" \
+for flag in "--metrics $work/own-link.json" "--report $work/own-ck/checkpoint.json" "--plot $work/own-ck/model.pt" \
             "--trace $work/own-ck/../own-ck/.tpipe-lock" "--timeline $work/t.svg --trace $work/./t.svg"; do
   before=$(cat "$work/own.json" "$work/own-ck/checkpoint.json" | md5sum)
   # shellcheck disable=SC2086

@@ -246,7 +246,8 @@ bool replaces(const fs::path& output, const RunInput& input) {
     case RunInput::Kind::kCheckpoint: {
       const std::string first = firstComponentBelow(output, source).string();
       return first == "checkpoint.json" || first == ".tpipe-lock" ||
-          first.rfind("state-", 0) == 0;
+          first == "model.pt" || first.rfind("state-", 0) == 0 ||
+          first.rfind("rank-", 0) == 0;
     }
   }
   return false;

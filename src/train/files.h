@@ -61,8 +61,9 @@ void writeOutputFile(const std::string& path, const std::string& bytes);
 // What a run reads, which none of its outputs may replace: a file (the
 // config, data.path, a scripted model, a profile, --input), a directory of
 // files (fashion-mnist's data.path: the files in it), or a checkpoint
-// directory (its checkpoint.json, lock and state-* files; other files in it,
-// such as metrics kept beside the checkpoint, are the user's).
+// directory (its checkpoint.json, model.pt, lock, state-* and rank-* files;
+// other files in it, such as metrics kept beside the checkpoint, are the
+// user's).
 struct RunInput {
   enum class Kind { kFile, kDirectory, kCheckpoint };
   std::string name; // the flag or key that named it: "data.path", "--resume"
