@@ -312,5 +312,40 @@ TEST(TraceTest, CurvesDrawEveryRecordOnce) {
       curvesSvg("", "t").find("no training records yet"), std::string::npos);
 }
 
+// A diverged run's losses (1e308 and -1e308: their difference overflows),
+// losses a rounding step apart at 1e20 (a tick step below one unit in the
+// last place, which once looped for ever), all-equal huge losses and steps
+// at both ends of the doubles: each is drawn inside its panel, with a
+// handful of ticks.
+TEST(TraceTest, CurvesOfExtremeValuesStayInsideTheirPanels) {
+  auto record = [](double step, double loss) {
+    return nlohmann::json{{"step", step}, {"loss", loss}}.dump() + "\n";
+  };
+  const double huge = std::numeric_limits<double>::max();
+  const std::vector<std::string> cases = {
+      record(1, 1e308) + record(2, -1e308) + record(3, 0.5),
+      record(1, -1e20) + record(2, std::nextafter(-1e20, 0.0)),
+      record(1, -1e20) + record(2, -1e20),
+      record(-huge, huge) + record(huge, -huge),
+      record(1, 5e-324) + record(2, 0.0)};
+  for (const std::string& lines : cases) {
+    const std::string svg = curvesSvg(lines, "t");
+    const auto loss = polyline(svg, "loss");
+    ASSERT_EQ(loss.size(), 2u + (lines.find("0.5") != std::string::npos))
+        << lines;
+    for (const auto& [x, y] : loss) {
+      EXPECT_TRUE(x >= 80 && x <= 820) << x << " in\n" << lines;
+      EXPECT_TRUE(y >= 60 && y <= 360) << y << " in\n" << lines;
+    }
+    size_t texts = 0;
+    for (size_t at = svg.find("<text"); at != std::string::npos;
+         at = svg.find("<text", at + 1))
+      ++texts;
+    EXPECT_LT(texts, 40u) << lines;
+    EXPECT_EQ(svg.find("nan"), std::string::npos) << lines;
+    EXPECT_EQ(svg.find("inf"), std::string::npos) << lines;
+  }
+}
+
 } // namespace
 } // namespace tpipe

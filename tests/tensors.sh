@@ -254,6 +254,29 @@ if [[ $s1 -eq 0 && $s2 -eq 0 ]] && grep -q "run.json</text>" "$work/curves.svg" 
 else
   bad "plot (exit $s1 / $s2)" "$(cat "$work/plot.log")"
 fi
+# tpipe plot never writes over its metrics, names a file that holds no
+# metrics records (a config) instead of drawing an empty picture, and draws
+# an empty file (a run not yet at its first step) and a diverged run's
+# 1e308 losses (which once crashed it).
+cp "$work/plot.jsonl" "$work/kept.jsonl"
+"$tpipe" plot "$work/plot.jsonl" --out "$work/plot.jsonl" >"$work/p1.log" 2>&1
+s1=$?
+"$tpipe" plot "$work/run.json" --out "$work/config.svg" >"$work/p2.log" 2>&1
+s2=$?
+: >"$work/empty.jsonl"
+"$tpipe" plot "$work/empty.jsonl" --out "$work/empty.svg" >"$work/p3.log" 2>&1
+s3=$?
+printf '{"step": 1, "loss": 1e308}\n{"step": 2, "loss": -1e308}\n' >"$work/diverged.jsonl"
+"$tpipe" plot "$work/diverged.jsonl" --out "$work/diverged.svg" >"$work/p4.log" 2>&1
+s4=$?
+if [[ $s1 -eq 2 ]] && grep -q "would replace the metrics file" "$work/p1.log" && cmp -s "$work/plot.jsonl" "$work/kept.jsonl" &&
+   [[ $s2 -eq 2 ]] && grep -q "holds no metrics records" "$work/p2.log" && [[ ! -e $work/config.svg ]] &&
+   [[ $s3 -eq 0 ]] && grep -q "no training records yet" "$work/empty.svg" &&
+   [[ $s4 -eq 0 ]] && grep -q '<polyline class="loss"' "$work/diverged.svg"; then
+  ok "tpipe plot refuses --out over its metrics and a file of no records (exit 2); draws an empty and a diverged run"
+else
+  bad "tpipe plot's input (exits $s1 $s2 $s3 $s4)" "$(cat "$work/p1.log" "$work/p2.log" "$work/p3.log" "$work/p4.log")"
+fi
 if command -v chromium >/dev/null; then
   "$(dirname "$0")/../scripts/render-svg" "$work/curves.svg" "$work/curves.png" 900x640 >/dev/null 2>&1
   /usr/bin/python3 - "$work/curves.png" <<'PY' >"$work/render.log" 2>&1

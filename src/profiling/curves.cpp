@@ -45,21 +45,36 @@ Curves readCurves(const std::string& lines) {
 }
 
 // Ticks at 1, 2 or 5 x 10^k covering [low, high], about `count` of them.
+// Losses from a diverged run reach 1e308 and -1e308: the span is taken in
+// halves so that it cannot overflow, and where no such step exists (a span
+// lost in rounding, or past the largest double) the ends are the ticks.
 std::vector<double> niceTicks(double low, double high, int count) {
   if (!(high > low))
     high = low + 1;
-  const double raw = (high - low) / std::max(count, 1);
-  const double magnitude = std::pow(10.0, std::floor(std::log10(raw)));
-  double step = magnitude;
-  for (double factor : {1.0, 2.0, 5.0, 10.0}) {
-    step = factor * magnitude;
-    if (step >= raw)
-      break;
-  }
   std::vector<double> ticks;
-  for (double t = std::ceil(low / step) * step; t <= high + step * 1e-9;
-       t += step)
-    ticks.push_back(std::abs(t) < step * 1e-9 ? 0.0 : t);
+  const double raw = (high / 2 - low / 2) / std::max(count, 1) * 2;
+  if (std::isfinite(raw) && raw > 0) {
+    const double magnitude = std::pow(10.0, std::floor(std::log10(raw)));
+    double step = magnitude;
+    for (double factor : {1.0, 2.0, 5.0, 10.0}) {
+      step = factor * magnitude;
+      if (step >= raw)
+        break;
+    }
+    const double first = std::ceil(low / step),
+                 last = std::floor(high / step + 1e-9);
+    if (std::isfinite(step) && last - first >= 0 && last - first <= 4 * count)
+      for (int i = 0; i <= static_cast<int>(last - first); ++i) {
+        const double t = (first + i) * step;
+        if (ticks.empty() || t > ticks.back())
+          ticks.push_back(std::abs(t) < step * 1e-9 ? 0.0 : t);
+      }
+  }
+  if (ticks.empty()) {
+    ticks.push_back(low);
+    if (high > low)
+      ticks.push_back(high);
+  }
   return ticks;
 }
 
@@ -93,10 +108,15 @@ struct Panel {
   double left, top, width, height;
   double x0, x1, y0, y1;
   double x(double step) const {
-    return left + (step - x0) / std::max(x1 - x0, 1e-12) * width;
+    return left + fraction(step, x0, x1) * width;
   }
   double y(double value) const {
-    return top + height - (value - y0) / std::max(y1 - y0, 1e-12) * height;
+    return top + height - fraction(value, y0, y1) * height;
+  }
+  // Where v lies in [low, high], from 0 to 1; halved, as in niceTicks, so
+  // that opposite huge values do not overflow.
+  static double fraction(double v, double low, double high) {
+    return (v / 2 - low / 2) / std::max(high / 2 - low / 2, 1e-12);
   }
 };
 
