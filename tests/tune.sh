@@ -100,5 +100,15 @@ expect "a bad cluster file names the key" 2 "cluster.device.peak_tflops" "$work/
 "$tpipe" tune "$source_dir/configs/gpt3_175b.json" --cluster "$source_dir/configs/cluster_1024.json" --top 3 >"$work/gpt3" 2>&1
 expect "--cluster plans GPT-3 on 1024 devices" 0 "x 16 dp" "$work/gpt3" $?
 
+# --write is checked before minutes of tuning: a missing directory and a
+# file the tune reads (its --cluster) are refused, the file left as it was.
+"$tpipe" tune "$config" --write "$work/nowhere/chosen.json" >"$work/w1" 2>&1
+expect "--write into a missing directory is refused" 2 "--write" "$work/w1" $?
+if grep -q "tune: profiling" "$work/w1"; then bad "--write is checked before tuning" "$(cat "$work/w1")"; else ok "--write is checked before tuning"; fi
+cp "$source_dir/configs/cluster_1024.json" "$work/c.json"
+"$tpipe" tune "$source_dir/configs/gpt3_175b.json" --cluster "$work/c.json" --write "$work/c.json" >"$work/w2" 2>&1
+expect "--write over the --cluster file is refused" 2 "would replace --cluster" "$work/w2" $?
+if cmp -s "$work/c.json" "$source_dir/configs/cluster_1024.json"; then ok "the --cluster file is left as it was"; else bad "--cluster file changed" "$(head -5 "$work/c.json")"; fi
+
 echo "tune: $passed passed, $failed failed"
 [[ $failed == 0 ]]

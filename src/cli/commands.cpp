@@ -775,6 +775,14 @@ CLI::App* addTune(CLI::App& app, Arguments& a) {
 int runTune(Arguments& a) {
   const nlohmann::json json = configJson(a.configPath, a.overrides);
   const tpipe::Config config = tpipe::parseConfig(json);
+  if (!a.writePath.empty()) {
+    // Checked before a tune of minutes. The config itself may be named: it
+    // is read whole first, and replaced whole by the tuned one.
+    tpipe::checkOutputPath("--write", a.writePath);
+    std::vector<tpipe::RunInput> inputs = tpipe::inputsOf(config);
+    inputs.push_back({"--cluster", a.clusterPath});
+    tpipe::refuseOutputsOverInputs({{"--write", a.writePath}}, inputs);
+  }
   a.tune.log = &std::cerr;
   tpipe::TuneOutcome outcome;
   if (a.clusterPath.empty()) {
@@ -791,12 +799,8 @@ int runTune(Arguments& a) {
       throw tpipe::ConfigError(
           "--write: the choice runs " + std::to_string(choice.dataParallel) +
           " replicas; write it for a cluster run by hand");
-    const std::string text = tpipe::configWithPlan(json, choice).dump(2) + "\n";
-    std::ofstream out(a.writePath, std::ios::trunc);
-    out << text;
-    out.close();
-    if (!out)
-      throw tpipe::ConfigError("--write: cannot write " + a.writePath);
+    tpipe::writeOutputFile(
+        a.writePath, tpipe::configWithPlan(json, choice).dump(2) + "\n");
   }
   if (a.json) {
     nlohmann::json out = tpipe::tuneResultToJson(outcome.result);
