@@ -168,6 +168,43 @@ TEST(TrainTest, ShapeInferenceNamesTheFirstLayerThatDoesNotFit) {
       "model.layers[1] (transformer_block): dim 6 is not divisible by heads 4");
 }
 
+// A model or a synthetic set past any host's memory (4 PB of parameters,
+// 8 PB of samples) is refused with its figures before anything is
+// allocated, not met by LibTorch's failed allocation.
+TEST(TrainTest, AModelOrDataPastTheHostsMemoryIsRefusedWithItsSize) {
+  auto refusal = [](const std::function<void()>& build) -> std::string {
+    try {
+      build();
+    } catch (const ConfigError& error) {
+      return error.what();
+    } catch (const std::exception& error) {
+      return std::string("not a ConfigError: ") + error.what();
+    }
+    return "";
+  };
+  Json huge = smokeConfig();
+  huge["model"]["input_shape"] = {1000000};
+  huge["model"]["layers"][0]["out_features"] = 1000000000;
+  const std::string model =
+      refusal([&] { buildModel(parseConfig(huge).model, 0); });
+  EXPECT_NE(model.find(" billion parameters need "), std::string::npos)
+      << model;
+  EXPECT_NE(model.find("available"), std::string::npos) << model;
+
+  Json wide = smokeConfig();
+  wide["model"]["input_shape"] = {1000000};
+  wide["model"]["layers"] = {{{"type", "linear"}, {"out_features", 2}}};
+  wide["data"]["samples"] = 2000000000;
+  wide["pipeline"] = {{"devices", {"cpu:0"}}};
+  const Config config = parseConfig(wide);
+  const std::string data =
+      refusal([&] { loadDataset(config, buildModel(config.model, 0)); });
+  EXPECT_NE(
+      data.find("data.samples: 2400000000 synthetic samples"),
+      std::string::npos)
+      << data;
+}
+
 TEST(TrainTest, LossMustFitTheModelAndData) {
   Json json = smokeConfig();
   json["model"]["layers"].back()["out_features"] = 7;

@@ -12,7 +12,7 @@ cd "$root" || exit 2
 # Floors, lowest first.
 floor_of() { # a source folder or a header path -> floor number
   case "$1" in
-    tpipe/costs.h | tpipe/errors.h | json_input.h | overloaded.h | statistics.h | default_config.inc) echo 0 ;;
+    tpipe/costs.h | tpipe/errors.h | json_input.h | overloaded.h | statistics.h | host_memory.h | default_config.inc) echo 0 ;;
     partitioner | scheduler | scheduler/* | tpipe/partition.h | tpipe/schedule.h) echo 1 ;;
     plan | profiling | tpipe/plan.h | tpipe/tune.h | tpipe/trace.h | tpipe/curves.h) echo 2 ;;
     layers | layers/* | tpipe/layers.h) echo 3 ;;

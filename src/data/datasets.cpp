@@ -23,7 +23,9 @@
 #include <torch/nn/functional/activation.h>
 
 #include "data/tensor_files.h"
+#include "host_memory.h"
 #include "tpipe/model.h"
+#include "tpipe/partition.h"
 
 namespace tpipe {
 namespace {
@@ -496,6 +498,43 @@ Dataset tensors(
   return data;
 }
 
+// The synthetic set is drawn whole: its inputs and targets (a lower bound
+// of what drawing them takes) must fit in the host's available memory, or
+// data.samples 2e9 fails in an allocation of 300 GB instead of naming it.
+void checkSyntheticFitsHost(
+    const Config& config,
+    int64_t total,
+    const std::vector<int64_t>& inShape,
+    const std::vector<int64_t>& outShape,
+    bool integerInput) {
+  const int64_t available = availableMemoryBytes();
+  if (available <= 0)
+    return;
+  double in = integerInput ? sizeof(int64_t) : sizeof(float);
+  for (int64_t d : inShape)
+    in *= static_cast<double>(d);
+  double out = 1;
+  for (int64_t d : outShape)
+    out *= static_cast<double>(d);
+  // Cross-entropy targets are class indices: one per position.
+  out *= config.train.loss == "cross_entropy"
+      ? static_cast<double>(sizeof(int64_t)) /
+          static_cast<double>(outShape.back())
+      : sizeof(float);
+  const double bytes = static_cast<double>(total) * (in + out);
+  if (bytes <= static_cast<double>(available))
+    return;
+  throw ConfigError(
+      std::string(
+          config.data.evalSamples > 0 ? "data.samples, data.eval_samples: "
+                                      : "data.samples: ") +
+      std::to_string(total) +
+      " synthetic samples (training and evaluation) need " +
+      formatBytes(static_cast<int64_t>(std::min(bytes, 9e18))) +
+      ", and this host has " + formatBytes(available) +
+      " available; ask for fewer samples");
+}
+
 Dataset synthetic(const Config& config, const BuiltModel& model) {
   at::Generator generator =
       at::make_generator<at::CPUGeneratorImpl>(config.train.seed + 12345);
@@ -505,6 +544,7 @@ Dataset synthetic(const Config& config, const BuiltModel& model) {
   const int64_t total = config.data.samples + evalCount;
   const auto& inShape = model.shapes.front();
   const auto& outShape = model.shapes.back();
+  checkSyntheticFitsHost(config, total, inShape, outShape, model.integerInput);
   std::vector<int64_t> shape{total};
   shape.insert(shape.end(), inShape.begin(), inShape.end());
   at::Tensor inputs;

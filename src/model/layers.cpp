@@ -1,6 +1,8 @@
 // Layer list from a config: shape inference, the layer types, and the
 // transformer block and deferred batch norm that LibTorch lacks.
 #include <cmath>
+#include <iomanip>
+#include <sstream>
 
 #include <torch/nn/functional/activation.h>
 #include <torch/nn/modules/activation.h>
@@ -12,10 +14,12 @@
 #include <torch/types.h>
 #include <torch/utils.h>
 
+#include "host_memory.h"
 #include "layers/parts.h"
 #include "layers/random.h"
 #include "model/layer_types.h"
 #include "tpipe/model.h"
+#include "tpipe/partition.h"
 
 namespace tpipe {
 
@@ -397,6 +401,39 @@ void tie(BuiltModel& built, int to, size_t layer) {
       {std::to_string(to) + ".weight", std::to_string(layer) + ".weight"});
 }
 
+// Every process builds the whole model before a plan splits it, so its
+// parameters must fit in this host's available memory: a config written for
+// a cluster (configs/gpt3_175b.json, 175 billion parameters) had filled the
+// memory for minutes. Tied layers are left out: a lower bound, never a
+// refusal of a model that would fit.
+void checkParametersFitHost(const ModelConfig& model) {
+  const int64_t available = availableMemoryBytes();
+  if (available <= 0)
+    return;
+  const std::vector<LayerFacts> facts = modelFacts(model);
+  double parameters = 0;
+  for (size_t l = 0; l < facts.size(); ++l) {
+    if (model.layers[l].tiedTo < 0)
+      parameters += static_cast<double>(facts[l].parameters);
+  }
+  const double bytes = parameters * sizeof(float);
+  if (bytes <= static_cast<double>(available))
+    return;
+  std::ostringstream count;
+  count << std::fixed << std::setprecision(1);
+  if (parameters >= 1e9)
+    count << parameters / 1e9 << " billion";
+  else
+    count << parameters / 1e6 << " million";
+  throw ConfigError(
+      "model: its " + count.str() + " parameters need " +
+      formatBytes(static_cast<int64_t>(std::min(bytes, 9e18))) +
+      " as float32, and this host has " + formatBytes(available) +
+      " available; every process builds the whole model before a plan "
+      "splits it (`tpipe tune --cluster` plans a model for a cluster "
+      "without building it)");
+}
+
 } // namespace
 
 BuiltModel buildModel(const Config& config) {
@@ -408,6 +445,7 @@ BuiltModel buildModel(const Config& config) {
 BuiltModel buildModel(const ModelConfig& model, uint64_t seed) {
   if (!model.torchscript.empty())
     return buildScriptedModel(model);
+  checkParametersFitHost(model);
   torch::manual_seed(seed);
   BuiltModel built;
   built.shapes.push_back(model.inputShape);

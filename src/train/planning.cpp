@@ -9,6 +9,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/types.h>
 
+#include "host_memory.h"
 #include "json_input.h"
 #include "model/layer_types.h"
 #include "train/parts.h"
@@ -218,15 +219,7 @@ TrainingCosts shapeCosts(const Config& config, const BuiltModel& model) {
 }
 
 int64_t hostAvailableBytes() {
-  std::ifstream meminfo("/proc/meminfo");
-  std::string key;
-  int64_t value = 0;
-  std::string unit;
-  while (meminfo >> key >> value >> unit) {
-    if (key == "MemAvailable:")
-      return value * 1024;
-  }
-  return 0;
+  return availableMemoryBytes();
 }
 
 Feasibility configFeasibility(
