@@ -406,6 +406,8 @@ for flag in "--metrics $work/own-link.json" "--report $work/own-ck/checkpoint.js
 done
 "$tpipe" train "$work/own.json" --set train.steps=8 --resume "$work/own-ck" --save "$work/own-ck" --metrics "$work/own-ck/metrics.jsonl" >"$work/out.log" 2>&1
 expect "metrics kept beside the checkpoint, in its directory, are the user's to write" 0 "resumed at step 4" "$work/out.log" $?
+"$tpipe" launch --nproc 2 train "$config" --set train.steps=2 >"$work/launch-train.log" 2>&1
+expect "launch --nproc 2 train CONFIG trains, as launch --nproc 2 CONFIG does" 0 "done: 2 steps" "$work/launch-train.log" $?
 "$tpipe" launch --nproc 2 "$config" --trace "$work" >"$work/launch-out.log" 2>&1
 status=$?
 if [[ $status -eq 2 ]] && grep -q "is a directory" "$work/launch-out.log" && ! grep -q "lost rank" "$work/launch-out.log"; then

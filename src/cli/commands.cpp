@@ -540,7 +540,8 @@ CLI::App* addLaunch(CLI::App& app, Arguments& a) {
                             // they are
   launch->footer(
       "Everything after --nproc N is handed to `tpipe train` in every rank "
-      "(or to `tpipe predict`, when it starts with predict).");
+      "(it may start with the word train), or to `tpipe predict` when it "
+      "starts with predict.");
   return launch;
 }
 

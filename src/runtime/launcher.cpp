@@ -188,10 +188,11 @@ class Launcher {
     ::setenv("MASTER_ADDR", masterAddr_.c_str(), 1);
     ::setenv("MASTER_PORT", masterPort_.c_str(), 1);
     ::setenv("TPIPE_JOB_TOKEN", token_.c_str(), 1);
-    // `launch --nproc N predict CONFIG ...` runs predict; anything else is
-    // handed to train.
+    // `launch --nproc N predict CONFIG ...` runs predict, `... train
+    // CONFIG` and `... CONFIG` train.
     std::vector<std::string> words{executable_};
-    if (arguments_.empty() || arguments_.front() != "predict")
+    if (arguments_.empty() ||
+        (arguments_.front() != "predict" && arguments_.front() != "train"))
       words.push_back("train");
     words.insert(words.end(), arguments_.begin(), arguments_.end());
     std::vector<char*> argv;
