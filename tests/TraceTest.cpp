@@ -195,6 +195,20 @@ TEST(TraceTest, PairsMeasureTheirOverlap) {
   for (int s : paired)
     EXPECT_EQ(costs[s].overlap, 1.0) << "stage " << s;
   EXPECT_LT(hidden.simulatedStepMs, sequential.simulatedStepMs);
+  // Costs a schedule's sums could overflow are refused, naming the value.
+  nlohmann::json huge = bubbleReportToJson(hidden);
+  huge["stage_costs"][0]["forward_ms"] = 1e300;
+  try {
+    stageCostsFromJson(huge, trace.schedule.stages(), "report");
+    ADD_FAILURE() << "1e300 ms accepted";
+  } catch (const ConfigError& error) {
+    EXPECT_NE(
+        std::string(error.what())
+            .find("stage_costs[0].forward_ms: expected a non-negative number "
+                  "up to 1e9, got 1e+300"),
+        std::string::npos)
+        << error.what();
+  }
 }
 
 // Minimal XML well-formedness: every tag closes in order, attributes quoted.

@@ -244,12 +244,16 @@ std::vector<StageCosts> stageCostsFromJson(
   }
   std::vector<StageCosts> costs;
   for (size_t k = 0; k < items.size(); ++k) {
+    // Bounded so that a schedule's sums of them stay finite: 1e300 had
+    // overflowed the zero-bubble scheduler's clock ("no rank can make
+    // progress").
     auto number = [&](const char* key) {
       const auto& value = items[k].value(key, nlohmann::json(0.0));
-      if (!value.is_number() || value.get<double>() < 0) {
+      if (!value.is_number() || !(value.get<double>() >= 0) ||
+          value.get<double>() > 1e9) {
         throw ConfigError(
             what + ": stage_costs[" + std::to_string(k) + "]." + key +
-            ": expected a non-negative number");
+            ": expected a non-negative number up to 1e9, got " + value.dump());
       }
       return value.get<double>();
     };
