@@ -34,6 +34,7 @@ bad = {
     "floattargets": {"inputs": x, "targets": y.float()},
     # Fresh empty tensors have storages of no bytes, which the file holds.
     "nosamples": {"inputs": torch.randn(0, 16), "targets": torch.zeros(0, dtype=torch.int64)},
+    "nan": {"inputs": x.clone().index_put_((torch.tensor([217]), torch.tensor([5])), torch.tensor(float("nan"), dtype=torch.float64)), "targets": y},
 }
 for name, value in bad.items():
     torch.save(value, f"{w}/{name}.pt")
@@ -324,6 +325,7 @@ for variant in \
   'shape:"inputs" samples are [15] but model.input_shape is [16]' \
   'floattargets:"targets" are Float; cross_entropy takes integer class indices' \
   'nosamples:"inputs" holds no samples' \
+  'nan:"inputs" sample 217 holds NaN' \
   'list:holds a GenericList' \
   'empty:is empty (expected a torch.save file)' \
   'text:is not a torch.save file'; do

@@ -402,6 +402,30 @@ struct TensorPair {
   at::Tensor inputs, targets;
 };
 
+// A NaN or an infinity in the training data reaches the loss of whichever
+// batch holds it and, through the update, every weight; eval loss turns NaN
+// and stays so. Refused naming the first such sample. Scanned in blocks, so
+// the check needs little memory beside the data.
+void requireFinite(const at::Tensor& values, const std::string& where) {
+  const at::Tensor rows = values.reshape({values.size(0), -1});
+  const int64_t block = std::max<int64_t>(
+      1, (int64_t{1} << 20) / std::max<int64_t>(1, rows.size(1)));
+  for (int64_t first = 0; first < rows.size(0); first += block) {
+    const at::Tensor part =
+        rows.narrow(0, first, std::min(block, rows.size(0) - first));
+    const at::Tensor bad = part.isfinite().logical_not().any(1);
+    if (!bad.any().item<bool>())
+      continue;
+    const int64_t sample = first + bad.nonzero()[0][0].item<int64_t>();
+    const at::Tensor row = rows[sample];
+    const bool nan = row.isnan().any().item<bool>();
+    throw ConfigError(
+        where + " sample " + std::to_string(sample) + " holds " +
+        (nan ? "NaN" : "an infinity") +
+        "; training takes finite values (drop or fill that sample)");
+  }
+}
+
 TensorPair readTensorFile(
     const std::string& key,
     const std::string& path,
@@ -427,6 +451,8 @@ TensorPair readTensorFile(
         shapeText(y.sizes()) + " do not hold the same number of samples");
   }
   x = modelInputs(x, where + ": \"inputs\"", model, needs.inputs);
+  if (needs.inputs && !model.integerInput)
+    requireFinite(x, where + ": \"inputs\"");
   const std::vector<int64_t>& out = model.shapes.back();
   if (config.train.loss == "cross_entropy") {
     const std::vector<int64_t> want(out.begin(), out.end() - 1);
@@ -465,6 +491,8 @@ TensorPair readTensorFile(
           " but the model outputs " + shapeText(out));
     }
     y = needs.targets ? y.to(at::kFloat).contiguous() : standIn(y, at::kFloat);
+    if (needs.targets)
+      requireFinite(y, where + ": \"targets\"");
   }
   return pair;
 }
