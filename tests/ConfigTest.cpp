@@ -195,6 +195,14 @@ TEST(ConfigTest, OverridesSetNestedValuesAndListElements) {
   EXPECT_THROW(applyOverride(json, "pipeline.devices.5=cpu:1"), ConfigError);
   EXPECT_THROW(applyOverride(json, "train.steps.x=1"), ConfigError);
   EXPECT_THROW(applyOverride(json, "novalue"), ConfigError);
+  // The spelling errors use for list elements is taken back.
+  applyOverride(json, "pipeline.devices[0]=cpu:3");
+  EXPECT_EQ(json["pipeline"]["devices"][0], "cpu:3");
+  EXPECT_THROW(applyOverride(json, "pipeline.devices[0=cpu:3"), ConfigError);
+  // An index past any list is a ConfigError, not std::stoul's out_of_range.
+  EXPECT_THROW(
+      applyOverride(json, "pipeline.devices.99999999999999999999=cpu:1"),
+      ConfigError);
 }
 
 TEST(ConfigTest, ByteSizes) {

@@ -828,7 +828,21 @@ void applyOverride(Json& json, const std::string& assignment) {
     value = text; // a bare string such as cpu:0 or 1f1b
   }
   Json* node = &json;
-  std::stringstream parts(path);
+  // Errors name list elements as model.layers[1]; that spelling is taken
+  // back as model.layers.1.
+  std::string dotted;
+  for (size_t i = 0; i < path.size(); ++i) {
+    if (path[i] != '[') {
+      dotted += path[i];
+      continue;
+    }
+    const size_t close = path.find(']', i);
+    if (close == std::string::npos)
+      throw ConfigError("--set " + path + ": a '[' without its ']'");
+    dotted += "." + path.substr(i + 1, close - i - 1);
+    i = close;
+  }
+  std::stringstream parts(dotted);
   std::string part, walked;
   std::vector<std::string> keys;
   while (std::getline(parts, part, '.'))
@@ -838,7 +852,7 @@ void applyOverride(Json& json, const std::string& assignment) {
     walked += (walked.empty() ? "" : ".") + key;
     const bool last = i + 1 == keys.size();
     if (node->is_array()) {
-      if (key.empty() ||
+      if (key.empty() || key.size() > 9 ||
           key.find_first_not_of("0123456789") != std::string::npos ||
           std::stoul(key) >= node->size()) {
         throw ConfigError(
