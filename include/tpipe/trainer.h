@@ -30,7 +30,7 @@ struct TrainOptions {
   // written when the run ends or stops; with metricsPath, of the whole
   // file (a resumed run's history included). Empty: none.
   std::string plotPath;
-  std::string runName;   // the plot's title, e.g. the config file's name
+  std::string runName; // the plot's title, e.g. the config file's name
   // The config's file, if it came from one. No output may replace it, nor
   // any file the run reads (data, a scripted model, the profile, the
   // checkpoint's own files): such a run is refused before it starts.
