@@ -338,6 +338,10 @@ wait $victim 2>/dev/null
 "$tpipe" train "$config" --save "$work/dead" --overwrite --stop-after 1 >"$work/dead.log" 2>&1
 expect "a killed holder leaves no lock behind" 0 "done: 1 steps" "$work/dead.log" $?
 
+: >"$work/not-a-checkpoint"
+"$tpipe" train "$config" --resume "$work/not-a-checkpoint" >"$work/resume-file.log" 2>&1
+expect "--resume of a file is named as a file, not a checkpoint directory" 2 "is a file, not a directory" "$work/resume-file.log" $?
+
 # ---- 17: --resume refuses another run's checkpoint -----------------------
 "$tpipe" train "$config" --set train.seed=7 --save "$work/seed7" --stop-after 3 >/dev/null 2>&1
 "$tpipe" train "$config" --resume "$work/seed7" >"$work/seed.log" 2>&1

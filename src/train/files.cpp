@@ -133,6 +133,12 @@ DirectoryLock::DirectoryLock(
   if (fd_ < 0) {
     if (!write && errno == ENOENT)
       return; // no run has written there since locks exist
+    if (errno == ENOTDIR) {
+      throw ConfigError(
+          flag + " " + dir +
+          ": is a file, not a directory (a checkpoint directory, as train "
+          "--save writes)");
+    }
     throw ConfigError(
         flag + " " + dir + ": cannot open its lock file " + file.string() +
         " (" + std::strerror(errno) + ")");
