@@ -15,4 +15,9 @@ std::string curvesSvg(
     const std::string& metricsLines,
     const std::string& title);
 
+// Whether metrics lines hold a record (a JSON object with a numeric "step"),
+// or are still empty or mid-line (a run before its first record): false for
+// complete lines of something else, such as a config named by mistake.
+bool holdsMetricsRecords(const std::string& metricsLines);
+
 } // namespace tpipe

@@ -585,22 +585,6 @@ CLI::App* addPlot(CLI::App& app, Arguments& a) {
   return plot;
 }
 
-// A metrics file being written holds whole records and perhaps a torn last
-// line; one with complete lines and no record is some other file.
-bool holdsMetricsRecords(const std::string& lines) {
-  std::istringstream in(lines);
-  std::string line;
-  bool completeLine = false;
-  while (std::getline(in, line)) {
-    completeLine = completeLine || !in.eof();
-    const nlohmann::json record = nlohmann::json::parse(line, nullptr, false);
-    if (record.is_object() && record.contains("step") &&
-        record["step"].is_number())
-      return true;
-  }
-  return !completeLine;
-}
-
 int plotCommand(const Arguments& a) {
   tpipe::checkOutputPath("--out", a.plotOut);
   tpipe::refuseOutputsOverInputs(
@@ -610,7 +594,7 @@ int plotCommand(const Arguments& a) {
   lines << in.rdbuf();
   if (!in)
     throw tpipe::ConfigError("cannot read the metrics file " + a.metricsIn);
-  if (!holdsMetricsRecords(lines.str()))
+  if (!tpipe::holdsMetricsRecords(lines.str()))
     throw tpipe::ConfigError(
         "the metrics file " + a.metricsIn +
         " holds no metrics records (JSON lines with a \"step\", as train "

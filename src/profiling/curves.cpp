@@ -21,14 +21,18 @@ struct Curves {
   Series loss, evalLoss, evalAccuracy, samplesPerSecond;
 };
 
+bool isMetricsRecord(const nlohmann::json& record) {
+  return record.is_object() && record.contains("step") &&
+      record["step"].is_number();
+}
+
 Curves readCurves(const std::string& lines) {
   Curves curves;
   std::istringstream in(lines);
   std::string line;
   while (std::getline(in, line)) {
     const nlohmann::json record = nlohmann::json::parse(line, nullptr, false);
-    if (!record.is_object() || !record.contains("step") ||
-        !record["step"].is_number())
+    if (!isMetricsRecord(record))
       continue;
     const double step = record["step"].get<double>();
     auto take = [&](const char* key, Series& series) {
@@ -303,6 +307,18 @@ std::string curvesSvg(
   }
   svg << "</svg>\n";
   return svg.str();
+}
+
+bool holdsMetricsRecords(const std::string& metricsLines) {
+  std::istringstream in(metricsLines);
+  std::string line;
+  bool completeLine = false;
+  while (std::getline(in, line)) {
+    completeLine = completeLine || !in.eof();
+    if (isMetricsRecord(nlohmann::json::parse(line, nullptr, false)))
+      return true;
+  }
+  return !completeLine;
 }
 
 } // namespace tpipe

@@ -209,10 +209,6 @@ void streamTo(const fs::path& device, const std::string& bytes) {
     writeFailed(device, errno);
 }
 
-} // namespace
-
-namespace {
-
 // Where `path` lands, symlinks followed, as an absolute path without . or ..
 // (the file need not exist).
 fs::path landingPlace(const std::string& path) {

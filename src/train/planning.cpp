@@ -3,7 +3,6 @@
 // resolvePlan's (src/plan/).
 #include <algorithm>
 #include <cstring>
-#include <fstream>
 
 #include <nlohmann/json.hpp>
 #include <ATen/CPUGeneratorImpl.h>
