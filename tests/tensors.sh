@@ -220,6 +220,21 @@ if [[ $s2 -eq 0 && $s1 -eq 0 && $sp -eq 0 && $compared -eq 0 ]] && grep -q "samp
 else
   bad "predict (exit $s2 / $s1 / $sp)" "$(cat "$work/predict.log" "$work/predict-compare.log")"
 fi
+# A NaN in one sample's input: its prediction is NaN, said so; the others
+# are those of the clean input.
+/usr/bin/python3 -c "import sys, torch; x = torch.load(sys.argv[1] + '/test.pt')['inputs'].clone(); x[5, 3] = float('nan'); torch.save(x, sys.argv[1] + '/nan-in.pt')" "$work"
+"$tpipe" predict "$work/run.json" --resume "$work/ck" --input "$work/nan-in.pt" --output "$work/nan-out.pt" >"$work/p.log" 2>&1
+status=$?
+if [[ $status -eq 0 ]] && grep -qF "predict: 1 of 64 predictions hold NaN or an infinity, the first sample 5, whose input does too" "$work/p.log" &&
+  /usr/bin/python3 -c "
+import sys, torch
+w = sys.argv[1]; got = torch.load(w + '/nan-out.pt'); clean = torch.load(w + '/out2.pt')
+keep = torch.arange(64) != 5
+sys.exit(0 if got[5].isnan().all() and torch.equal(got[keep], clean[keep]) else 1)" "$work"; then
+  ok "predict says which prediction a NaN input made NaN; the other 63 equal the clean input's"
+else
+  bad "predict of a NaN input (exit $status)" "$(cat "$work/p.log")"
+fi
 "$tpipe" predict "$work/run.json" --resume "$work/ck" --input "$work/shape.pt" --output "$work/o.pt" >"$work/p.log" 2>&1
 status=$?
 if [[ $status -eq 2 ]] && grep -qF "samples are [15] but model.input_shape is [16]" "$work/p.log" && [[ ! -e $work/o.pt ]]; then

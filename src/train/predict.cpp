@@ -28,6 +28,29 @@ at::Tensor inputTensor(const std::string& path) {
       "; expected a tensor, or a dict with a tensor under \"inputs\"");
 }
 
+// A NaN or an infinity in a sample's input gives that sample a prediction
+// of NaN, and the others stand: said, not refused (training refuses such
+// data, since one sample there reaches every weight).
+void sayNonFinite(
+    const at::Tensor& predictions,
+    const at::Tensor& inputs,
+    std::ostream& log) {
+  const at::Tensor bad = predictions.reshape({predictions.size(0), -1})
+                             .isfinite()
+                             .logical_not()
+                             .any(1);
+  const int64_t count = bad.sum().item<int64_t>();
+  if (count == 0)
+    return;
+  const int64_t first = bad.nonzero()[0][0].item<int64_t>();
+  log << "predict: " << count << " of " << predictions.size(0)
+      << " predictions hold NaN or an infinity, the first sample " << first;
+  if (at::isFloatingType(inputs.scalar_type()) &&
+      !inputs[first].isfinite().all().item<bool>())
+    log << ", whose input does too";
+  log << "\n";
+}
+
 } // namespace
 
 PredictSummary predict(const Config& given, const PredictOptions& options) {
@@ -117,6 +140,7 @@ PredictSummary predict(const Config& given, const PredictOptions& options) {
         << " samples/s; wrote " << options.outputPath << " ("
         << shapeText(all.sizes()) << " " << c10::toString(all.scalar_type())
         << ")\n";
+    sayNonFinite(all, inputs, log);
   }
   return summary;
 }
