@@ -975,6 +975,17 @@ int dispatch(const Subcommands& c, Arguments& a) {
 
 } // namespace
 
+void tpipe::endProcess(int status) {
+  std::cout.flush();
+  std::cerr.flush();
+  std::fflush(nullptr);
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  std::exit(status);
+#else
+  std::_Exit(status);
+#endif
+}
+
 int tpipe::runCommandLine(int argc, char** argv) {
   CLI::App app{"tpipe: pipeline-parallel training on LibTorch"};
   app.require_subcommand(1);

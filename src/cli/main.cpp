@@ -1,5 +1,5 @@
 #include "cli/commands.h"
 
 int main(int argc, char** argv) {
-  return tpipe::runCommandLine(argc, argv);
+  tpipe::endProcess(tpipe::runCommandLine(argc, argv));
 }

@@ -60,5 +60,5 @@ int main(int argc, char** argv) {
       });
     }
   }
-  return tpipe::runCommandLine(argc, argv);
+  tpipe::endProcess(tpipe::runCommandLine(argc, argv));
 }
