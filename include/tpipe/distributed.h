@@ -163,12 +163,12 @@ struct LaunchOutcome {
 };
 // What a rank runs in place of executing `executable` anew, as `main`
 // would: given the rank's argv (`executable train <arguments>`), its exit
-// status. A new
-// process of a LibTorch program spends about 0.6 s of CPU loading LibTorch
-// before main; a rank forked from the launcher has it loaded already. Used
-// only while the launcher runs a single thread (a fork copies no other
-// thread, and a lock another held would stay held), else the executable
-// is run as without it.
+// status. A new process of a LibTorch program spends about 0.6 s of CPU
+// loading LibTorch before main; a rank forked from the launcher has it
+// loaded already. Used only while the launcher runs a single thread (a fork
+// copies no other thread, and a lock another held would stay held), else
+// the executable is run as without it. The fork ends with _exit once stdio
+// is flushed: no static destructor or atexit handler runs in a rank.
 using RankMain = std::function<int(int argc, char** argv)>;
 LaunchOutcome launchAttempt(
     const std::string& executable,
