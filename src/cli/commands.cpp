@@ -377,14 +377,20 @@ int printSchedule(
   return 0;
 }
 
+// What a process that ends without its destructors must write first.
+void flushOutput() {
+  std::cout.flush();
+  std::cerr.flush();
+  std::fflush(nullptr);
+}
+
 // Translating errors to exit codes happens here and nowhere else: user
 // errors exit 2, everything else 1. Exits at once rather than returning: a
 // thread stuck on a peer that never answered must not hold the exit.
 [[noreturn]] void exitWith(int code, const std::string& message) {
   if (!message.empty())
     std::cerr << "tpipe: error: " << message << std::endl;
-  std::cout.flush();
-  std::fflush(nullptr);
+  flushOutput();
   std::_Exit(code);
 }
 
@@ -976,9 +982,7 @@ int dispatch(const Subcommands& c, Arguments& a) {
 } // namespace
 
 void tpipe::endProcess(int status) {
-  std::cout.flush();
-  std::cerr.flush();
-  std::fflush(nullptr);
+  flushOutput();
 #if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
   std::exit(status);
 #else
