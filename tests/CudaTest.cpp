@@ -15,7 +15,7 @@
 #include "tpipe/pipeline.h"
 
 namespace tpipe {
-namespace {
+namespace cuda_test {
 
 #define REQUIRE_GPU()                                                   \
   if (!torch::cuda::is_available()) {                                   \
@@ -377,5 +377,5 @@ TEST(CudaTest, TwoProcessesOverNcclMatchOneProcess) {
       R"(["cuda:0", "cuda:1"])", "transfers over NCCL from cuda:");
 }
 
-} // namespace
+} // namespace cuda_test
 } // namespace tpipe

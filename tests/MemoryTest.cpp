@@ -14,7 +14,7 @@
 #include "tpipe/trainer.h"
 
 namespace tpipe {
-namespace {
+namespace memory_test {
 
 // Keeps every tensor it allocates: a known amount of memory on a known stage.
 struct HoarderImpl : torch::nn::Module {
@@ -314,5 +314,5 @@ TEST(MemoryTest, ParametersBeyondACapacityAreRejectedBeforeTraining) {
   }
 }
 
-} // namespace
+} // namespace memory_test
 } // namespace tpipe
