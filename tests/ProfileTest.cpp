@@ -215,5 +215,52 @@ TEST(ProfileTest, LeavesTheCallersModulesAsFound) {
       << "the default generator moved";
 }
 
+// The tuner's stop: a hook that throws ends the profile at the next layer,
+// not after every layer at every size, and leaves the caller's layers and
+// thread count as they were.
+TEST(ProfileTest, AHookThatThrowsEndsTheProfileAtTheNextLayer) {
+  torch::manual_seed(5);
+  torch::nn::Sequential net(
+      torch::nn::Linear(8, 8),
+      torch::nn::Tanh(),
+      torch::nn::Linear(8, 8),
+      torch::nn::Linear(8, 4));
+  const LayerList layers = layersOf(net);
+  std::vector<torch::Tensor> values;
+  for (auto& p : net->parameters())
+    values.push_back(p.detach().clone());
+  struct Stop {};
+  int calls = 0;
+  ProfileOptions options;
+  options.microBatchSize = 4;
+  options.repeats = 2;
+  options.threads = 1;
+  options.beforeEachLayer = [&] {
+    if (++calls == 3)
+      throw Stop{};
+  };
+  const int callerThreads = at::get_num_threads();
+  at::set_num_threads(2);
+  EXPECT_THROW(
+      profileLayers(
+          layers, [](int64_t n) { return torch::randn({n, 8}); }, options),
+      Stop);
+  EXPECT_EQ(calls, 3) << "the layer after the stop was measured";
+  EXPECT_EQ(at::get_num_threads(), 2) << "the caller's thread count";
+  at::set_num_threads(callerThreads);
+  const auto parameters = net->parameters();
+  for (size_t i = 0; i < parameters.size(); ++i) {
+    EXPECT_TRUE(torch::equal(parameters[i], values[i])) << "parameter " << i;
+    EXPECT_FALSE(parameters[i].grad().defined()) << "gradient " << i;
+  }
+  // Unset, nothing is called and the profile runs to the end.
+  options.beforeEachLayer = nullptr;
+  calls = 0;
+  const Profile whole = profileLayers(
+      layers, [](int64_t n) { return torch::randn({n, 8}); }, options);
+  EXPECT_EQ(whole.layers.size(), layers.size());
+  EXPECT_EQ(calls, 0);
+}
+
 } // namespace
 } // namespace tpipe

@@ -126,7 +126,7 @@ check "the store does not listen on other interfaces" $((refused == 0)) "connect
 # alike). Host b's rank is killed mid-run; both ranks start again, resume
 # from the last checkpoint and finish with one metrics record per step and
 # the losses of an uninterrupted run.
-steps=3000
+steps=1000
 "$tpipe" train "$config" --set train.steps=$steps --metrics "$work/long.jsonl" >/dev/null 2>&1
 policy() {  # policy NS RANK LOG [args...]: rerun until it succeeds, 3 tries
   local ns=$1 r=$2 log=$3
@@ -139,8 +139,8 @@ policy() {  # policy NS RANK LOG [args...]: rerun until it succeeds, 3 tries
 }
 policy "$a" 0 "$work/p0.log" --metrics "$work/policy.jsonl"
 policy "$b" 1 "$work/p1.log"
-for _ in $(seq 600); do  # until step 500 is recorded (bounded: 60 s)
-  [[ -f $work/policy.jsonl && $(wc -l <"$work/policy.jsonl") -ge 500 ]] && break
+for _ in $(seq 600); do  # until step 300 is recorded (bounded: 60 s)
+  [[ -f $work/policy.jsonl && $(wc -l <"$work/policy.jsonl") -ge 300 ]] && break
   sleep 0.1
 done
 ip netns pids "$b" | while read -r pid; do

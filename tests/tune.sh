@@ -30,7 +30,7 @@ if (($(nproc) >= 2)); then
   else bad "two-stage calibration (got '$fit')" "$(grep '^calibration' "$work/table")"; fi
 fi
 
-"$tpipe" tune "$config" --json --write "$work/chosen.json" >"$work/tune.json" 2>/dev/null
+"$tpipe" tune "$config" --quick --json --write "$work/chosen.json" >"$work/tune.json" 2>/dev/null
 status=$?
 if [[ $status == 0 ]] && python3 - "$work/tune.json" "$work/chosen.json" <<'PY'
 import json, sys
@@ -60,7 +60,7 @@ c["model"] = {"input_shape": [1, 8, 8], "layers": [
     {"type": "batchnorm2d"}, {"type": "relu"}, {"type": "flatten"},
     {"type": "linear", "out_features": 10}]}
 json.dump(c, open(sys.argv[2], "w"))' "$config" "$work/normed.json"
-"$tpipe" tune "$work/normed.json" --json >"$work/normed_tune.json" 2>/dev/null
+"$tpipe" tune "$work/normed.json" --quick --json >"$work/normed_tune.json" 2>/dev/null
 status=$?
 if [[ $status == 0 ]] && python3 - "$work/normed_tune.json" <<'PY'
 import json, sys

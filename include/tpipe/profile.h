@@ -72,6 +72,11 @@ struct ProfileOptions {
   // The least noise the resolver is told: run-to-run drift of a shared
   // machine that no repetition inside one call sees.
   double noiseFloor = 0.02;
+  // Called before each layer is measured, if set. It may throw to end the
+  // profile early (the tuner does on SIGINT or SIGTERM): the exception
+  // leaves profileLayers once the layers and the thread count are as the
+  // caller had them.
+  std::function<void()> beforeEachLayer;
 };
 
 // `sample(n)` returns a model input batch of n samples.

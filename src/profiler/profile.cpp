@@ -261,6 +261,8 @@ void measureRound(
       profile.inputBytes = static_cast<int64_t>(x.nbytes());
     SkipStore skips;
     for (size_t l = 0; l < layers.size(); ++l) {
+      if (options.beforeEachLayer)
+        options.beforeEachLayer();
       auto layer = layers[l].module;
       layer.ptr()->to(device);
       Measurement m = measure(layers[l], x, skips, options);

@@ -398,6 +398,9 @@ void profileCurves(
   profile.warmup = 1;
   profile.repeats = 5;
   profile.maxRounds = 3;
+  // A stop ends the tune within one layer's measurement, not after every
+  // layer at every size (seconds on a busy machine).
+  profile.beforeEachLayer = [&] { stopIfAsked(options.stopRequested); };
   model.threads = threadCounts(config);
   model.layers.assign(built.layers.size(), LayerModel{});
   double worst = 0.0, noise = 0.0, weighted = 0.0, total = 0.0;
