@@ -243,7 +243,11 @@ TEST(ProfileTest, AHookThatThrowsEndsTheProfileAtTheNextLayer) {
   at::set_num_threads(2);
   EXPECT_THROW(
       profileLayers(
-          layers, [](int64_t n) { return torch::randn({n, 8}); }, options),
+          layers,
+          [](int64_t n) {
+            return torch::randn({n, 8});
+          },
+          options),
       Stop);
   EXPECT_EQ(calls, 3) << "the layer after the stop was measured";
   EXPECT_EQ(at::get_num_threads(), 2) << "the caller's thread count";
@@ -257,7 +261,11 @@ TEST(ProfileTest, AHookThatThrowsEndsTheProfileAtTheNextLayer) {
   options.beforeEachLayer = nullptr;
   calls = 0;
   const Profile whole = profileLayers(
-      layers, [](int64_t n) { return torch::randn({n, 8}); }, options);
+      layers,
+      [](int64_t n) {
+        return torch::randn({n, 8});
+      },
+      options);
   EXPECT_EQ(whole.layers.size(), layers.size());
   EXPECT_EQ(calls, 0);
 }
