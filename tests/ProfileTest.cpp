@@ -239,16 +239,10 @@ TEST(ProfileTest, AHookThatThrowsEndsTheProfileAtTheNextLayer) {
     if (++calls == 3)
       throw Stop{};
   };
+  const auto sample = [](int64_t n) { return torch::randn({n, 8}); };
   const int callerThreads = at::get_num_threads();
   at::set_num_threads(2);
-  EXPECT_THROW(
-      profileLayers(
-          layers,
-          [](int64_t n) {
-            return torch::randn({n, 8});
-          },
-          options),
-      Stop);
+  EXPECT_THROW(profileLayers(layers, sample, options), Stop);
   EXPECT_EQ(calls, 3) << "the layer after the stop was measured";
   EXPECT_EQ(at::get_num_threads(), 2) << "the caller's thread count";
   at::set_num_threads(callerThreads);
@@ -257,17 +251,16 @@ TEST(ProfileTest, AHookThatThrowsEndsTheProfileAtTheNextLayer) {
     EXPECT_TRUE(torch::equal(parameters[i], values[i])) << "parameter " << i;
     EXPECT_FALSE(parameters[i].grad().defined()) << "gradient " << i;
   }
-  // Unset, nothing is called and the profile runs to the end.
-  options.beforeEachLayer = nullptr;
+  // A hook that lets the profile go on is called before every layer, at
+  // every size, in every round.
   calls = 0;
-  const Profile whole = profileLayers(
-      layers,
-      [](int64_t n) {
-        return torch::randn({n, 8});
-      },
-      options);
-  EXPECT_EQ(whole.layers.size(), layers.size());
-  EXPECT_EQ(calls, 0);
+  options.beforeEachLayer = [&] { ++calls; };
+  const Profile whole = profileLayers(layers, sample, options);
+  EXPECT_EQ(
+      calls,
+      static_cast<int>(
+          layers.size() * whole.fitSizes.size() *
+          static_cast<size_t>(whole.rounds)));
 }
 
 } // namespace
