@@ -16,6 +16,7 @@ cleanup() {
   rm -rf "$work"
 }
 trap cleanup EXIT
+source "$(dirname "$0")/support/fork_server.sh"
 
 passed=0 failed=0 skipped=0
 ok() { echo "ok: $1"; passed=$((passed + 1)); }
@@ -65,7 +66,7 @@ fi
 # ---- 3: the rendezvous store against probes -----------------------------
 p=$(port)
 env=(MASTER_ADDR=127.0.0.1 MASTER_PORT=$p WORLD_SIZE=2 TPIPE_JOB_TOKEN=reliability)
-env "${env[@]}" RANK=0 "$tpipe" train "$config" --set pipeline.timeout_s=20 >"$work/r0.log" 2>&1 &
+env "${env[@]}" RANK=0 "$tpipe_process" train "$config" --set pipeline.timeout_s=20 >"$work/r0.log" 2>&1 &
 rank0=$!
 python3 - "$p" <<'PY' &
 import socket, sys, time
@@ -92,7 +93,7 @@ fi
 
 p=$(port)
 env MASTER_ADDR=127.0.0.1 MASTER_PORT=$p WORLD_SIZE=2 RANK=0 TPIPE_JOB_TOKEN=right \
-  "$tpipe" train "$config" --set pipeline.timeout_s=4 >"$work/t0.log" 2>&1 &
+  "$tpipe_process" train "$config" --set pipeline.timeout_s=4 >"$work/t0.log" 2>&1 &
 rank0=$!
 env MASTER_ADDR=127.0.0.1 MASTER_PORT=$p WORLD_SIZE=2 RANK=1 TPIPE_JOB_TOKEN=wrong \
   "$tpipe" train "$config" --set pipeline.timeout_s=4 >"$work/t1.log" 2>&1
@@ -170,12 +171,13 @@ expect "--overwrite replaces it" 0 "done: 2 steps" "$work/over.log" $?
 # ---- 9: ranks that disagree ----------------------------------------------
 for setting in train.seed=5 pipeline.schedule=gpipe; do
   p=$(port)
-  env MASTER_ADDR=127.0.0.1 MASTER_PORT=$p WORLD_SIZE=2 RANK=0 "$tpipe" train "$config" --set pipeline.timeout_s=10 \
+  env MASTER_ADDR=127.0.0.1 MASTER_PORT=$p WORLD_SIZE=2 RANK=0 "$tpipe_process" train "$config" --set pipeline.timeout_s=10 \
     >"$work/d0.log" 2>&1 &
+  rank0=$!
   env MASTER_ADDR=127.0.0.1 MASTER_PORT=$p WORLD_SIZE=2 RANK=1 "$tpipe" train "$config" --set pipeline.timeout_s=10 \
     --set "$setting" >"$work/d1.log" 2>&1
   expect "a rank run with --set $setting is stopped, naming the key" 2 "first at '${setting%%=*}'" "$work/d1.log" $?
-  wait
+  wait $rank0
 done
 
 # ---- 10: resume on another layout -----------------------------------------
@@ -191,7 +193,7 @@ done
 expect "SGD state into Adam is a clear error" 2 "holds sgd optimizer state" "$work/adam.log" $?
 
 # ---- 12: logs and metrics survive a kill ---------------------------------
-"$tpipe" train "$config" "${long[@]}" --set train.log_every=1 --metrics "$work/m.jsonl" >"$work/kill.log" 2>&1 &
+"$tpipe_process" train "$config" "${long[@]}" --set train.log_every=1 --metrics "$work/m.jsonl" >"$work/kill.log" 2>&1 &
 victim=$!
 if wait_lines 40 "$work/m.jsonl"; then
   kill -9 $victim
@@ -209,7 +211,7 @@ fi
 # ---- 13: signals -----------------------------------------------------------
 for signal in TERM INT; do
   rm -rf "$work/sig" "$work/sig.jsonl"
-  "$tpipe" train "$config" "${long[@]}" --metrics "$work/sig.jsonl" --save "$work/sig" >"$work/sig.log" 2>&1 &
+  "$tpipe_process" train "$config" "${long[@]}" --metrics "$work/sig.jsonl" --save "$work/sig" >"$work/sig.log" 2>&1 &
   victim=$!
   wait_lines 5 "$work/sig.jsonl"
   kill -$signal $victim
@@ -224,7 +226,7 @@ for signal in TERM INT; do
   fi
 done
 rm -rf "$work/sig" "$work/lsig.jsonl"
-"$tpipe" launch --nproc 2 "$config" "${long[@]}" --metrics "$work/lsig.jsonl" --save "$work/sig" >"$work/lsig.log" 2>&1 &
+"$tpipe_process" launch --nproc 2 "$config" "${long[@]}" --metrics "$work/lsig.jsonl" --save "$work/sig" >"$work/lsig.log" 2>&1 &
 victim=$!
 wait_lines 5 "$work/lsig.jsonl"
 kill -INT $victim
@@ -240,7 +242,7 @@ fi
 
 # A stop while pipeline.auto tunes ends the run at the tune's next
 # measurement, not after the tune.
-"$tpipe" train "$source_dir/configs/reference_mlp.json" --set train.steps=5 >"$work/tsig.log" 2>&1 &
+"$tpipe_process" train "$source_dir/configs/reference_mlp.json" --set train.steps=5 >"$work/tsig.log" 2>&1 &
 victim=$!
 for _ in $(seq 600); do
   kill -0 $victim 2>/dev/null || break
@@ -304,9 +306,9 @@ else
 fi
 
 # ---- 16: one writer per checkpoint directory -----------------------------
-"$tpipe" train "$config" "${long[@]}" --save "$work/race" --metrics "$work/race1.jsonl" >"$work/race1.log" 2>&1 &
+"$tpipe_process" train "$config" "${long[@]}" --save "$work/race" --metrics "$work/race1.jsonl" >"$work/race1.log" 2>&1 &
 first=$!
-"$tpipe" train "$config" "${long[@]}" --save "$work/race" --metrics "$work/race2.jsonl" >"$work/race2.log" 2>&1 &
+"$tpipe_process" train "$config" "${long[@]}" --save "$work/race" --metrics "$work/race2.jsonl" >"$work/race2.log" 2>&1 &
 second=$!
 refused="" winner=""
 for _ in $(seq 600); do
@@ -330,7 +332,7 @@ if [[ -f $work/race/model.pt ]] && "$tpipe" train "$config" --resume "$work/race
 else
   bad "after the race" "$(cat "$work/race-after.log")"
 fi
-"$tpipe" train "$config" "${long[@]}" --save "$work/dead" --metrics "$work/dead.jsonl" >/dev/null 2>&1 &
+"$tpipe_process" train "$config" "${long[@]}" --save "$work/dead" --metrics "$work/dead.jsonl" >/dev/null 2>&1 &
 victim=$!
 wait_lines 3 "$work/dead.jsonl"
 kill -9 $victim
@@ -438,14 +440,14 @@ cat >"$work/wide.json" <<'JSON'
  "train": {"batch_size": 2048, "steps": 2}}
 JSON
 for command in plan validate train; do
-  read -r rss status < <(peak_rss "$work/wide-$command.log" "$tpipe" $command "$work/wide.json")
+  read -r rss status < <(peak_rss "$work/wide-$command.log" "$tpipe_process" $command "$work/wide.json")
   if [[ $status -eq 2 && $rss -lt 1048576 ]] && grep -qE "INFEASIBLE|does not fit" "$work/wide-$command.log"; then
     ok "$command with 64 MiB caps refuses a 1.5 GiB-per-step plan (exit 2) within $((rss / 1024)) MiB of RSS"
   else
     bad "$command with caps (exit $status, $((rss / 1024)) MiB RSS)" "$(tail -5 "$work/wide-$command.log")"
   fi
 done
-read -r rss status < <(peak_rss "$work/host.log" "$tpipe" train "$work/wide.json" \
+read -r rss status < <(peak_rss "$work/host.log" "$tpipe_process" train "$work/wide.json" \
   --set 'pipeline.devices=["cpu:0","cpu:1"]' --set train.batch_size=131072 --set data.samples=131072)
 if [[ $status -eq 2 && $rss -lt 2097152 ]] && grep -q "available" "$work/host.log"; then
   ok "without caps, a plan beyond the host's memory is refused naming both ($((rss / 1024)) MiB RSS)"
@@ -530,7 +532,7 @@ JSON
 expect "a scripted forward that is not its children in order is refused" 2 "is not its children in order" "$work/notchain.log" $?
 
 # ---- 23: a stopped rank ends the job within the timeout and a few s -------
-"$tpipe" launch --nproc 2 "$config" "${long[@]}" --set pipeline.timeout_s=10 --metrics "$work/stop.jsonl" >"$work/stop.log" 2>&1 &
+"$tpipe_process" launch --nproc 2 "$config" "${long[@]}" --set pipeline.timeout_s=10 --metrics "$work/stop.jsonl" >"$work/stop.log" 2>&1 &
 launcher=$!
 wait_lines 5 "$work/stop.jsonl"
 children=$(pgrep -P $launcher | tail -1)
@@ -547,7 +549,7 @@ fi
 kill -CONT "$children" 2>/dev/null; kill -9 "$children" 2>/dev/null
 
 # ---- 23b: the launcher killed (SIGKILL) leaves no rank behind ----------------
-"$tpipe" launch --nproc 2 --max-restarts 1 "$config" "${long[@]}" --save "$work/orphans" --metrics "$work/orphans.jsonl" >"$work/orphans.log" 2>&1 &
+"$tpipe_process" launch --nproc 2 --max-restarts 1 "$config" "${long[@]}" --save "$work/orphans" --metrics "$work/orphans.jsonl" >"$work/orphans.log" 2>&1 &
 launcher=$!
 wait_lines 3 "$work/orphans.jsonl"
 ranks=$(pgrep -P $launcher | tr '\n' ' ')
@@ -571,9 +573,9 @@ p=$(port)
 env=(MASTER_ADDR=127.0.0.1 MASTER_PORT=$p WORLD_SIZE=2 TPIPE_JOB_TOKEN=dup)
 # The pair trains (its metrics show steps) before the duplicate arrives, so
 # the claim is tested against a live job however slow the machine is.
-env "${env[@]}" RANK=0 "$tpipe" train "$config" "${long[@]}" --set pipeline.timeout_s=20 --metrics "$work/dup.jsonl" >"$work/dup0.log" 2>&1 &
+env "${env[@]}" RANK=0 "$tpipe_process" train "$config" "${long[@]}" --set pipeline.timeout_s=20 --metrics "$work/dup.jsonl" >"$work/dup0.log" 2>&1 &
 dup0=$!
-env "${env[@]}" RANK=1 "$tpipe" train "$config" "${long[@]}" --set pipeline.timeout_s=20 >"$work/dup1.log" 2>&1 &
+env "${env[@]}" RANK=1 "$tpipe_process" train "$config" "${long[@]}" --set pipeline.timeout_s=20 >"$work/dup1.log" 2>&1 &
 dup1=$!
 wait_lines 3 "$work/dup.jsonl"
 env "${env[@]}" RANK=1 "$tpipe" train "$config" "${long[@]}" --set pipeline.timeout_s=20 >"$work/dup2.log" 2>&1

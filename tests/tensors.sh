@@ -10,6 +10,7 @@ set -uo pipefail
 tpipe=${1:?usage: tensors.sh TPIPE_BINARY}
 work=$(mktemp -d)
 trap '[[ -n ${KEEP:-} ]] || rm -rf "$work"' EXIT
+source "$(dirname "$0")/support/fork_server.sh"
 passed=0 failed=0
 ok() { echo "ok: $1"; passed=$((passed + 1)); }
 bad() { echo "FAILED: $1"; echo "$2" | sed 's/^/    /' | head -20; failed=$((failed + 1)); }
@@ -125,7 +126,7 @@ PY
 # A large file is held once while it loads: the peak RSS grows by less than
 # 1.5 times the file's size over a tiny file's run (twice would be 2x; the
 # whole-buffer unpickler took 3.3x).
-/usr/bin/python3 - "$tpipe" "$work" <<'PY' >"$work/rss.log" 2>&1
+/usr/bin/python3 - "$tpipe_process" "$work" <<'PY' >"$work/rss.log" 2>&1
 import os, subprocess, sys
 tpipe, w = sys.argv[1], sys.argv[2]
 def run(n):
@@ -149,7 +150,7 @@ fi
 # mapped, and rank 1 (the last stage, the targets) never touches the 80 MB
 # of inputs that rank 0 (the first stage) reads through a whole epoch. Each
 # rank's own peak RSS (wait4), against a tiny file's run.
-/usr/bin/python3 - "$tpipe" "$work" <<'PY' >"$work/ranks.log" 2>&1
+/usr/bin/python3 - "$tpipe_process" "$work" <<'PY' >"$work/ranks.log" 2>&1
 import os, socket, subprocess, sys
 tpipe, w = sys.argv[1], sys.argv[2]
 def free_port():
