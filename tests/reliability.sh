@@ -37,6 +37,24 @@ wait_lines() {
 }
 long=(--set train.steps=100000 --set train.eval_every=0)
 
+# ---- 0: a command in the fork server's fork is the binary's --------------
+# Its output, status, directory and environment, on success and on refusal
+# (the same binary twice where no fork server runs).
+same=1
+for arguments in "validate configs/mlp_synthetic.json" "validate configs/missing.json" \
+  "plan configs/mlp_synthetic.json --set pipeline.micro_batches=0" "train configs/mlp_synthetic.json"; do
+  (cd "$source_dir" && WORLD_SIZE=2 RANK=5 "$tpipe" $arguments) >"$work/forked.log" 2>&1
+  forked=$?
+  (cd "$source_dir" && WORLD_SIZE=2 RANK=5 "$tpipe_process" $arguments) >"$work/own.log" 2>&1
+  own=$?
+  if [[ $forked -ne $own ]] || ! cmp -s "$work/forked.log" "$work/own.log"; then
+    same=0
+    bad "tpipe $arguments: exit $forked in a fork, $own as its own process" "$(diff "$work/forked.log" "$work/own.log")"
+  fi
+done
+((same)) && ok "commands in the fork server's forks print and exit as the binary does"
+expect "and read the environment they were given" 2 "RANK 5 is not below WORLD_SIZE 2" "$work/forked.log" $forked
+
 # ---- 1, 2: full disks ---------------------------------------------------
 if [[ $(id -u) -eq 0 ]] && mkdir -p "$work/small" && mount -t tmpfs -o size=1M tmpfs "$work/small" 2>/dev/null; then
   mounted+=("$work/small")
