@@ -49,6 +49,14 @@ std::string binary() {
   return path ? path : "tpipe";
 }
 
+// The binary itself, where binary() may be the fork server's client
+// (tests/support/with_fork_server.sh): for a command the test stops,
+// resumes or runs in the background, whose pid must be tpipe's.
+std::string binaryProcess() {
+  const char* path = std::getenv("TPIPE_PROCESS_BINARY");
+  return path ? path : binary();
+}
+
 // The same commands with the tests' fault hook (TPIPE_FAULT).
 std::string faultyBinary() {
   const char* path = std::getenv("TPIPE_FAULTY_BINARY");
@@ -158,12 +166,20 @@ class DistributedTest : public ::testing::Test {
   void expectNoOrphans() const {
     // A rank runs as `tpipe train CONFIG`, or forked from the launcher,
     // as `tpipe launch ... CONFIG`: "[t]rain" and "[l]aunch" match them but
-    // not this pgrep's own shell.
+    // not this pgrep's own shell. A command run in the fork server's fork,
+    // and the ranks its launcher forks, carry the server's command line
+    // instead: any of them but the server itself is left behind.
+    std::string pattern = "[t]rain " + config_ + "|[l]aunch .*" + config_;
+    std::string server;
+    if (const char* pid = std::getenv("TPIPE_FORK_SERVER_PID");
+        pid != nullptr && *pid != '\0') {
+      pattern +=
+          "|[f]ork-server " + std::string(std::getenv("TPIPE_FORK_SOCKET"));
+      server = " | grep -vx " + std::string(pid);
+    }
     Result r;
     for (int attempt = 0; attempt < 100; ++attempt) {
-      r = shell(
-          "pgrep -f '[t]rain " + config_ + "|[l]aunch .*" + config_ +
-          "' || true");
+      r = shell("pgrep -f '" + pattern + "'" + server + " || true");
       if (r.output.empty())
         return;
       ::usleep(100 * 1000);
@@ -677,9 +693,9 @@ TEST_F(DistributedTest, ARankWokenAfterTheStoresHostEndedSaysTheStoreIsGone) {
       " --set pipeline.timeout_s=2";
   const Result r = shell(
       env + "RANK=1 TPIPE_FAULT=1:3:stop " + faultyBinary() + job + " > " +
-      path("woken.log") + " 2>&1 & stopped=$!; " + env + "RANK=2 " + binary() +
-      job + " > " + path("rank2.log") + " 2>&1 & other=$!; " + env + "RANK=0 " +
-      binary() + job + " > " + path("rank0.log") +
+      path("woken.log") + " 2>&1 & stopped=$!; " + env + "RANK=2 " +
+      binaryProcess() + job + " > " + path("rank2.log") + " 2>&1 & other=$!; " +
+      env + "RANK=0 " + binary() + job + " > " + path("rank0.log") +
       " 2>&1; wait $other; kill -CONT $stopped; wait $stopped; echo woken $?");
   EXPECT_NE(r.output.find("woken 1"), std::string::npos) << r.output;
   std::ifstream in(path("woken.log"));
@@ -1019,7 +1035,7 @@ TEST_F(DistributedTest, RanksThatDisagreeAboutTheRunStopNamingTheKey) {
       " WORLD_SIZE=2 ";
   // Rank 0 runs a model whose first stage emits 40 features; rank 1 expects 32.
   const Result r = shell(
-      "(" + env + "RANK=0 " + binary() + " train " + config_ +
+      "(" + env + "RANK=0 " + binaryProcess() + " train " + config_ +
       " --set model.layers.2.out_features=40 > " + path("rank0.log") +
       " 2>&1 &) ; " + env + "RANK=1 " + binary() + " train " + config_ +
       " --set pipeline.timeout_s=10");

@@ -7,4 +7,7 @@ tpipe=${TPIPE_BINARY:?TPIPE_BINARY names the tpipe binary}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 source "$(dirname "$0")/fork_server.sh"
-TPIPE_BINARY=$tpipe "$@"
+# TPIPE_PROCESS_BINARY: the binary itself, for commands the program signals
+# or runs in the background; TPIPE_FORK_SERVER_PID: the server, whose forks
+# share its command line (no fork may outlive a test).
+TPIPE_BINARY=$tpipe TPIPE_PROCESS_BINARY=$tpipe_process TPIPE_FORK_SERVER_PID=${fork_server:-} "$@"
