@@ -8,6 +8,7 @@ source_dir=${2:?usage: tune.sh TPIPE_BINARY SOURCE_DIR}
 config=$source_dir/configs/mlp_synthetic.json
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
+source "$(dirname "$0")/support/fork_server.sh"
 passed=0 failed=0
 ok() { echo "ok: $1"; passed=$((passed + 1)); }
 bad() { echo "FAILED: $1"; echo "$2" | sed 's/^/    /' | head -30; failed=$((failed + 1)); }
