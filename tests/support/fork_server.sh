@@ -3,8 +3,8 @@
 # (TPIPE_FORK_SERVER, TPIPE_FORK_CLIENT; tests/support/fork_server.cpp),
 # starts it and points `tpipe` at its client, so that each short command runs
 # in a fork of a process that paid LibTorch's start once. `tpipe_process`
-# stays the binary: for commands run in the background, whose pid the test
-# signals or kills, and which must be tpipe's own process.
+# stays the binary: for commands the test runs in the background, signals,
+# kills or measures (peak RSS), which must be tpipe's own process.
 # The server is a job of the script: a bare `wait` would wait for it too,
 # so waits name their pids.
 tpipe_process=$tpipe
