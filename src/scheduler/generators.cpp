@@ -67,6 +67,7 @@ Schedule lower(
   for (int rank = 0; rank < ranks; ++rank) {
     auto& list = schedule.perRank[rank];
     const auto& steps = order[rank];
+    list.reserve(3 * steps.size()); // a receive, the step, a send: most steps
     for (size_t k = 0; k < steps.size(); ++k) {
       const ComputeStep& step = steps[k];
       const int s = step.stage;

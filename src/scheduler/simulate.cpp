@@ -3,6 +3,7 @@
 // the partitioner's and the tuner's predictions.
 #include <algorithm>
 #include <sstream>
+#include <utility>
 
 #include "overloaded.h"
 #include "tpipe/schedule.h"
@@ -37,6 +38,10 @@ class Simulator {
                                : std::string()) +
           " stage costs, got " + std::to_string(costs.size()));
     }
+    size_t instructions = 0;
+    for (const auto& list : schedule.perRank)
+      instructions += list.size();
+    result_.timeline.reserve(instructions);
     result_.busy.assign(schedule.ranks, 0.0);
     result_.idle.assign(schedule.ranks, 0.0);
     result_.peakStashed.assign(stages_, 0);
@@ -52,7 +57,7 @@ class Simulator {
       }
     }
     finish();
-    return result_;
+    return std::move(result_); // run once: the timeline is not copied
   }
 
  private:
