@@ -54,6 +54,26 @@ for arguments in "validate configs/mlp_synthetic.json" "validate configs/missing
 done
 ((same)) && ok "commands in the fork server's forks print and exit as the binary does"
 expect "and read the environment they were given" 2 "RANK 5 is not below WORLD_SIZE 2" "$work/forked.log" $forked
+if [[ $tpipe != "$tpipe_process" ]]; then
+  # A signal to the client reaches its fork; a killed client takes its fork along.
+  "$tpipe" train "$config" "${long[@]}" --set train.log_every=1 --metrics "$work/fsig.jsonl" >"$work/fsig.log" 2>&1 &
+  client=$!
+  wait_lines 3 "$work/fsig.jsonl"
+  kill -INT $client
+  wait $client
+  expect "SIGINT to a forked command's client stops the command (exit 130)" 130 "stopped by SIGINT" "$work/fsig.log" $?
+  "$tpipe" train "$config" "${long[@]}" --set train.log_every=1 --metrics "$work/fkill.jsonl" >/dev/null 2>&1 &
+  client=$!
+  wait_lines 3 "$work/fkill.jsonl"
+  kill -9 $client
+  wait $client 2>/dev/null
+  for _ in $(seq 100); do pgrep -P "$fork_server" >/dev/null || break; sleep 0.1; done
+  if pgrep -P "$fork_server" >/dev/null; then
+    bad "a killed client's fork still runs after 10 s" "$(pgrep -a -P "$fork_server")"
+  else
+    ok "a killed client's fork ends with it"
+  fi
+fi
 
 # ---- 1, 2: full disks ---------------------------------------------------
 if [[ $(id -u) -eq 0 ]] && mkdir -p "$work/small" && mount -t tmpfs -o size=1M tmpfs "$work/small" 2>/dev/null; then
