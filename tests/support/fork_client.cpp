@@ -35,9 +35,11 @@ void forward(int signal) {
     ::kill(command, signal);
 }
 
-[[noreturn]] void fail(const std::string& what) {
-  std::fprintf(
-      stderr, "tpipe_forked: %s: %s\n", what.c_str(), std::strerror(errno));
+// `error`: the errno of the call that failed; 0 where none did.
+[[noreturn]] void fail(const std::string& what, int error = 0) {
+  const std::string reason =
+      error != 0 ? std::string(": ") + std::strerror(error) : "";
+  std::fprintf(stderr, "tpipe_forked: %s%s\n", what.c_str(), reason.c_str());
   std::_Exit(125);
 }
 
@@ -53,13 +55,15 @@ int main(int argc, char** argv) {
   std::strncpy(address.sun_path, socketPath, sizeof(address.sun_path) - 1);
   if (::connect(
           connection, reinterpret_cast<sockaddr*>(&address), sizeof(address)) !=
-      0)
-    fail(std::string("no fork server at ") + socketPath);
+      0) {
+    const int error = errno; // before the message's allocations
+    fail(std::string("no fork server at ") + socketPath, error);
+  }
 
   fork_protocol::Request request;
   std::vector<char> directory(1 << 16);
   if (::getcwd(directory.data(), directory.size()) == nullptr)
-    fail("getcwd");
+    fail("getcwd", errno);
   request.directory = directory.data();
   request.umask = ::umask(0);
   ::umask(request.umask);
@@ -88,7 +92,7 @@ int main(int argc, char** argv) {
   }
   ::sigprocmask(SIG_BLOCK, &forwarded, nullptr);
   if (!fork_protocol::sendRequest(connection, request, open))
-    fail("sending the command");
+    fail("sending the command", errno);
   int32_t pid = 0;
   if (!fork_protocol::receiveInt(connection, pid) || pid <= 0)
     fail("the fork server refused the command");

@@ -45,12 +45,12 @@ extern char** environ;
 
 namespace {
 
-[[noreturn]] void fail(const std::string& what) {
+// `error`: the errno of the call that failed; 0 where none did.
+[[noreturn]] void fail(const std::string& what, int error = 0) {
+  const std::string reason =
+      error != 0 ? std::string(": ") + std::strerror(error) : "";
   std::fprintf(
-      stderr,
-      "tpipe_fork_server: %s: %s\n",
-      what.c_str(),
-      std::strerror(errno));
+      stderr, "tpipe_fork_server: %s%s\n", what.c_str(), reason.c_str());
   std::exit(1);
 }
 
@@ -158,7 +158,7 @@ int serve(const std::string& socketPath, const std::string& tpipeBinary) {
   const int children =
       ::signalfd(-1, &childSignals, SFD_CLOEXEC | SFD_NONBLOCK);
   if (children < 0)
-    fail("signalfd");
+    fail("signalfd", errno);
 
   const int listener = ::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
   sockaddr_un address{};
@@ -174,8 +174,10 @@ int serve(const std::string& socketPath, const std::string& tpipeBinary) {
           listener, reinterpret_cast<sockaddr*>(&address), sizeof(address)) !=
           0 ||
       ::listen(listener, 64) != 0 ||
-      ::rename(binding.c_str(), socketPath.c_str()) != 0)
-    fail("listen on " + socketPath);
+      ::rename(binding.c_str(), socketPath.c_str()) != 0) {
+    const int error = errno; // before the message's allocations
+    fail("listen on " + socketPath, error);
+  }
 
   std::map<pid_t, int> clientOf;  // running fork -> its client's connection
   std::map<int, pid_t> commandOf; // connection -> its fork
@@ -186,7 +188,7 @@ int serve(const std::string& socketPath, const std::string& tpipeBinary) {
     if (::poll(watched.data(), watched.size(), -1) < 0) {
       if (errno == EINTR)
         continue;
-      fail("poll");
+      fail("poll", errno);
     }
     if (watched[1].revents != 0) {
       signalfd_siginfo drained;
