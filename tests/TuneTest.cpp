@@ -865,6 +865,79 @@ TEST(TuneTest, BesideANeighbourTheChoiceMeetsItsRivalsAlone) {
   EXPECT_THROW(final(0, {1, 2}, {10.0, 10.0}, 0.0), std::invalid_argument);
 }
 
+// A final's figures pooled with the rounds in turn before it: the machine's
+// drift between the two windows cancels, and a plan one window read ahead
+// by chance is held to both.
+TEST(TuneTest, AFinalIsPooledWithTheRoundsInTurnBeforeIt) {
+  TuneResult result;
+  result.candidates = {
+      predictedPlan(2, 2, 10.0),
+      predictedPlan(2, 4, 10.0),
+      predictedPlan(2, 8, 10.0)};
+  // The final: each plan `calm[k]` ms a step calm and 1.3x in every other
+  // round's burst, each pair of rounds 2% off.
+  auto finalOf = [](const std::vector<double>& calm) {
+    std::vector<std::vector<double>> steps(calm.size()), loads(calm.size());
+    for (int round = 0; round < 16; ++round) {
+      const bool burst = round % 2 == 1;
+      const double jitter = 1.0 + ((round / 2) % 2 ? 0.02 : -0.02);
+      for (size_t k = 0; k < calm.size(); ++k) {
+        steps[k].push_back(jitter * (burst ? 1.3 : 1.0) * calm[k]);
+        loads[k].push_back(burst ? 1.0 : 0.0);
+      }
+    }
+    return std::make_pair(steps, loads);
+  };
+  // As a busy reference final read it: 4 micro-batches 1.2% ahead of 2.
+  const auto rounds = finalOf({10.12, 10.0, 10.6});
+  auto settle = [&](const StepsAtALoad& inTurn) {
+    TuneResult r = result;
+    r.choice = 0;
+    settleByAFinal(r, {1, 2}, rounds.first, rounds.second, inTurn);
+    return r;
+  };
+  const TuneResult alone = settle({});
+  ASSERT_EQ(alone.choice, 1u) << alone.notes.back();
+  EXPECT_EQ(alone.notes.back().find("pooled"), std::string::npos);
+  // The rounds in turn just before, the whole machine 9% slower then, read
+  // 4 micro-batches 6.8% behind 2, each figure known as closely as the
+  // final's: pooled, 2 micro-batches leads by about 2.7%.
+  const StepsAtALoad finalAlone =
+      stepsBesideANeighbour(rounds.first, rounds.second);
+  ASSERT_EQ(finalAlone.stepMs.size(), 3u);
+  StepsAtALoad inTurn;
+  const double before = 1.09 * finalAlone.stepMs[0];
+  inTurn.stepMs = {before, 1.068 * before, 1.1 * before};
+  inTurn.relativeError = finalAlone.relativeError;
+  const TuneResult pooled = settle(inTurn);
+  EXPECT_EQ(pooled.choice, 0u) << pooled.notes.back();
+  EXPECT_NE(
+      pooled.notes.back().find("pooled with their rounds in turn"),
+      std::string::npos)
+      << pooled.notes.back();
+  EXPECT_NE(pooled.notes.back().find("% slower)"), std::string::npos)
+      << pooled.notes.back();
+  const double lead =
+      pooled.candidates[1].measuredStepMs / pooled.candidates[0].measuredStepMs;
+  EXPECT_NEAR(
+      lead,
+      std::sqrt(1.068 * finalAlone.stepMs[1] / finalAlone.stepMs[0]),
+      0.002);
+  EXPECT_GT(lead, 1.02);
+  // The pooled figures stand between the two windows' levels.
+  EXPECT_GT(pooled.candidates[0].measuredStepMs, finalAlone.stepMs[0]);
+  EXPECT_LT(pooled.candidates[0].measuredStepMs, before);
+  // Rounds in turn known far less closely weigh next to nothing.
+  for (double& e : inTurn.relativeError)
+    e *= 30.0;
+  EXPECT_EQ(settle(inTurn).choice, 1u);
+  // Figures that do not cover every finalist are left out.
+  inTurn.stepMs.pop_back();
+  TuneResult partial = settle(inTurn);
+  EXPECT_EQ(partial.choice, 1u);
+  EXPECT_EQ(partial.notes.back().find("pooled"), std::string::npos);
+}
+
 // A neighbour's bursts met one plan's turns less often than the other's by
 // chance; the load measured each turn puts both at the load training meets.
 TEST(TuneTest, TheNeighboursLoadEvensOutTheTurnsItMet) {

@@ -375,7 +375,13 @@ std::vector<size_t> rivalsOfTheChoice(
 
 // The choice and its rivals measured alone in turn (roundSteps[0] and
 // roundLoads[0] the choice's, [k] rivals[k - 1]'s, as chooseByMeasurement's),
-// each as stepsBesideANeighbour has it. The fastest is chosen, or the
+// each as stepsBesideANeighbour has it, and pooled with `inTurn`, the same
+// plans' figures from the rounds in turn before the final (in the same
+// order; ignored unless there is a figure and an error for each): each
+// plan's log step fitted as its own plus its window's, every figure
+// weighted by its inverse variance, so that the machine's drift from one
+// window to the next cancels, and the pooled figures stand at both
+// windows' level. The fastest is chosen, or the
 // simplest plan that holds less of the machine than it (holdsLess) and runs
 // within the two figures' combined error of it, never beyond kFinalMargin;
 // holding as much, the simpler is kept only where it runs no slower. The
@@ -389,7 +395,8 @@ void settleByAFinal(
     TuneResult& result,
     const std::vector<size_t>& rivals,
     const std::vector<std::vector<double>>& roundSteps,
-    const std::vector<std::vector<double>>& roundLoads);
+    const std::vector<std::vector<double>>& roundLoads,
+    const StepsAtALoad& inTurn = {});
 
 // Whether plan `a` holds less of the machine than `b`: fewer devices, and
 // fewer threads over them. On CPU devices that share a machine's cores, one

@@ -1188,7 +1188,22 @@ TuneOutcome tuneConfig(const Config& config, const TuneOptions& options) {
     if (!rivals.empty()) {
       const InTurn final =
           measureAFinal(meter, outcome.result, rivals, options.log);
-      settleByAFinal(outcome.result, rivals, final.steps, final.loads);
+      const StepsAtALoad beside = stepsBesideANeighbour(steps, inTurn.loads);
+      StepsAtALoad finalistsInTurn;
+      finalistsInTurn.fittedToTheLoad = beside.fittedToTheLoad;
+      std::vector<size_t> finalists{outcome.result.choice};
+      finalists.insert(finalists.end(), rivals.begin(), rivals.end());
+      for (size_t plan : finalists) {
+        const size_t k = static_cast<size_t>(
+            std::find(measured.begin(), measured.end(), plan) -
+            measured.begin());
+        if (k < beside.stepMs.size()) {
+          finalistsInTurn.stepMs.push_back(beside.stepMs[k]);
+          finalistsInTurn.relativeError.push_back(beside.relativeError[k]);
+        }
+      }
+      settleByAFinal(
+          outcome.result, rivals, final.steps, final.loads, finalistsInTurn);
       if (options.log)
         *options.log << "tune: " << outcome.result.notes.back() << std::endl;
     }
