@@ -381,16 +381,16 @@ std::vector<size_t> rivalsOfTheChoice(
 // plan's log step fitted as its own plus its window's, every figure
 // weighted by its inverse variance, so that the machine's drift from one
 // window to the next cancels, and the pooled figures stand at both
-// windows' level. The fastest is chosen, or the
-// simplest plan that holds less of the machine than it (holdsLess) and runs
-// within the two figures' combined error of it, never beyond kFinalMargin;
-// holding as much, the simpler is kept only where it runs no slower. The
-// finalists' measuredStepMs become these figures. Where the neighbour no longer
-// shows in these rounds, the choice stands. A note says what was measured and
-// what it decided. Throws std::invalid_argument unless the rivals are plans
-// other than the choice and each other, and there is a list of steps for each
-// finalist, all as long.
-constexpr double kFinalMargin = 0.04;
+// windows' level. The simplest plan within kFinalMargin of the fastest that
+// holds no more of the machine than it (holdsLess, or on as many devices
+// with as many threads each) is chosen: plans this close are alike as far
+// as a busy tune can tell, and the simplest is the one plan every tune
+// names. The finalists' measuredStepMs become these figures. Where the
+// neighbour no longer shows in these rounds, the choice stands. A note says
+// what was measured and what it decided. Throws std::invalid_argument unless
+// the rivals are plans other than the choice and each other, and there is a
+// list of steps for each finalist, all as long.
+constexpr double kFinalMargin = 0.05;
 void settleByAFinal(
     TuneResult& result,
     const std::vector<size_t>& rivals,
