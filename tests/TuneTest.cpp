@@ -291,6 +291,23 @@ TuneCandidate predictedPlan(int ranks, int microBatches, double predicted) {
   return c;
 }
 
+// Rounds beside a neighbour: plan k `calm[k]` ms a step calm and 1.3x in
+// every other round's burst (the neighbour on a whole core), each pair of
+// rounds `spread` off. Steps and loads, a list a plan.
+std::pair<std::vector<std::vector<double>>, std::vector<std::vector<double>>>
+roundsInBursts(const std::vector<double>& calm, double spread, int rounds) {
+  std::vector<std::vector<double>> steps(calm.size()), loads(calm.size());
+  for (int round = 0; round < rounds; ++round) {
+    const bool burst = round % 2 == 1;
+    const double jitter = 1.0 + ((round / 2) % 2 ? spread : -spread);
+    for (size_t k = 0; k < calm.size(); ++k) {
+      steps[k].push_back(jitter * (burst ? 1.3 : 1.0) * calm[k]);
+      loads[k].push_back(burst ? 1.0 : 0.0);
+    }
+  }
+  return {steps, loads};
+}
+
 } // namespace
 
 // The simplest plan is run in turn however its prediction came out, so a
@@ -718,15 +735,8 @@ TEST(TuneTest, BesideANeighbourTheChoiceMeetsItsRivalsAlone) {
       [&](size_t choice, size_t rival, double choiceCalm, double spread) {
         TuneResult r = result;
         r.choice = choice;
-        std::vector<std::vector<double>> steps(2), loads(2);
-        for (int round = 0; round < 20; ++round) {
-          const bool burst = round % 2 == 1;
-          const double jitter = 1.0 + ((round / 2) % 2 ? spread : -spread);
-          steps[0].push_back(jitter * (burst ? 1.3 : 1.0) * choiceCalm);
-          steps[1].push_back(jitter * (burst ? 1.3 : 1.0) * 10.0);
-          loads[0].push_back(burst ? 1.0 : 0.0);
-          loads[1].push_back(burst ? 1.0 : 0.0);
-        }
+        const auto [steps, loads] =
+            roundsInBursts({choiceCalm, 10.0}, spread, 20);
         settleByAFinal(r, {rival}, steps, loads);
         return r;
       };
@@ -805,15 +815,7 @@ TEST(TuneTest, BesideANeighbourTheChoiceMeetsItsRivalsAlone) {
                    double spread) {
     TuneResult r = result;
     r.choice = choice;
-    std::vector<std::vector<double>> steps(calm.size()), loads(calm.size());
-    for (int round = 0; round < 20; ++round) {
-      const bool burst = round % 2 == 1;
-      const double jitter = 1.0 + ((round / 2) % 2 ? spread : -spread);
-      for (size_t k = 0; k < calm.size(); ++k) {
-        steps[k].push_back(jitter * (burst ? 1.3 : 1.0) * calm[k]);
-        loads[k].push_back(burst ? 1.0 : 0.0);
-      }
-    }
+    const auto [steps, loads] = roundsInBursts(calm, spread, 20);
     settleByAFinal(r, rivals, steps, loads);
     return r;
   };
@@ -876,22 +878,8 @@ TEST(TuneTest, AFinalIsPooledWithTheRoundsInTurnBeforeIt) {
       predictedPlan(2, 4, 10.0),
       predictedPlan(2, 2, 10.0), // the simplest
       predictedPlan(2, 8, 10.0)};
-  // The final: each plan `calm[k]` ms a step calm and 1.3x in every other
-  // round's burst, each pair of rounds 2% off.
-  auto finalOf = [](const std::vector<double>& calm) {
-    std::vector<std::vector<double>> steps(calm.size()), loads(calm.size());
-    for (int round = 0; round < 16; ++round) {
-      const bool burst = round % 2 == 1;
-      const double jitter = 1.0 + ((round / 2) % 2 ? 0.02 : -0.02);
-      for (size_t k = 0; k < calm.size(); ++k) {
-        steps[k].push_back(jitter * (burst ? 1.3 : 1.0) * calm[k]);
-        loads[k].push_back(burst ? 1.0 : 0.0);
-      }
-    }
-    return std::make_pair(steps, loads);
-  };
   // The final alone reads 2 micro-batches 6% behind 4, past kFinalMargin.
-  const auto rounds = finalOf({10.0, 10.6, 11.5});
+  const auto rounds = roundsInBursts({10.0, 10.6, 11.5}, 0.02, 16);
   auto settle = [&](const StepsAtALoad& inTurn) {
     TuneResult r = result;
     r.choice = 0;
