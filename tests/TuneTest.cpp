@@ -731,15 +731,16 @@ TEST(TuneTest, BesideANeighbourTheChoiceMeetsItsRivalsAlone) {
       << settled.notes.back();
   // The choice `choiceCalm` ms a step calm, its rival 10, both 1.3x in
   // every other round's burst, and each pair of rounds `spread` off.
-  auto jitteredDuel =
-      [&](size_t choice, size_t rival, double choiceCalm, double spread) {
-        TuneResult r = result;
-        r.choice = choice;
-        const auto [steps, loads] =
-            roundsInBursts({choiceCalm, 10.0}, spread, 20);
-        settleByAFinal(r, {rival}, steps, loads);
-        return r;
-      };
+  auto jitteredDuel = [&](size_t choice,
+                          size_t rival,
+                          double choiceCalm,
+                          double spread) {
+    TuneResult r = result;
+    r.choice = choice;
+    const auto [steps, loads] = roundsInBursts({choiceCalm, 10.0}, spread, 20);
+    settleByAFinal(r, {rival}, steps, loads);
+    return r;
+  };
   // One stage, on fewer devices and cores, 2% behind as training meets the
   // neighbour: the simpler, however closely the duel knows the two figures;
   // 6% behind, past kFinalMargin, the faster, however widely they spread.
