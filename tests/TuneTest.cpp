@@ -695,6 +695,34 @@ TEST(TuneTest, BesideANeighbourTheChoiceMeetsItsRivalsAlone) {
   EXPECT_TRUE(rivalsOfTheChoice(result, {0}, {10.0}).empty());
   EXPECT_THROW(
       rivalsOfTheChoice(result, {0, 1}, {10.0}), std::invalid_argument);
+  // The simplest plan within 10% of the fastest joins them, however far
+  // down it read, where it holds no more of the machine than the fastest.
+  TuneResult wider;
+  wider.candidates = {
+      predictedPlan(1, 1, 10.0),
+      predictedPlan(2, 2, 10.0),
+      predictedPlan(2, 4, 10.0),
+      predictedPlan(2, 8, 10.0),
+      predictedPlan(3, 4, 10.0)};
+  wider.candidates[0].threadsPerStage = 2;
+  wider.choice = 4;
+  const std::vector<size_t> all{0, 1, 2, 3, 4};
+  // One stage on two threads holds less than three stages.
+  EXPECT_EQ(
+      rivalsOfTheChoice(wider, all, {10.5, 10.6, 10.3, 10.2, 10.0}),
+      (Rivals{3, 2, 0}));
+  // It holds both cores, as two one-thread stages do: not simpler here.
+  wider.choice = 2;
+  EXPECT_EQ(
+      rivalsOfTheChoice(wider, all, {10.5, 10.6, 10.0, 10.2, 10.1}),
+      (Rivals{4, 3, 1}));
+  // Past 10% it stays out; already a rival, it is not named twice.
+  EXPECT_EQ(
+      rivalsOfTheChoice(wider, all, {10.5, 11.2, 10.0, 10.2, 10.1}),
+      (Rivals{4, 3}));
+  EXPECT_EQ(
+      rivalsOfTheChoice(wider, all, {10.5, 10.1, 10.0, 10.2, 10.3}),
+      (Rivals{1, 3}));
 
   // Turns alternately calm and in a burst that wants a whole core: one
   // stage `oneStageBurst` ms a step in it (10 calm), two stages 13 (10.5).

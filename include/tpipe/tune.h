@@ -366,8 +366,13 @@ void chooseByMeasurement(
 // turns) in neither; with two rivals every tune met it. A few plans alone
 // take turns of a second or less, so they meet the bursts alike. Their
 // positions in result.candidates, the fastest first; none where the choice
-// was not measured or was the only plan measured.
+// was not measured or was the only plan measured. Then, where it is neither
+// the choice nor one of them, the simplest plan within kFinalAdmission of
+// the fastest that holds no more of the machine than it (as settleByAFinal
+// has it): the final names the simplest plan within kFinalMargin, and in
+// turn, among more plans, a plan reads up to twice that further off.
 constexpr size_t kRivalsInTheFinal = 2;
+constexpr double kFinalAdmission = 0.10;
 std::vector<size_t> rivalsOfTheChoice(
     const TuneResult& result,
     const std::vector<size_t>& measured,
