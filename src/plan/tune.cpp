@@ -918,8 +918,7 @@ std::vector<size_t> rivalsOfTheChoice(
     const TuneCandidate& c = result.candidates[measured[k]];
     if (holdsNoMoreThan(c, quickest) &&
         figures[k] / figures[fastest] - 1.0 <= kFinalAdmission &&
-        (!simplest ||
-         isSimplerPlan(c, result.candidates[measured[*simplest]])))
+        (!simplest || isSimplerPlan(c, result.candidates[measured[*simplest]])))
       simplest = k;
   }
   if (simplest && measured[*simplest] != result.choice &&
