@@ -898,6 +898,44 @@ TEST(TuneTest, BesideANeighbourTheChoiceMeetsItsRivalsAlone) {
   EXPECT_THROW(final(0, {1, 2}, {10.0, 10.0}, 0.0), std::invalid_argument);
 }
 
+// A final goes on until its figures settle what it decides: which plan is
+// fastest, and whether a simpler plan that holds no more lags it by more
+// than 5%.
+TEST(TuneTest, AFinalGoesOnUntilItsDecisionIsSettled) {
+  const std::vector<TuneCandidate> finalists{
+      predictedPlan(2, 4, 10.0), // the fastest
+      predictedPlan(2, 2, 10.0), // simpler, on as many devices
+      predictedPlan(3, 4, 10.0)}; // on more devices
+  auto figures = [](std::vector<double> ms, std::vector<double> errors) {
+    StepsAtALoad f;
+    f.stepMs = std::move(ms);
+    f.relativeError = std::move(errors);
+    return f;
+  };
+  const std::vector<double> looselyKnown{0.013, 0.015, 0.010};
+  // 7.4% behind, known within 2.0%: past the margin, not clearly.
+  EXPECT_FALSE(
+      aFinalIsSettled(finalists, figures({10.0, 10.74, 11.5}, looselyKnown)));
+  // Known within 1.5%, or far past the margin: settled.
+  EXPECT_TRUE(aFinalIsSettled(
+      finalists, figures({10.0, 10.74, 11.5}, {0.005, 0.005, 0.005})));
+  EXPECT_TRUE(
+      aFinalIsSettled(finalists, figures({10.0, 11.2, 11.5}, looselyKnown)));
+  // A plan on more devices is let off nothing: only its order counts.
+  EXPECT_TRUE(
+      aFinalIsSettled(finalists, figures({10.0, 11.2, 10.74}, looselyKnown)));
+  // Too close to tell which is fastest.
+  EXPECT_FALSE(
+      aFinalIsSettled(finalists, figures({10.0, 10.1, 11.5}, looselyKnown)));
+  EXPECT_FALSE(
+      aFinalIsSettled(finalists, figures({10.0, 11.2, 10.2}, looselyKnown)));
+  // No neighbour showed: nothing to settle.
+  EXPECT_TRUE(aFinalIsSettled(finalists, StepsAtALoad{}));
+  EXPECT_THROW(
+      aFinalIsSettled(finalists, figures({10.0, 10.1}, {0.01, 0.01})),
+      std::invalid_argument);
+}
+
 // A final's figures pooled with the rounds in turn before it: the machine's
 // drift between the two windows cancels, and a plan one window read ahead
 // by chance is held to both.

@@ -403,6 +403,19 @@ void settleByAFinal(
     const std::vector<std::vector<double>>& roundLoads,
     const StepsAtALoad& inTurn = {});
 
+// Whether the finalists' figures so far (each as stepsBesideANeighbour has
+// it, in the order of `finalists`) settle what settleByAFinal decides: for
+// each plan, its lag behind the fastest known within kFinalError, or more
+// than twice its error away from every bound that decides, the fastest's
+// figure and, for a simpler plan that holds no more of the machine,
+// kFinalMargin. Settled where there is no figure. Until stop 83 only the
+// order was settled: a busy Fashion final stopped after 12 rounds with
+// ZB-H1 at 2 micro-batches 7.4% behind dualpipe at 4, known within 2.0%,
+// and chose dualpipe, which trained 5.5% behind ZB-H1.
+constexpr double kFinalError = 0.015;
+bool aFinalIsSettled(
+    const std::vector<TuneCandidate>& finalists, const StepsAtALoad& figures);
+
 // Whether plan `a` holds less of the machine than `b`: fewer devices, and
 // fewer threads over them. On CPU devices that share a machine's cores, one
 // stage on two threads holds both cores of a 2-core machine, as two

@@ -1116,6 +1116,36 @@ void settleByAFinal(
   result.choice = finalists[winner];
 }
 
+bool aFinalIsSettled(
+    const std::vector<TuneCandidate>& finalists, const StepsAtALoad& figures) {
+  const std::vector<double>& ms = figures.stepMs;
+  if (ms.empty())
+    return true;
+  if (ms.size() != finalists.size() ||
+      figures.relativeError.size() != finalists.size())
+    throw std::invalid_argument(
+        "aFinalIsSettled: one figure and one error per finalist");
+  const size_t fastest =
+      static_cast<size_t>(std::min_element(ms.begin(), ms.end()) - ms.begin());
+  for (size_t k = 0; k < ms.size(); ++k) {
+    if (k == fastest)
+      continue;
+    const double error =
+        std::hypot(figures.relativeError[k], figures.relativeError[fastest]);
+    if (error <= kFinalError)
+      continue;
+    const double lag = ms[k] / ms[fastest] - 1.0;
+    if (lag <= 2.0 * error)
+      return false;
+    const bool letOff =
+        holdsNoMoreThan(finalists[k], finalists[fastest]) &&
+        isSimplerPlan(finalists[k], finalists[fastest]);
+    if (letOff && std::abs(lag - kFinalMargin) <= 2.0 * error)
+      return false;
+  }
+  return true;
+}
+
 namespace {
 
 // What the search spans, with the request's defaults filled in.

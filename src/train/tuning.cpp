@@ -184,10 +184,9 @@ constexpr double kBurstAveragingMostMs = 30000.0;
 constexpr double kBurstAveragingError = 0.04;
 
 // How long the choice and its rivals are measured alone in turn beside a
-// neighbour (measureAFinal): until the fastest's lead over each of the
-// others is known within 1.5%, well inside the 4% that decides, or is more
-// than twice what it is known to; at tens of milliseconds a turn, 5 s are
-// some hundreds of turns. At least 8 rounds whatever they take: on a 2 GHz
+// neighbour (measureAFinal): until their figures settle what the final
+// decides (aFinalIsSettled); at tens of milliseconds a turn, 5 s are some
+// hundreds of turns. At least 8 rounds whatever they take: on a 2 GHz
 // AVX2 machine a reference job's round of two plans took 5 s, and 5 rounds
 // left zb-v's figure uncertain by 4.2%. At most 40 s: 15 s had held the
 // reference job's duels of two to their 8 rounds, and 8 rounds of its three
@@ -195,7 +194,6 @@ constexpr double kBurstAveragingError = 0.04;
 constexpr int kFinalLeastRounds = 8;
 constexpr double kFinalLeastMs = 5000.0;
 constexpr double kFinalMostMs = 40000.0;
-constexpr double kFinalError = 0.015;
 
 void stopIfAsked(const std::function<bool()>& stopRequested) {
   if (stopRequested && stopRequested())
@@ -1047,26 +1045,6 @@ InTurn measureBesideANeighbour(
   return measureInTurn(meter, plans, kLeastRounds, kStepsPerTurn, log, true);
 }
 
-// Whether the finalists' figures so far settle the final: the fastest's
-// lead over each other plan known within kFinalError, or more than twice
-// what it is known to. None settle where no neighbour shows.
-bool aFinalIsSettled(const StepsAtALoad& figures) {
-  const std::vector<double>& ms = figures.stepMs;
-  if (ms.empty())
-    return true;
-  const size_t fastest =
-      static_cast<size_t>(std::min_element(ms.begin(), ms.end()) - ms.begin());
-  for (size_t k = 0; k < ms.size(); ++k) {
-    if (k == fastest)
-      continue;
-    const double error =
-        std::hypot(figures.relativeError[k], figures.relativeError[fastest]);
-    if (error > kFinalError && ms[k] / ms[fastest] - 1.0 <= 2.0 * error)
-      return false;
-  }
-  return true;
-}
-
 // The choice and its rivals alone in turn (rivalsOfTheChoice), for at
 // least kFinalLeastRounds rounds and kFinalLeastMs, then until their figures
 // settle the final (aFinalIsSettled), up to kFinalMostMs.
@@ -1095,7 +1073,7 @@ InTurn measureAFinal(
   turns.warmEachTurn = true;
   MoreRounds more;
   more.maxRounds = 100000; // time ends it
-  more.wanted = [began = Clock::now()](
+  more.wanted = [began = Clock::now(), &finalists](
                     const std::vector<std::vector<StepTiming>>& t) {
     const double span = msSince(began);
     if (span < kFinalLeastMs)
@@ -1103,7 +1081,8 @@ InTurn measureAFinal(
     if (span >= kFinalMostMs)
       return false;
     const InTurn sofar = inTurnOf(t);
-    return !aFinalIsSettled(stepsBesideANeighbour(sofar.steps, sofar.loads));
+    return !aFinalIsSettled(
+        finalists, stepsBesideANeighbour(sofar.steps, sofar.loads));
   };
   return inTurnOf(meter.interleave(finalists, turns, nullptr, more));
 }
