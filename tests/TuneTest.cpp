@@ -903,8 +903,8 @@ TEST(TuneTest, BesideANeighbourTheChoiceMeetsItsRivalsAlone) {
 // than 5%.
 TEST(TuneTest, AFinalGoesOnUntilItsDecisionIsSettled) {
   const std::vector<TuneCandidate> finalists{
-      predictedPlan(2, 4, 10.0), // the fastest
-      predictedPlan(2, 2, 10.0), // simpler, on as many devices
+      predictedPlan(2, 4, 10.0),  // the fastest
+      predictedPlan(2, 2, 10.0),  // simpler, on as many devices
       predictedPlan(3, 4, 10.0)}; // on more devices
   auto figures = [](std::vector<double> ms, std::vector<double> errors) {
     StepsAtALoad f;

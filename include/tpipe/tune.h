@@ -414,7 +414,8 @@ void settleByAFinal(
 // and chose dualpipe, which trained 5.5% behind ZB-H1.
 constexpr double kFinalError = 0.015;
 bool aFinalIsSettled(
-    const std::vector<TuneCandidate>& finalists, const StepsAtALoad& figures);
+    const std::vector<TuneCandidate>& finalists,
+    const StepsAtALoad& figures);
 
 // Whether plan `a` holds less of the machine than `b`: fewer devices, and
 // fewer threads over them. On CPU devices that share a machine's cores, one

@@ -1117,7 +1117,8 @@ void settleByAFinal(
 }
 
 bool aFinalIsSettled(
-    const std::vector<TuneCandidate>& finalists, const StepsAtALoad& figures) {
+    const std::vector<TuneCandidate>& finalists,
+    const StepsAtALoad& figures) {
   const std::vector<double>& ms = figures.stepMs;
   if (ms.empty())
     return true;
@@ -1137,8 +1138,7 @@ bool aFinalIsSettled(
     const double lag = ms[k] / ms[fastest] - 1.0;
     if (lag <= 2.0 * error)
       return false;
-    const bool letOff =
-        holdsNoMoreThan(finalists[k], finalists[fastest]) &&
+    const bool letOff = holdsNoMoreThan(finalists[k], finalists[fastest]) &&
         isSimplerPlan(finalists[k], finalists[fastest]);
     if (letOff && std::abs(lag - kFinalMargin) <= 2.0 * error)
       return false;

@@ -1073,8 +1073,8 @@ InTurn measureAFinal(
   turns.warmEachTurn = true;
   MoreRounds more;
   more.maxRounds = 100000; // time ends it
-  more.wanted = [began = Clock::now(), &finalists](
-                    const std::vector<std::vector<StepTiming>>& t) {
+  more.wanted = [began = Clock::now(),
+                 &finalists](const std::vector<std::vector<StepTiming>>& t) {
     const double span = msSince(began);
     if (span < kFinalLeastMs)
       return true;
