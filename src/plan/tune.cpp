@@ -878,6 +878,27 @@ bool holdsNoMoreThan(const TuneCandidate& c, const TuneCandidate& other) {
        c.threadsPerStage == other.threadsPerStage);
 }
 
+// Position in `plans` (of `all`) of the simplest plan within `margin` of the
+// fastest (`figures`, one per plan) that holds no more of the machine than
+// it; the fastest where no such plan is simpler.
+size_t simplestNearTheFastest(
+    const std::vector<TuneCandidate>& all,
+    const std::vector<size_t>& plans,
+    const std::vector<double>& figures,
+    double margin) {
+  const size_t fastest = static_cast<size_t>(
+      std::min_element(figures.begin(), figures.end()) - figures.begin());
+  size_t simplest = fastest;
+  for (size_t k = 0; k < plans.size(); ++k) {
+    const TuneCandidate& c = all[plans[k]];
+    if (holdsNoMoreThan(c, all[plans[fastest]]) &&
+        figures[k] / figures[fastest] - 1.0 <= margin &&
+        isSimplerPlan(c, all[plans[simplest]]))
+      simplest = k;
+  }
+  return simplest;
+}
+
 } // namespace
 
 std::vector<size_t> rivalsOfTheChoice(
@@ -910,21 +931,11 @@ std::vector<size_t> rivalsOfTheChoice(
   // be in it, though it read only third or fourth in turn: two busy tunes
   // of ten left two-stage ZB-H1 at 2 micro-batches out (2.6% and 6.2%
   // behind in turn) and named a plan each that other tunes did not.
-  const size_t fastest = static_cast<size_t>(
-      std::min_element(figures.begin(), figures.end()) - figures.begin());
-  const TuneCandidate& quickest = result.candidates[measured[fastest]];
-  std::optional<size_t> simplest;
-  for (size_t k = 0; k < measured.size(); ++k) {
-    const TuneCandidate& c = result.candidates[measured[k]];
-    if (holdsNoMoreThan(c, quickest) &&
-        figures[k] / figures[fastest] - 1.0 <= kFinalAdmission &&
-        (!simplest || isSimplerPlan(c, result.candidates[measured[*simplest]])))
-      simplest = k;
-  }
-  if (simplest && measured[*simplest] != result.choice &&
-      std::find(rivals.begin(), rivals.end(), measured[*simplest]) ==
-          rivals.end())
-    rivals.push_back(measured[*simplest]);
+  const size_t simplest = measured[simplestNearTheFastest(
+      result.candidates, measured, figures, kFinalAdmission)];
+  if (simplest != result.choice &&
+      std::find(rivals.begin(), rivals.end(), simplest) == rivals.end())
+    rivals.push_back(simplest);
   return rivals;
 }
 
@@ -1048,17 +1059,12 @@ void settleByAFinal(
   // plan every tune names. A plan that holds more (one stage on two
   // threads against two one-thread stages: both cores either way) is let
   // off nothing: it trained 4.6-15% behind the best.
+  const size_t winner =
+      simplestNearTheFastest(all, finalists, figures, kFinalMargin);
   auto holdsNoMore = [&](size_t k) {
     return holdsNoMoreThan(all[finalists[k]], all[finalists[fastest]]);
   };
-  auto margin = [&](size_t k) { return holdsNoMore(k) ? kFinalMargin : 0.0; };
   auto behind = [&](size_t k) { return figures[k] / figures[fastest] - 1.0; };
-  size_t winner = fastest;
-  for (size_t k = 0; k < finalists.size(); ++k) {
-    if (behind(k) <= margin(k) &&
-        isSimplerPlan(all[finalists[k]], all[finalists[winner]]))
-      winner = k;
-  }
   for (size_t k = 0; k < finalists.size(); ++k)
     all[finalists[k]].measuredStepMs = figures[k];
   for (size_t k = 0; k < finalists.size(); ++k)
