@@ -723,6 +723,20 @@ TEST(TuneTest, BesideANeighbourTheChoiceMeetsItsRivalsAlone) {
   EXPECT_EQ(
       rivalsOfTheChoice(wider, all, {10.5, 10.1, 10.0, 10.2, 10.3}),
       (Rivals{1, 3}));
+  // One stage on two threads chosen, the simplest near the fastest, but
+  // two-stage plans among its rivals, against which it is let off nothing:
+  // the simplest of the others near their fastest joins, the plan a final
+  // it loses names.
+  wider.choice = 0;
+  EXPECT_EQ(
+      rivalsOfTheChoice(wider, all, {10.3, 10.4, 10.2, 10.8, 10.0}),
+      (Rivals{4, 2, 1}));
+  // Its rivals all three-stage plans, it is let off against them: none joins.
+  wider.candidates.push_back(predictedPlan(3, 8, 10.0));
+  const std::vector<size_t> withThreeStages{0, 1, 4, 5};
+  EXPECT_EQ(
+      rivalsOfTheChoice(wider, withThreeStages, {10.3, 10.4, 10.0, 10.1}),
+      (Rivals{4, 5}));
 
   // Turns alternately calm and in a burst that wants a whole core: one
   // stage `oneStageBurst` ms a step in it (10 calm), two stages 13 (10.5).

@@ -370,7 +370,10 @@ void chooseByMeasurement(
 // the choice nor one of them, the simplest plan within kFinalAdmission of
 // the fastest that holds no more of the machine than it (as settleByAFinal
 // has it): the final names the simplest plan within kFinalMargin, and in
-// turn, among more plans, a plan reads up to twice that further off.
+// turn, among more plans, a plan reads up to twice that further off. Where
+// that plan is the choice, and the choice holds more of the machine than a
+// rival, the simplest of the other plans near their fastest joins instead:
+// the plan the final names if the choice loses.
 constexpr size_t kRivalsInTheFinal = 2;
 constexpr double kFinalAdmission = 0.10;
 std::vector<size_t> rivalsOfTheChoice(
