@@ -1031,6 +1031,31 @@ InTurn measureBesideANeighbour(
        << "% behind the fastest, or else the slowest but the simplest, for "
           "a plan a step simpler than the fastest or the next), and the "
        << next.size() << " were measured again";
+  // Named, with the first rounds' figures: a busy tune that never measured
+  // the plan the other tunes chose is read from this note alone.
+  const auto fastestAt = static_cast<size_t>(
+      std::min_element(figures.begin(), figures.end()) - figures.begin());
+  auto listed = [&](const std::vector<std::string>& items) {
+    std::string joinedItems;
+    for (const std::string& item : items)
+      joinedItems += (joinedItems.empty() ? " " : ", ") + item;
+    return items.empty() ? std::string(" none") : joinedItems;
+  };
+  std::vector<std::string> madeWay, newcomers;
+  for (size_t k = 0; k < measured.size(); ++k) {
+    if (std::count(next.begin(), next.end(), measured[k]) == 0)
+      madeWay.push_back(
+          result.candidates[measured[k]].label() + " " + fixed(figures[k], 2) +
+          " ms (x" + fixed(figures[k] / figures[fastestAt], 2) + ")");
+  }
+  for (size_t i : next) {
+    if (std::count(measured.begin(), measured.end(), i) == 0)
+      newcomers.push_back(result.candidates[i].label());
+  }
+  note << "; the fastest in the first rounds: "
+       << result.candidates[measured[fastestAt]].label() << " "
+       << fixed(figures[fastestAt], 2) << " ms; made way:" << listed(madeWay)
+       << "; joined:" << listed(newcomers);
   result.notes.push_back(note.str());
   if (log)
     *log << "tune: " << note.str() << std::endl;
