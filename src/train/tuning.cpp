@@ -1019,28 +1019,10 @@ InTurn measureBesideANeighbour(
     }
     return first;
   }
-  size_t left = 0;
-  for (size_t i : measured)
-    left += std::count(next.begin(), next.end(), i) == 0;
-  const size_t joined = next.size() - (measured.size() - left);
-  std::ostringstream note;
-  note << "beside a neighbour, after " << first.steps.front().size()
-       << " rounds: " << left << " plan(s) made way for " << joined
-       << " more (those over "
-       << static_cast<int>(std::lround(100.0 * (kClearlyBehind - 1.0)))
-       << "% behind the fastest, or else the slowest but the simplest, for "
-          "a plan a step simpler than the fastest or the next), and the "
-       << next.size() << " were measured again";
   // Named, with the first rounds' figures: a busy tune that never measured
   // the plan the other tunes chose is read from this note alone.
   const auto fastestAt = static_cast<size_t>(
       std::min_element(figures.begin(), figures.end()) - figures.begin());
-  auto listed = [&](const std::vector<std::string>& items) {
-    std::string joinedItems;
-    for (const std::string& item : items)
-      joinedItems += (joinedItems.empty() ? " " : ", ") + item;
-    return items.empty() ? std::string(" none") : joinedItems;
-  };
   std::vector<std::string> madeWay, newcomers;
   for (size_t k = 0; k < measured.size(); ++k) {
     if (std::count(next.begin(), next.end(), measured[k]) == 0)
@@ -1052,8 +1034,21 @@ InTurn measureBesideANeighbour(
     if (std::count(measured.begin(), measured.end(), i) == 0)
       newcomers.push_back(result.candidates[i].label());
   }
-  note << "; the fastest in the first rounds: "
-       << result.candidates[measured[fastestAt]].label() << " "
+  auto listed = [](const std::vector<std::string>& items) {
+    std::string text;
+    for (const std::string& item : items)
+      text += (text.empty() ? " " : ", ") + item;
+    return items.empty() ? std::string(" none") : text;
+  };
+  std::ostringstream note;
+  note << "beside a neighbour, after " << first.steps.front().size()
+       << " rounds: " << madeWay.size() << " plan(s) made way for "
+       << newcomers.size() << " more (those over "
+       << static_cast<int>(std::lround(100.0 * (kClearlyBehind - 1.0)))
+       << "% behind the fastest, or else the slowest but the simplest, for "
+          "a plan a step simpler than the fastest or the next), and the "
+       << next.size() << " were measured again; the fastest in the first "
+       << "rounds: " << result.candidates[measured[fastestAt]].label() << " "
        << fixed(figures[fastestAt], 2) << " ms; made way:" << listed(madeWay)
        << "; joined:" << listed(newcomers);
   result.notes.push_back(note.str());
