@@ -1,6 +1,8 @@
 // Real processes over loopback: tpipe launch, and ranks started by hand.
 #include <gtest/gtest.h>
 
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <array>
@@ -55,6 +57,26 @@ std::string binary() {
 std::string binaryProcess() {
   const char* path = std::getenv("TPIPE_PROCESS_BINARY");
   return path ? path : binary();
+}
+
+// A loopback port free now: one derived from the pid could fall in the
+// ephemeral range, held by another test's connection (rank 0 then cannot
+// listen, and its peer is refused for the whole timeout).
+int freeLoopbackPort() {
+  const int probe = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t length = sizeof address;
+  int port = 0;
+  if (probe >= 0 &&
+      ::bind(probe, reinterpret_cast<sockaddr*>(&address), sizeof address) ==
+          0 &&
+      ::getsockname(probe, reinterpret_cast<sockaddr*>(&address), &length) == 0)
+    port = ntohs(address.sin_port);
+  if (probe >= 0)
+    ::close(probe);
+  return port;
 }
 
 // The same commands with the tests' fault hook (TPIPE_FAULT).
@@ -646,8 +668,8 @@ TEST_F(DistributedTest, ADeadRankIsNamedAtOnceWithoutALauncher) {
   // that rank 1's account can reach no one and only its own view remains.
   for (const int dying : {1, 0}) {
     const int survivor = 1 - dying;
-    const int port =
-        20000 + static_cast<int>((::getpid() + 31 * dying) % 20000);
+    const int port = freeLoopbackPort();
+    ASSERT_GT(port, 0);
     const std::string env =
         "MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(port) +
         " WORLD_SIZE=2 ";
@@ -684,7 +706,8 @@ TEST_F(DistributedTest, ADeadRankIsNamedAtOnceWithoutALauncher) {
 // with the rendezvous store, wakes to find no store: it cannot know whether
 // rank 0 sent an account, and says so instead of "sent no account".
 TEST_F(DistributedTest, ARankWokenAfterTheStoresHostEndedSaysTheStoreIsGone) {
-  const int port = 20000 + static_cast<int>((::getpid() + 17) % 20000);
+  const int port = freeLoopbackPort();
+  ASSERT_GT(port, 0);
   const std::string env =
       "MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(port) +
       " WORLD_SIZE=3 ";
@@ -1029,7 +1052,8 @@ TEST_F(DistributedTest, AStoppedRankRestartsTheJobToo) {
 // Ranks that run different models, seeds or schedules would train a wrong
 // model or deadlock: rendezvous compares their runs first.
 TEST_F(DistributedTest, RanksThatDisagreeAboutTheRunStopNamingTheKey) {
-  const int port = 20000 + static_cast<int>((::getpid() + 7777) % 20000);
+  const int port = freeLoopbackPort();
+  ASSERT_GT(port, 0);
   const std::string env =
       "MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(port) +
       " WORLD_SIZE=2 ";
