@@ -950,6 +950,44 @@ TEST(TuneTest, AFinalGoesOnUntilItsDecisionIsSettled) {
       std::invalid_argument);
 }
 
+// One stage on intra-op threads that span every core the plans share holds
+// the whole machine: OpenMP's pool spins between operations. Against three
+// one-thread stages on two cores it saves nothing, and 4% behind them it is
+// not let off; on four cores, two threads leave two free.
+TEST(TuneTest, OneStageOnEveryCoreHoldsTheWholeMachine) {
+  TuneCandidate oneStage = predictedPlan(1, 1, 10.0);
+  oneStage.threadsPerStage = 2;
+  const TuneCandidate threeStages = predictedPlan(3, 4, 10.0);
+  EXPECT_TRUE(holdsLess(oneStage, threeStages));
+  EXPECT_FALSE(holdsLess(oneStage, threeStages, 2));
+  EXPECT_TRUE(holdsLess(oneStage, threeStages, 4));
+  // One-thread stages hold what they did.
+  EXPECT_TRUE(holdsLess(predictedPlan(2, 2, 10.0), threeStages, 2));
+  EXPECT_TRUE(holdsLess(predictedPlan(1, 1, 10.0), threeStages, 2));
+
+  TuneResult result;
+  result.candidates = {oneStage, threeStages, predictedPlan(3, 8, 10.0)};
+  auto final = [&](int cores) {
+    TuneResult r = result;
+    r.cores = cores;
+    r.choice = 0;
+    const auto [steps, loads] = roundsInBursts({10.4, 10.0, 10.6}, 0.001, 20);
+    settleByAFinal(r, {1, 2}, steps, loads);
+    return r;
+  };
+  TuneResult settled = final(2);
+  EXPECT_EQ(settled.choice, 1u) << settled.notes.back();
+  EXPECT_NE(settled.notes.back().find("on as many cores"), std::string::npos)
+      << settled.notes.back();
+  settled = final(4);
+  EXPECT_EQ(settled.choice, 0u) << settled.notes.back();
+  // Where the final's lag is that close to the margin, it is not settled
+  // for a plan that is let off; it is for one that is not.
+  const StepsAtALoad figures{{10.45, 10.0, 10.6}, {0.012, 0.012, 0.012}, true};
+  EXPECT_TRUE(aFinalIsSettled(result.candidates, figures, 2));
+  EXPECT_FALSE(aFinalIsSettled(result.candidates, figures, 4));
+}
+
 // A final's figures pooled with the rounds in turn before it: the machine's
 // drift between the two windows cancels, and a plan one window read ahead
 // by chance is held to both.

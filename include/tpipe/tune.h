@@ -158,6 +158,8 @@ struct TuneResult {
   std::vector<TuneCandidate> candidates;
   size_t choice = 0;
   std::vector<std::string> notes; // the choice's reasons, what was skipped
+  // The CPU cores the plans share (TuneRequest::cores); 0: none shared.
+  int cores = 0;
   std::string costSource;
   double searchMs = 0.0; // wall time of the search itself
   int feasible() const;
@@ -416,16 +418,23 @@ void settleByAFinal(
 // ZB-H1 at 2 micro-batches 7.4% behind dualpipe at 4, known within 2.0%,
 // and chose dualpipe, which trained 5.5% behind ZB-H1.
 constexpr double kFinalError = 0.015;
+// `cores`: the CPU cores the finalists share (TuneResult::cores).
 bool aFinalIsSettled(
     const std::vector<TuneCandidate>& finalists,
-    const StepsAtALoad& figures);
+    const StepsAtALoad& figures,
+    int cores = 0);
 
 // Whether plan `a` holds less of the machine than `b`: fewer devices, and
 // fewer threads over them. On CPU devices that share a machine's cores, one
 // stage on two threads holds both cores of a 2-core machine, as two
 // one-thread stages do: beside a neighbour it was let off 4-5% for the
-// device it saved, and chosen 4.6-5.3% behind the best in training.
-bool holdsLess(const TuneCandidate& a, const TuneCandidate& b);
+// device it saved, and chosen 4.6-5.3% behind the best in training. Where
+// `a` runs its stages on several intra-op threads that span all `cores`
+// the plans share (> 0), it holds the whole machine, however many stage
+// threads `b` has: OpenMP's pool spins between operations, where a stage
+// thread with nothing to do sleeps. Let off 4.1% against three one-thread
+// stages, one stage on two threads trained 15.6% behind the best.
+bool holdsLess(const TuneCandidate& a, const TuneCandidate& b, int cores = 0);
 
 // The order in which plans that run equally fast are preferred: fewer
 // devices, fewer stages a device (DualPipe's copies of the other chain's

@@ -163,9 +163,11 @@ int checkpointRank(CheckpointMode mode) {
 
 } // namespace
 
-bool holdsLess(const TuneCandidate& a, const TuneCandidate& b) {
-  return a.devices() < b.devices() &&
-      a.devices() * a.threadsPerStage < b.devices() * b.threadsPerStage;
+bool holdsLess(const TuneCandidate& a, const TuneCandidate& b, int cores) {
+  const int threads = a.devices() * a.threadsPerStage;
+  if (cores > 0 && a.threadsPerStage > 1 && threads >= cores)
+    return false;
+  return a.devices() < b.devices() && threads < b.devices() * b.threadsPerStage;
 }
 
 bool isSimplerPlan(const TuneCandidate& a, const TuneCandidate& b) {
@@ -795,7 +797,8 @@ void chooseByMeasurement(
   // between them. A busy reference tune kept two-stage ZB-H2 at 4
   // micro-batches within it of zb-v at 2, which trained 8.9% faster.
   auto mayLag = [&](size_t k) {
-    return !neighbour || holdsLess(all[measured[k]], all[measured[fastest]]);
+    return !neighbour ||
+        holdsLess(all[measured[k]], all[measured[fastest]], result.cores);
   };
   constexpr size_t kNone = static_cast<size_t>(-1);
   std::vector<size_t> withinBy(measured.size(), kNone); // the plan it passed
@@ -872,8 +875,11 @@ namespace {
 // Fewer devices and cores, or the same devices with as many threads each.
 // One stage on two threads against two one-thread stages is not: both hold
 // both cores.
-bool holdsNoMoreThan(const TuneCandidate& c, const TuneCandidate& other) {
-  return holdsLess(c, other) ||
+bool holdsNoMoreThan(
+    const TuneCandidate& c,
+    const TuneCandidate& other,
+    int cores) {
+  return holdsLess(c, other, cores) ||
       (c.devices() == other.devices() &&
        c.threadsPerStage == other.threadsPerStage);
 }
@@ -885,13 +891,14 @@ size_t simplestNearTheFastest(
     const std::vector<TuneCandidate>& all,
     const std::vector<size_t>& plans,
     const std::vector<double>& figures,
-    double margin) {
+    double margin,
+    int cores) {
   const size_t fastest = static_cast<size_t>(
       std::min_element(figures.begin(), figures.end()) - figures.begin());
   size_t simplest = fastest;
   for (size_t k = 0; k < plans.size(); ++k) {
     const TuneCandidate& c = all[plans[k]];
-    if (holdsNoMoreThan(c, all[plans[fastest]]) &&
+    if (holdsNoMoreThan(c, all[plans[fastest]], cores) &&
         figures[k] / figures[fastest] - 1.0 <= margin &&
         isSimplerPlan(c, all[plans[simplest]]))
       simplest = k;
@@ -937,7 +944,7 @@ std::vector<size_t> rivalsOfTheChoice(
       rivals.push_back(plan);
   };
   const size_t simplest = measured[simplestNearTheFastest(
-      result.candidates, measured, figures, kFinalAdmission)];
+      result.candidates, measured, figures, kFinalAdmission, result.cores)];
   join(simplest);
   // A choice that is itself that plan but holds more of the machine than a
   // rival (one stage on two threads against two one-thread stages) is let
@@ -949,7 +956,7 @@ std::vector<size_t> rivalsOfTheChoice(
   const TuneCandidate& chosen = result.candidates[result.choice];
   const bool notLetOffAgainstARival =
       std::any_of(rivals.begin(), rivals.end(), [&](size_t rival) {
-        return !holdsNoMoreThan(chosen, result.candidates[rival]);
+        return !holdsNoMoreThan(chosen, result.candidates[rival], result.cores);
       });
   if (simplest == result.choice && notLetOffAgainstARival) {
     std::vector<size_t> plans;
@@ -959,7 +966,11 @@ std::vector<size_t> rivalsOfTheChoice(
       theirFigures.push_back(figures[k]);
     }
     join(plans[simplestNearTheFastest(
-        result.candidates, plans, theirFigures, kFinalAdmission)]);
+        result.candidates,
+        plans,
+        theirFigures,
+        kFinalAdmission,
+        result.cores)]);
   }
   return rivals;
 }
@@ -1084,10 +1095,11 @@ void settleByAFinal(
   // plan every tune names. A plan that holds more (one stage on two
   // threads against two one-thread stages: both cores either way) is let
   // off nothing: it trained 4.6-15% behind the best.
-  const size_t winner =
-      simplestNearTheFastest(all, finalists, figures, kFinalMargin);
+  const size_t winner = simplestNearTheFastest(
+      all, finalists, figures, kFinalMargin, result.cores);
   auto holdsNoMore = [&](size_t k) {
-    return holdsNoMoreThan(all[finalists[k]], all[finalists[fastest]]);
+    return holdsNoMoreThan(
+        all[finalists[k]], all[finalists[fastest]], result.cores);
   };
   auto behind = [&](size_t k) { return figures[k] / figures[fastest] - 1.0; };
   for (size_t k = 0; k < finalists.size(); ++k)
@@ -1149,7 +1161,8 @@ void settleByAFinal(
 
 bool aFinalIsSettled(
     const std::vector<TuneCandidate>& finalists,
-    const StepsAtALoad& figures) {
+    const StepsAtALoad& figures,
+    int cores) {
   const std::vector<double>& ms = figures.stepMs;
   if (ms.empty())
     return true;
@@ -1169,7 +1182,8 @@ bool aFinalIsSettled(
     const double lag = ms[k] / ms[fastest] - 1.0;
     if (lag <= 2.0 * error)
       return false;
-    const bool letOff = holdsNoMoreThan(finalists[k], finalists[fastest]) &&
+    const bool letOff =
+        holdsNoMoreThan(finalists[k], finalists[fastest], cores) &&
         isSimplerPlan(finalists[k], finalists[fastest]);
     if (letOff && std::abs(lag - kFinalMargin) <= 2.0 * error)
       return false;
@@ -1684,6 +1698,7 @@ TuneResult tunePlans(const CostModel& model, const TuneRequest& request) {
   checkRequest(model, request);
   const Space space = spaceOf(model, request);
   TuneResult result;
+  result.cores = request.cores;
   result.costSource = model.source;
   int sameProgram = 0;
   for (int ranks : space.stageCounts) {

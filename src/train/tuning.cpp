@@ -1093,8 +1093,8 @@ InTurn measureAFinal(
   turns.warmEachTurn = true;
   MoreRounds more;
   more.maxRounds = 100000; // time ends it
-  more.wanted = [began = Clock::now(),
-                 &finalists](const std::vector<std::vector<StepTiming>>& t) {
+  more.wanted = [began = Clock::now(), &finalists, cores = result.cores](
+                    const std::vector<std::vector<StepTiming>>& t) {
     const double span = msSince(began);
     if (span < kFinalLeastMs)
       return true;
@@ -1102,7 +1102,7 @@ InTurn measureAFinal(
       return false;
     const InTurn sofar = inTurnOf(t);
     return !aFinalIsSettled(
-        finalists, stepsBesideANeighbour(sofar.steps, sofar.loads));
+        finalists, stepsBesideANeighbour(sofar.steps, sofar.loads), cores);
   };
   return inTurnOf(meter.interleave(finalists, turns, nullptr, more));
 }
