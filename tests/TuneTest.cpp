@@ -407,10 +407,12 @@ TEST(TuneTest, PlansANeighbourSlowedMakeWayForTheNext) {
   // the fastest's simpler neighbour (2 stages at 2 micro-batches).
   next = contendersBesideANeighbour(result, measured, {15.5, 15.0, 16.4});
   EXPECT_EQ(next, (std::vector<size_t>{0, 1, 3}));
-  // The fastest with no simpler neighbour: the next plan waiting.
+  // One stage the fastest, which has no simpler neighbour: the fastest
+  // two-device plan's (2 stages at 2 micro-batches).
   next = contendersBesideANeighbour(result, measured, {15.0, 15.5, 16.4});
   EXPECT_EQ(next, (std::vector<size_t>{0, 1, 3}));
-  // The fastest the simplest too: the other makes way.
+  // The fastest the simplest too: the other makes way, for its simpler
+  // neighbour on two devices (one stage has none).
   next = contendersBesideANeighbour(result, {0, 1}, {15.0, 15.5});
   EXPECT_EQ(next, (std::vector<size_t>{0, 3}));
   // Room for one more than waits within 25%: the plans shrink to those.
@@ -436,17 +438,19 @@ TEST(TuneTest, ATwinOfAMeasuredPlanTakesNoPlace) {
       oneStage(1, ScheduleKind::kGpipe, 10.5),     // measured, makes way
       predictedPlan(2, 4, 11.0),                   // measured, makes way
       oneStage(2, ScheduleKind::kOneFOneB, 10.2),  // 0's twin
-      predictedPlan(2, 2, 11.2),                   // joins second
-      oneStage(4, ScheduleKind::kGpipe, 10.6),     // joins first
+      predictedPlan(2, 2, 11.2),                   // joins first
+      oneStage(4, ScheduleKind::kGpipe, 10.6),     // joins second
       oneStage(4, ScheduleKind::kOneFOneB, 10.7)}; // 5's twin
+  // One stage the fastest: the two-stage plan's simpler neighbour first,
+  // then the prediction's order, twins left out.
   EXPECT_EQ(
       contendersBesideANeighbour(result, {0, 1, 2}, {15.0, 17.0, 18.0}),
-      (std::vector<size_t>{0, 5, 4}));
-  // No longer twins: the prediction's order again.
+      (std::vector<size_t>{0, 4, 5}));
+  // No longer twins: the prediction's order again after the neighbour.
   result.candidates[3].microBatches = 8;
   EXPECT_EQ(
       contendersBesideANeighbour(result, {0, 1, 2}, {15.0, 17.0, 18.0}),
-      (std::vector<size_t>{0, 3, 5}));
+      (std::vector<size_t>{0, 4, 3}));
 }
 
 // The simplest plan within the noise of the fastest is the choice, so the
@@ -486,9 +490,18 @@ TEST(TuneTest, TheFastestPlansSimplerNeighbourJoinsFirst) {
   EXPECT_EQ(
       contendersBesideANeighbour(result, {0, 1}, {15.0, 15.9}),
       (std::vector<size_t>{0, 1}));
+  // One stage read the fastest: it has no simpler neighbour, and those of
+  // the fastest plan on several devices come in (not the next by
+  // prediction, zb-v at 4).
+  EXPECT_EQ(
+      contendersBesideANeighbour(result, {0, 1}, {15.9, 15.0}),
+      (std::vector<size_t>{1, 6}));
   // Predicted over 25% behind the fastest plan's prediction: the next by
   // prediction instead.
   result.candidates[6].predictedStepMs = 12.6;
+  EXPECT_EQ(
+      contendersBesideANeighbour(result, {0, 1}, {15.9, 15.0}),
+      (std::vector<size_t>{1, 2}));
   EXPECT_EQ(
       contendersBesideANeighbour(result, measured, figures),
       (std::vector<size_t>{0, 2, 3}));

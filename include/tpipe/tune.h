@@ -313,7 +313,9 @@ std::vector<size_t> measurementContenders(const TuneResult& result);
 // stay, and the others make way for as many plans not yet measured: first
 // the fastest plan's simpler neighbours (as many devices or one fewer, its
 // micro-batch count or half, the backward split as it is) predicted within
-// 25% of its prediction, the simplest first; then the fastest
+// 25% of its prediction, the simplest first (where the fastest is one
+// stage, which has none, those on several devices of the fastest plan
+// measured on several devices); then the fastest
 // first by their predictions, each scaled as its device count's measured
 // plans were, within 25% of the fastest figure. The calm prediction chose
 // the contenders, and a neighbour slows shapes unequally:

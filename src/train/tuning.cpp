@@ -1046,7 +1046,8 @@ InTurn measureBesideANeighbour(
        << newcomers.size() << " more (those over "
        << static_cast<int>(std::lround(100.0 * (kClearlyBehind - 1.0)))
        << "% behind the fastest, or else the slowest but the simplest, for "
-          "a plan a step simpler than the fastest or the next), and the "
+          "a plan a step simpler than the fastest, or than the fastest on "
+          "several devices where one stage is, or the next), and the "
        << next.size() << " were measured again; the fastest in the first "
        << "rounds: " << result.candidates[measured[fastestAt]].label() << " "
        << fixed(figures[fastestAt], 2) << " ms; made way:" << listed(madeWay)
