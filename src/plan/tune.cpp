@@ -641,11 +641,11 @@ std::vector<size_t> contendersBesideANeighbour(
   // One stage has no simpler neighbour: where it reads the fastest, the
   // simpler neighbours on several devices of the fastest plan on several
   // devices come in, the plan the choice comes to if one stage's lead was
-  // luck. Two busy tunes
-  // of `auto_memory_mlp` in stop 85 and one in stop 86 read one stage the
-  // fastest, never measured two-stage ZB-H1 at 2 micro-batches (the grid's
-  // best; the calm model puts it 10-25% behind dualpipe and zb-v at 2), and
-  // chose one stage, 2-5% behind it in training.
+  // luck. Two busy tunes of `auto_memory_mlp` in stop 85 and one in stop 86
+  // read one stage the fastest, never measured two-stage ZB-H1 at 2
+  // micro-batches (the grid's best; the calm model puts it 6-25% behind
+  // dualpipe at 4 and zb-v at 2), and chose one stage, 2-5% behind it in
+  // training.
   if (neighbours.empty() && all[measured[fastestAt]].devices() == 1) {
     std::optional<size_t> pipelined;
     for (size_t k = 0; k < measured.size(); ++k) {
