@@ -1,8 +1,6 @@
 // Real processes over loopback: tpipe launch, and ranks started by hand.
 #include <gtest/gtest.h>
 
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <array>
@@ -20,6 +18,8 @@
 #include <sys/wait.h>
 #include <utility>
 #include <vector>
+
+#include "runtime/network.h"
 
 namespace {
 
@@ -57,26 +57,6 @@ std::string binary() {
 std::string binaryProcess() {
   const char* path = std::getenv("TPIPE_PROCESS_BINARY");
   return path ? path : binary();
-}
-
-// A loopback port free now: one derived from the pid could fall in the
-// ephemeral range, held by another test's connection (rank 0 then cannot
-// listen, and its peer is refused for the whole timeout).
-int freeLoopbackPort() {
-  const int probe = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t length = sizeof address;
-  int port = 0;
-  if (probe >= 0 &&
-      ::bind(probe, reinterpret_cast<sockaddr*>(&address), sizeof address) ==
-          0 &&
-      ::getsockname(probe, reinterpret_cast<sockaddr*>(&address), &length) == 0)
-    port = ntohs(address.sin_port);
-  if (probe >= 0)
-    ::close(probe);
-  return port;
 }
 
 // The same commands with the tests' fault hook (TPIPE_FAULT).
@@ -668,7 +648,7 @@ TEST_F(DistributedTest, ADeadRankIsNamedAtOnceWithoutALauncher) {
   // that rank 1's account can reach no one and only its own view remains.
   for (const int dying : {1, 0}) {
     const int survivor = 1 - dying;
-    const int port = freeLoopbackPort();
+    const int port = tpipe::runtime::freeLoopbackPort();
     ASSERT_GT(port, 0);
     const std::string env =
         "MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(port) +
@@ -706,7 +686,7 @@ TEST_F(DistributedTest, ADeadRankIsNamedAtOnceWithoutALauncher) {
 // with the rendezvous store, wakes to find no store: it cannot know whether
 // rank 0 sent an account, and says so instead of "sent no account".
 TEST_F(DistributedTest, ARankWokenAfterTheStoresHostEndedSaysTheStoreIsGone) {
-  const int port = freeLoopbackPort();
+  const int port = tpipe::runtime::freeLoopbackPort();
   ASSERT_GT(port, 0);
   const std::string env =
       "MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(port) +
@@ -1052,7 +1032,7 @@ TEST_F(DistributedTest, AStoppedRankRestartsTheJobToo) {
 // Ranks that run different models, seeds or schedules would train a wrong
 // model or deadlock: rendezvous compares their runs first.
 TEST_F(DistributedTest, RanksThatDisagreeAboutTheRunStopNamingTheKey) {
-  const int port = freeLoopbackPort();
+  const int port = tpipe::runtime::freeLoopbackPort();
   ASSERT_GT(port, 0);
   const std::string env =
       "MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(port) +

@@ -22,6 +22,7 @@
 #include <thread>
 #include <nlohmann/json.hpp>
 
+#include "runtime/network.h"
 #include "runtime/placement.h"
 #include "runtime/socket_channels.h"
 #include "runtime/store.h"
@@ -2162,22 +2163,7 @@ TEST(StoreTest, ACallGoesOnThroughASignal) {
   }, previous{};
   ignore.sa_handler = [](int) {}; // no SA_RESTART: poll returns EINTR
   ASSERT_EQ(::sigaction(SIGUSR1, &ignore, &previous), 0);
-  int port = 0;
-  {
-    const int probe = ::socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in address{};
-    address.sin_family = AF_INET;
-    address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    socklen_t length = sizeof address;
-    ASSERT_EQ(
-        ::bind(probe, reinterpret_cast<sockaddr*>(&address), sizeof address),
-        0);
-    ASSERT_EQ(
-        ::getsockname(probe, reinterpret_cast<sockaddr*>(&address), &length),
-        0);
-    port = ntohs(address.sin_port);
-    ::close(probe);
-  }
+  const int port = runtime::freeLoopbackPort();
   const auto timeout = std::chrono::seconds(20);
   const auto server =
       runtime::startStoreServer("127.0.0.1", port, "secret", timeout);

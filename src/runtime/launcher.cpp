@@ -26,6 +26,7 @@
 
 #include <c10/util/Exception.h>
 
+#include "runtime/network.h"
 #include "tpipe/distributed.h"
 
 namespace tpipe {
@@ -35,23 +36,6 @@ std::atomic<int> forwardedSignal{0};
 
 void onSignal(int signal) {
   forwardedSignal = signal;
-}
-
-// A port the kernel just handed out on loopback; free again when returned.
-int freePort() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  TORCH_CHECK(fd >= 0, "launch: cannot open a socket: ", std::strerror(errno));
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  address.sin_port = 0;
-  socklen_t length = sizeof address;
-  const bool ok =
-      ::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof address) == 0 &&
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) == 0;
-  ::close(fd);
-  TORCH_CHECK(ok, "launch: cannot find a free port: ", std::strerror(errno));
-  return ntohs(address.sin_port);
 }
 
 struct Child {
@@ -142,8 +126,9 @@ class Launcher {
         rankMain_(std::move(rankMain)) {
     const char* addr = std::getenv("MASTER_ADDR");
     masterAddr_ = addr && *addr ? addr : "127.0.0.1";
-    masterPort_ = std::getenv("MASTER_PORT") ? std::getenv("MASTER_PORT")
-                                             : std::to_string(freePort());
+    masterPort_ = std::getenv("MASTER_PORT")
+        ? std::getenv("MASTER_PORT")
+        : std::to_string(runtime::freeLoopbackPort());
     token_ = jobToken();
   }
 

@@ -11,6 +11,8 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <stdexcept>
+#include <string>
 
 #include "tpipe/errors.h"
 
@@ -93,6 +95,27 @@ std::string numericAddress(const std::string& host) {
   const std::string address = numeric(chosen->ai_addr);
   freeaddrinfo(found);
   return address;
+}
+
+int freeLoopbackPort() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0)
+    throw std::runtime_error(
+        std::string("cannot open a socket: ") + std::strerror(errno));
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t length = sizeof address;
+  const bool ok =
+      ::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof address) == 0 &&
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) == 0;
+  const int error = errno;
+  ::close(fd);
+  if (!ok)
+    throw std::runtime_error(
+        std::string("cannot find a free loopback port: ") +
+        std::strerror(error));
+  return ntohs(address.sin_port);
 }
 
 bool isLoopbackAddress(const std::string& address) {

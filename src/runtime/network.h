@@ -27,5 +27,11 @@ bool isLoopbackAddress(const std::string& numeric);
 // loopback: peers on other hosts could never reach it.
 LocalAddress advertisedAddress(const std::string& masterAddr, int masterPort);
 
+// A TCP port the kernel just handed out on loopback, free again when
+// returned (a port derived from a pid could fall in the ephemeral range,
+// held by another connection). Throws std::runtime_error, naming errno,
+// where none can be had.
+int freeLoopbackPort();
+
 } // namespace runtime
 } // namespace tpipe
