@@ -496,12 +496,48 @@ TEST(TuneTest, TheFastestPlansSimplerNeighbourJoinsFirst) {
   EXPECT_EQ(
       contendersBesideANeighbour(result, {0, 1}, {15.9, 15.0}),
       (std::vector<size_t>{1, 6}));
-  // Predicted over 25% behind the fastest plan's prediction: the next by
-  // prediction instead.
+  // Predicted over 25% behind the fastest plan's prediction, the only
+  // simpler neighbour: within 50%, it joins all the same.
   result.candidates[6].predictedStepMs = 12.6;
   EXPECT_EQ(
       contendersBesideANeighbour(result, {0, 1}, {15.9, 15.0}),
+      (std::vector<size_t>{1, 6}));
+  EXPECT_EQ(
+      contendersBesideANeighbour(result, measured, figures),
+      (std::vector<size_t>{0, 2, 6}));
+  // Over 50% behind: the next by prediction instead.
+  result.candidates[6].predictedStepMs = 15.1;
+  EXPECT_EQ(
+      contendersBesideANeighbour(result, {0, 1}, {15.9, 15.0}),
       (std::vector<size_t>{1, 2}));
+  EXPECT_EQ(
+      contendersBesideANeighbour(result, measured, figures),
+      (std::vector<size_t>{0, 2, 3}));
+}
+
+// Where every simpler neighbour is predicted 25-50% behind the fastest,
+// only the simplest of them joins; one within 25% keeps the others out.
+TEST(TuneTest, OnlyTheSimplestFarNeighbourJoins) {
+  auto plan = [](int ranks, int microBatches, ScheduleKind kind, double ms) {
+    TuneCandidate c = predictedPlan(ranks, microBatches, ms);
+    c.schedule = kind;
+    c.stages = ranks;
+    return c;
+  };
+  TuneResult result;
+  result.candidates = {
+      plan(2, 4, ScheduleKind::kDualPipe, 10.0),     // measured: the fastest
+      plan(1, 1, ScheduleKind::kGpipe, 10.5),        // measured, makes way
+      plan(2, 4, ScheduleKind::kZeroBubbleH2, 10.6), // measured, stays
+      plan(2, 4, ScheduleKind::kZeroBubbleH1, 13.0), // a far neighbour
+      plan(2, 2, ScheduleKind::kZeroBubbleH1, 13.5), // the simplest far one
+      plan(2, 4, ScheduleKind::kOneFOneB, 11.0)};    // next by prediction
+  const std::vector<size_t> measured{0, 1, 2};
+  const std::vector<double> figures{15.0, 22.5, 15.3};
+  EXPECT_EQ(
+      contendersBesideANeighbour(result, measured, figures),
+      (std::vector<size_t>{0, 2, 4}));
+  result.candidates[3].predictedStepMs = 12.4; // now a near neighbour
   EXPECT_EQ(
       contendersBesideANeighbour(result, measured, figures),
       (std::vector<size_t>{0, 2, 3}));
