@@ -435,7 +435,7 @@ TEST(TuneTest, ATwinOfAMeasuredPlanTakesNoPlace) {
   TuneResult result;
   result.candidates = {
       oneStage(2, ScheduleKind::kGpipe, 10.0),     // measured: the fastest
-      oneStage(1, ScheduleKind::kGpipe, 10.5),     // measured, makes way
+      oneStage(1, ScheduleKind::kGpipe, 10.5),     // measured, 27% behind
       predictedPlan(2, 4, 11.0),                   // measured, makes way
       oneStage(2, ScheduleKind::kOneFOneB, 10.2),  // 0's twin
       predictedPlan(2, 2, 11.2),                   // joins first
@@ -444,12 +444,12 @@ TEST(TuneTest, ATwinOfAMeasuredPlanTakesNoPlace) {
   // One stage the fastest: the two-stage plan's simpler neighbour first,
   // then the prediction's order, twins left out.
   EXPECT_EQ(
-      contendersBesideANeighbour(result, {0, 1, 2}, {15.0, 17.0, 18.0}),
+      contendersBesideANeighbour(result, {0, 1, 2}, {15.0, 19.0, 18.0}),
       (std::vector<size_t>{0, 4, 5}));
   // No longer twins: the prediction's order again after the neighbour.
   result.candidates[3].microBatches = 8;
   EXPECT_EQ(
-      contendersBesideANeighbour(result, {0, 1, 2}, {15.0, 17.0, 18.0}),
+      contendersBesideANeighbour(result, {0, 1, 2}, {15.0, 19.0, 18.0}),
       (std::vector<size_t>{0, 4, 3}));
 }
 
@@ -541,6 +541,32 @@ TEST(TuneTest, OnlyTheSimplestFarNeighbourJoins) {
   EXPECT_EQ(
       contendersBesideANeighbour(result, measured, figures),
       (std::vector<size_t>{0, 2, 3}));
+}
+
+// A simpler neighbour of the fastest, measured 14% behind it, stays (its
+// figure is no surer than a prediction in that band); 26% behind, it makes
+// way. Plans that are no neighbour make way past 10%.
+TEST(TuneTest, AMeasuredSimplerNeighbourStaysWithin25Percent) {
+  auto plan = [](int ranks, int microBatches, ScheduleKind kind, double ms) {
+    TuneCandidate c = predictedPlan(ranks, microBatches, ms);
+    c.schedule = kind;
+    c.stages = ranks;
+    return c;
+  };
+  TuneResult result;
+  result.candidates = {
+      plan(2, 4, ScheduleKind::kDualPipe, 10.0),      // measured: the fastest
+      plan(2, 2, ScheduleKind::kZeroBubbleH1, 11.0),  // its simpler neighbour
+      plan(3, 4, ScheduleKind::kZeroBubbleH1, 10.5),  // no neighbour
+      plan(2, 4, ScheduleKind::kZeroBubbleH1, 10.8),  // joins
+      plan(3, 4, ScheduleKind::kZeroBubbleH2, 10.9)}; // next by prediction
+  const std::vector<size_t> measured{0, 1, 2};
+  EXPECT_EQ(
+      contendersBesideANeighbour(result, measured, {14.0, 16.0, 16.0}),
+      (std::vector<size_t>{0, 1, 3}));
+  EXPECT_EQ(
+      contendersBesideANeighbour(result, measured, {14.0, 17.6, 16.0}),
+      (std::vector<size_t>{0, 3, 4}));
 }
 
 // On a machine that slows by a tenth for seconds at a time, with bursts on

@@ -310,7 +310,8 @@ std::vector<size_t> measurementContenders(const TuneResult& result);
 // Beside a neighbour, after the first rounds of the contenders (positions
 // `measured`, their figures as training meets the neighbour, e.g.
 // stepsAsTrainingMeetsThem): those within kClearlyBehind of the fastest
-// stay, and the others make way for as many plans not yet measured: first
+// stay, and its simpler neighbours (below) within 25% of it, and the others
+// make way for as many plans not yet measured: first
 // the fastest plan's simpler neighbours (as many devices or one fewer, its
 // micro-batch count or half, the backward split as it is) predicted within
 // 25% of its prediction, the simplest first, or where none is, the

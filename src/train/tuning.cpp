@@ -1045,7 +1045,8 @@ InTurn measureBesideANeighbour(
        << " rounds: " << madeWay.size() << " plan(s) made way for "
        << newcomers.size() << " more (those over "
        << static_cast<int>(std::lround(100.0 * (kClearlyBehind - 1.0)))
-       << "% behind the fastest, or else the slowest but the simplest, for "
+       << "% behind the fastest, but its simpler neighbours within 25%, or "
+          "else the slowest but the simplest, for "
           "a plan a step simpler than the fastest, or than the fastest on "
           "several devices where one stage is, or the next), and the "
        << next.size() << " were measured again; the fastest in the first "
