@@ -291,6 +291,19 @@ TuneCandidate predictedPlan(int ranks, int microBatches, double predicted) {
   return c;
 }
 
+// The same under `kind`, two stages a device where it is a V.
+TuneCandidate scheduledPlan(
+    int ranks,
+    int microBatches,
+    ScheduleKind kind,
+    double predicted) {
+  TuneCandidate c = predictedPlan(ranks, microBatches, predicted);
+  c.schedule = kind;
+  c.virtualStages = kind == ScheduleKind::kZeroBubbleV ? 2 : 1;
+  c.stages = ranks * c.virtualStages;
+  return c;
+}
+
 // Rounds beside a neighbour: plan k `calm[k]` ms a step calm and 1.3x in
 // every other round's burst (the neighbour on a whole core), each pair of
 // rounds `spread` off. Steps and loads, a list a plan.
@@ -458,22 +471,17 @@ TEST(TuneTest, ATwinOfAMeasuredPlanTakesNoPlace) {
 // ahead: the same schedule family at half the micro-batches, not a plan
 // that stops splitting the backward nor one at a quarter.
 TEST(TuneTest, TheFastestPlansSimplerNeighbourJoinsFirst) {
-  auto plan = [](int ranks, int microBatches, ScheduleKind kind, double ms) {
-    TuneCandidate c = predictedPlan(ranks, microBatches, ms);
-    c.schedule = kind;
-    c.virtualStages = kind == ScheduleKind::kZeroBubbleV ? 2 : 1;
-    c.stages = ranks * c.virtualStages;
-    return c;
-  };
   TuneResult result;
   result.candidates = {
-      plan(2, 4, ScheduleKind::kZeroBubbleH2, 10.0),  // measured: the fastest
-      plan(1, 1, ScheduleKind::kGpipe, 10.5),         // measured, makes way
-      plan(2, 4, ScheduleKind::kZeroBubbleV, 10.6),   // measured, stays
-      plan(2, 2, ScheduleKind::kZeroBubbleV, 10.7),   // next by prediction
-      plan(2, 2, ScheduleKind::kOneFOneB, 10.8),      // does not split
-      plan(2, 1, ScheduleKind::kZeroBubbleH1, 10.9),  // a quarter
-      plan(2, 2, ScheduleKind::kZeroBubbleH1, 10.9)}; // the neighbour
+      scheduledPlan(
+          2, 4, ScheduleKind::kZeroBubbleH2, 10.0),    // measured: the fastest
+      scheduledPlan(1, 1, ScheduleKind::kGpipe, 10.5), // measured, makes way
+      scheduledPlan(2, 4, ScheduleKind::kZeroBubbleV, 10.6), // measured, stays
+      scheduledPlan(
+          2, 2, ScheduleKind::kZeroBubbleV, 10.7),        // next by prediction
+      scheduledPlan(2, 2, ScheduleKind::kOneFOneB, 10.8), // does not split
+      scheduledPlan(2, 1, ScheduleKind::kZeroBubbleH1, 10.9),  // a quarter
+      scheduledPlan(2, 2, ScheduleKind::kZeroBubbleH1, 10.9)}; // the neighbour
   const std::vector<size_t> measured{0, 1, 2};
   const std::vector<double> figures{15.0, 22.5, 15.3};
   EXPECT_EQ(
@@ -518,20 +526,18 @@ TEST(TuneTest, TheFastestPlansSimplerNeighbourJoinsFirst) {
 // Where every simpler neighbour is predicted 25-50% behind the fastest,
 // only the simplest of them joins; one within 25% keeps the others out.
 TEST(TuneTest, OnlyTheSimplestFarNeighbourJoins) {
-  auto plan = [](int ranks, int microBatches, ScheduleKind kind, double ms) {
-    TuneCandidate c = predictedPlan(ranks, microBatches, ms);
-    c.schedule = kind;
-    c.stages = ranks;
-    return c;
-  };
+  using K = ScheduleKind;
   TuneResult result;
+  // The fastest measured, one stage making way and ZB-H2 staying; two
+  // neighbours far behind by prediction (ZB-H1 at 2 the simpler), and 1F1B,
+  // the next by prediction.
   result.candidates = {
-      plan(2, 4, ScheduleKind::kDualPipe, 10.0),     // measured: the fastest
-      plan(1, 1, ScheduleKind::kGpipe, 10.5),        // measured, makes way
-      plan(2, 4, ScheduleKind::kZeroBubbleH2, 10.6), // measured, stays
-      plan(2, 4, ScheduleKind::kZeroBubbleH1, 13.0), // a far neighbour
-      plan(2, 2, ScheduleKind::kZeroBubbleH1, 13.5), // the simplest far one
-      plan(2, 4, ScheduleKind::kOneFOneB, 11.0)};    // next by prediction
+      scheduledPlan(2, 4, K::kDualPipe, 10.0),
+      scheduledPlan(1, 1, K::kGpipe, 10.5),
+      scheduledPlan(2, 4, K::kZeroBubbleH2, 10.6),
+      scheduledPlan(2, 4, K::kZeroBubbleH1, 13.0),
+      scheduledPlan(2, 2, K::kZeroBubbleH1, 13.5),
+      scheduledPlan(2, 4, K::kOneFOneB, 11.0)};
   const std::vector<size_t> measured{0, 1, 2};
   const std::vector<double> figures{15.0, 22.5, 15.3};
   EXPECT_EQ(
@@ -547,19 +553,17 @@ TEST(TuneTest, OnlyTheSimplestFarNeighbourJoins) {
 // figure is no surer than a prediction in that band); 26% behind, it makes
 // way. Plans that are no neighbour make way past 10%.
 TEST(TuneTest, AMeasuredSimplerNeighbourStaysWithin25Percent) {
-  auto plan = [](int ranks, int microBatches, ScheduleKind kind, double ms) {
-    TuneCandidate c = predictedPlan(ranks, microBatches, ms);
-    c.schedule = kind;
-    c.stages = ranks;
-    return c;
-  };
+  using K = ScheduleKind;
   TuneResult result;
+  // Measured: the fastest, its simpler neighbour ZB-H1 at 2, and a
+  // three-stage plan that is no neighbour; then ZB-H1 at 4, a neighbour
+  // that joins, and three-stage ZB-H2, the next by prediction.
   result.candidates = {
-      plan(2, 4, ScheduleKind::kDualPipe, 10.0),      // measured: the fastest
-      plan(2, 2, ScheduleKind::kZeroBubbleH1, 11.0),  // its simpler neighbour
-      plan(3, 4, ScheduleKind::kZeroBubbleH1, 10.5),  // no neighbour
-      plan(2, 4, ScheduleKind::kZeroBubbleH1, 10.8),  // joins
-      plan(3, 4, ScheduleKind::kZeroBubbleH2, 10.9)}; // next by prediction
+      scheduledPlan(2, 4, K::kDualPipe, 10.0),
+      scheduledPlan(2, 2, K::kZeroBubbleH1, 11.0),
+      scheduledPlan(3, 4, K::kZeroBubbleH1, 10.5),
+      scheduledPlan(2, 4, K::kZeroBubbleH1, 10.8),
+      scheduledPlan(3, 4, K::kZeroBubbleH2, 10.9)};
   const std::vector<size_t> measured{0, 1, 2};
   EXPECT_EQ(
       contendersBesideANeighbour(result, measured, {14.0, 16.0, 16.0}),
