@@ -565,6 +565,12 @@ bool isASimplerNeighbour(const TuneCandidate& c, const TuneCandidate& fastest) {
       splitsTheBackward(c.schedule) == splitsTheBackward(fastest.schedule);
 }
 
+// How far behind the fastest a plan may read, measured or predicted, and
+// still be measured beside a neighbour where it is the fastest's simpler
+// neighbour or the next by prediction: the first rounds and a busy
+// calibration both miss by that much.
+constexpr double kWithinReach = 1.25;
+
 } // namespace
 
 std::vector<size_t> contendersBesideANeighbour(
@@ -590,7 +596,8 @@ std::vector<size_t> contendersBesideANeighbour(
   for (size_t k = 0; k < measured.size(); ++k) {
     const TuneCandidate& c = all[measured[k]];
     if (figures[k] <= kClearlyBehind * fastest ||
-        (isASimplerNeighbour(c, fastestPlan) && figures[k] <= 1.25 * fastest))
+        (isASimplerNeighbour(c, fastestPlan) &&
+         figures[k] <= kWithinReach * fastest))
       next.push_back(measured[k]);
     if (c.predictedStepMs > 0.0)
       ratios[c.devices()].push_back(figures[k] / c.predictedStepMs);
@@ -613,7 +620,7 @@ std::vector<size_t> contendersBesideANeighbour(
         inOrATwinIn(i, measured))
       continue;
     const double anchored = all[i].predictedStepMs * median(found->second);
-    if (anchored <= 1.25 * fastest)
+    if (anchored <= kWithinReach * fastest)
       waiting.emplace_back(anchored, i);
   }
   std::stable_sort(
@@ -648,7 +655,7 @@ std::vector<size_t> contendersBesideANeighbour(
       if (!isASimplerNeighbour(all[i], plan) ||
           all[i].devices() < leastDevices || inOrATwinIn(i, measured))
         continue;
-      if (all[i].predictedStepMs <= 1.25 * plan.predictedStepMs)
+      if (all[i].predictedStepMs <= kWithinReach * plan.predictedStepMs)
         near.push_back(i);
       else if (all[i].predictedStepMs <= 1.5 * plan.predictedStepMs)
         further.push_back(i);
