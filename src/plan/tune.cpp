@@ -667,8 +667,7 @@ std::vector<size_t> contendersBesideANeighbour(
           return isSimplerPlan(all[a], all[b]);
         })};
   };
-  std::vector<size_t> neighbours =
-      simplerNeighboursOf(all[measured[fastestAt]], 1);
+  std::vector<size_t> neighbours = simplerNeighboursOf(fastestPlan, 1);
   // One stage has no simpler neighbour: where it reads the fastest, the
   // simpler neighbours on several devices of the fastest plan on several
   // devices come in, the plan the choice comes to if one stage's lead was
@@ -677,7 +676,7 @@ std::vector<size_t> contendersBesideANeighbour(
   // micro-batches (the grid's best; the calm model puts it 6-25% behind
   // dualpipe at 4 and zb-v at 2), and chose one stage, 2-5% behind it in
   // training.
-  if (neighbours.empty() && all[measured[fastestAt]].devices() == 1) {
+  if (neighbours.empty() && fastestPlan.devices() == 1) {
     std::optional<size_t> pipelined;
     for (size_t k = 0; k < measured.size(); ++k) {
       if (all[measured[k]].devices() > 1 &&

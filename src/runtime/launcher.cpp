@@ -1,13 +1,10 @@
 // `tpipe launch`: local ranks as child processes, their output prefixed,
 // signals forwarded, and no rank left behind when one fails.
-#include <arpa/inet.h>
 #include <dirent.h>
 #include <fcntl.h>
-#include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/prctl.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
