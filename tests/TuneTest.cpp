@@ -397,6 +397,44 @@ TEST(TuneTest, TheSimplestPlanIsAlwaysAContender) {
   EXPECT_EQ(contenders, (std::vector<size_t>{1, 2, 3, 4}));
 }
 
+// A calibration's noise moves plans that split the backward and plans that
+// do not apart, so the fastest of each kind is measured where the ranking
+// left it out, within 1.5x of the fastest.
+TEST(TuneTest, BothKindsOfBackwardAreMeasured) {
+  using K = ScheduleKind;
+  TuneResult result;
+  result.candidates = {
+      scheduledPlan(1, 1, K::kGpipe, 10.0),
+      scheduledPlan(1, 2, K::kOneFOneB, 10.5),
+      scheduledPlan(2, 4, K::kOneFOneB, 11.0),
+      scheduledPlan(2, 2, K::kInterleaved, 11.5),
+      scheduledPlan(2, 4, K::kInterleaved, 12.6), // past 10% of 2-device's
+      scheduledPlan(2, 2, K::kZeroBubbleH1, 13.0), // the fastest to split
+      scheduledPlan(2, 4, K::kZeroBubbleH1, 13.5)};
+  for (size_t interleaved : {3, 4}) {
+    result.candidates[interleaved].virtualStages = 2;
+    result.candidates[interleaved].stages = 4;
+  }
+  result.choice = 0;
+  std::vector<size_t> contenders = measurementContenders(result);
+  std::sort(contenders.begin(), contenders.end());
+  EXPECT_EQ(contenders, (std::vector<size_t>{0, 1, 2, 3, 5}));
+
+  // Beyond 1.5x of the fastest, not.
+  result.candidates[5].predictedStepMs = 15.5;
+  result.candidates[6].predictedStepMs = 16.0;
+  contenders = measurementContenders(result);
+  std::sort(contenders.begin(), contenders.end());
+  EXPECT_EQ(contenders, (std::vector<size_t>{0, 1, 2, 3}));
+
+  // Where the ranking measures one that splits it, nothing more joins.
+  result.candidates[3] = scheduledPlan(2, 2, K::kZeroBubbleH2, 11.5);
+  result.candidates[5].predictedStepMs = 13.0;
+  contenders = measurementContenders(result);
+  std::sort(contenders.begin(), contenders.end());
+  EXPECT_EQ(contenders, (std::vector<size_t>{0, 1, 2, 3}));
+}
+
 // Beside a neighbour, contenders clearly behind after the first rounds
 // make way for the next plans, by predictions scaled as their device
 // count's measured plans were.
