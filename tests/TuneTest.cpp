@@ -408,7 +408,7 @@ TEST(TuneTest, BothKindsOfBackwardAreMeasured) {
       scheduledPlan(1, 2, K::kOneFOneB, 10.5),
       scheduledPlan(2, 4, K::kOneFOneB, 11.0),
       scheduledPlan(2, 2, K::kInterleaved, 11.5),
-      scheduledPlan(2, 4, K::kInterleaved, 12.6), // past 10% of 2-device's
+      scheduledPlan(2, 4, K::kInterleaved, 12.6),  // past 10% of 2-device's
       scheduledPlan(2, 2, K::kZeroBubbleH1, 13.0), // the fastest to split
       scheduledPlan(2, 4, K::kZeroBubbleH1, 13.5)};
   for (size_t interleaved : {3, 4}) {

@@ -557,8 +557,7 @@ std::vector<size_t> measurementContenders(const TuneResult& result) {
         }))
       continue;
     for (size_t i = 0; i < all.size(); ++i) {
-      if (!all[i].infeasible.empty() ||
-          all[i].predictedStepMs > 1.5 * fastest)
+      if (!all[i].infeasible.empty() || all[i].predictedStepMs > 1.5 * fastest)
         break;
       if (splitsTheBackward(all[i].schedule) == split && !aTwinIsPicked(i)) {
         pick(i);
