@@ -1105,6 +1105,44 @@ TEST(TuneTest, OneStageOnEveryCoreHoldsTheWholeMachine) {
   EXPECT_FALSE(aFinalIsSettled(result.candidates, figures, 4));
 }
 
+// Beside a neighbour a pipeline that keeps the backward whole reads faster in
+// turn, against one that splits it, than it trains: within the final's
+// margin of a plan that splits it, it is let off nothing for being simpler.
+TEST(TuneTest, AWholeBackwardIsNotLetOffAgainstASplitOne) {
+  using K = ScheduleKind;
+  TuneResult result;
+  result.candidates = {
+      scheduledPlan(2, 2, K::kZeroBubbleV, 10.0),   // the fastest
+      scheduledPlan(2, 2, K::kOneFOneB, 10.0),      // the simplest, whole
+      scheduledPlan(2, 2, K::kZeroBubbleH1, 10.0)}; // simpler than the V
+  ASSERT_TRUE(isSimplerPlan(result.candidates[1], result.candidates[2]));
+  ASSERT_TRUE(isSimplerPlan(result.candidates[2], result.candidates[0]));
+  const auto rounds = roundsInBursts({10.0, 10.2, 10.2}, 0.01, 16);
+  TuneResult settled = result;
+  settled.choice = 0;
+  settleByAFinal(settled, {1, 2}, rounds.first, rounds.second, {});
+  EXPECT_EQ(settled.choice, 2u) << settled.notes.back();
+  EXPECT_NE(
+      settled.notes.back().find("let off nothing: it keeps the backward whole"),
+      std::string::npos)
+      << settled.notes.back();
+  // The final names the simplest plan near the fastest that may be let off:
+  // ZB-H1 joins the two closest rivals, though 1F1B is among them.
+  result.choice = 0;
+  using Rivals = std::vector<size_t>;
+  result.candidates.push_back(scheduledPlan(2, 4, K::kZeroBubbleH2, 10.0));
+  EXPECT_EQ(
+      rivalsOfTheChoice(result, {0, 1, 3, 2}, {10.0, 10.1, 10.2, 10.9}),
+      (Rivals{1, 3, 2}));
+  // Against a fastest that keeps it whole too, the simplest is chosen.
+  const auto even = roundsInBursts({10.2, 10.0, 10.2}, 0.01, 16);
+  result.candidates[0] = scheduledPlan(2, 4, K::kOneFOneB, 10.0);
+  settled = result;
+  settled.choice = 1;
+  settleByAFinal(settled, {0, 2}, even.first, even.second, {});
+  EXPECT_EQ(settled.choice, 1u) << settled.notes.back();
+}
+
 // A final's figures pooled with the rounds in turn before it: the machine's
 // drift between the two windows cancels, and a plan one window read ahead
 // by chance is held to both.

@@ -303,7 +303,10 @@ std::string anchorToMeasured(TuneResult& result);
 // it (a neighbour reorders near ties of one shape), and the simplest plan
 // within twice the fastest, which the choice falls back to when nothing
 // measures clearly faster: measured every time, so a run's noisy calibration
-// cannot leave it out. Positions in result.candidates; empty when nothing is
+// cannot leave it out. Where none of those splits the backward (or none
+// keeps it whole), the fastest that does within 1.5x of the fastest: the
+// calibration times the split passes apart, and its noise moves the two
+// kinds apart. Positions in result.candidates; empty when nothing is
 // feasible.
 std::vector<size_t> measurementContenders(const TuneResult& result);
 
@@ -374,12 +377,12 @@ void chooseByMeasurement(
 // positions in result.candidates, the fastest first; none where the choice
 // was not measured or was the only plan measured. Then, where it is neither
 // the choice nor one of them, the simplest plan within kFinalAdmission of
-// the fastest that holds no more of the machine than it (as settleByAFinal
-// has it): the final names the simplest plan within kFinalMargin, and in
-// turn, among more plans, a plan reads up to twice that further off. Where
-// that plan is the choice, and the choice holds more of the machine than a
-// rival, the simplest of the other plans near their fastest joins instead:
-// the plan the final names if the choice loses.
+// the fastest that may be let off its lead (as settleByAFinal has it): the
+// final names the simplest plan within kFinalMargin, and in turn, among more
+// plans, a plan reads up to twice that further off. Where that plan is the
+// choice, and the choice holds more of the machine than a rival, the simplest
+// of the other plans near their fastest joins instead: the plan the final names
+// if the choice loses.
 constexpr size_t kRivalsInTheFinal = 2;
 constexpr double kFinalAdmission = 0.10;
 std::vector<size_t> rivalsOfTheChoice(
@@ -399,11 +402,13 @@ std::vector<size_t> rivalsOfTheChoice(
 // holds no more of the machine than it (holdsLess, or on as many devices
 // with as many threads each) is chosen: plans this close are alike as far
 // as a busy tune can tell, and the simplest is the one plan every tune
-// names. The finalists' measuredStepMs become these figures. Where the
-// neighbour no longer shows in these rounds, the choice stands. A note says
-// what was measured and what it decided. Throws std::invalid_argument unless
-// the rivals are plans other than the choice and each other, and there is a
-// list of steps for each finalist, all as long.
+// names. A pipeline that keeps the backward whole is let off nothing
+// against a fastest that splits it: in turn it reads faster against such a
+// plan than it trains. The finalists' measuredStepMs become these figures.
+// Where the neighbour no longer shows in these rounds, the choice stands. A
+// note says what was measured and what it decided. Throws std::invalid_argument
+// unless the rivals are plans other than the choice and each other, and there
+// is a list of steps for each finalist, all as long.
 constexpr double kFinalMargin = 0.05;
 void settleByAFinal(
     TuneResult& result,
