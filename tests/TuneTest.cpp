@@ -561,8 +561,9 @@ TEST(TuneTest, TheFastestPlansSimplerNeighbourJoinsFirst) {
       (std::vector<size_t>{0, 2, 3}));
 }
 
-// Where every simpler neighbour is predicted 25-50% behind the fastest,
-// only the simplest of them joins; one within 25% keeps the others out.
+// Of the simpler neighbours predicted 25-50% behind the fastest only the
+// simplest joins, first, and only where it is simpler than every neighbour
+// within 25%.
 TEST(TuneTest, OnlyTheSimplestFarNeighbourJoins) {
   using K = ScheduleKind;
   TuneResult result;
@@ -581,10 +582,25 @@ TEST(TuneTest, OnlyTheSimplestFarNeighbourJoins) {
   EXPECT_EQ(
       contendersBesideANeighbour(result, measured, figures),
       (std::vector<size_t>{0, 2, 4}));
-  result.candidates[3].predictedStepMs = 12.4; // now a near neighbour
+  // ZB-H1 at 4 now a near neighbour: the simpler far one still comes
+  // first, and the near one with a second place.
+  result.candidates[3].predictedStepMs = 12.4;
   EXPECT_EQ(
       contendersBesideANeighbour(result, measured, figures),
-      (std::vector<size_t>{0, 2, 3}));
+      (std::vector<size_t>{0, 2, 4}));
+  EXPECT_EQ(
+      contendersBesideANeighbour(
+          result, {0, 1, 2, 5}, {15.0, 22.5, 15.3, 18.0}),
+      (std::vector<size_t>{0, 2, 4, 3}));
+  // A far neighbour no simpler than a near one stays out: ZB-H1 at 2 near,
+  // ZB-H1 at 4 far, and the second place stays free (nothing else waits
+  // within 25% of the fastest).
+  result.candidates[3].predictedStepMs = 13.5;
+  result.candidates[4].predictedStepMs = 12.4;
+  EXPECT_EQ(
+      contendersBesideANeighbour(
+          result, {0, 1, 2, 5}, {15.0, 22.5, 15.3, 18.0}),
+      (std::vector<size_t>{0, 2, 4}));
 }
 
 // A simpler neighbour of the fastest, measured 14% behind it, stays (its

@@ -317,8 +317,8 @@ std::vector<size_t> measurementContenders(const TuneResult& result);
 // make way for as many plans not yet measured: first
 // the fastest plan's simpler neighbours (as many devices or one fewer, its
 // micro-batch count or half, the backward split as it is) predicted within
-// 25% of its prediction, the simplest first, or where none is, the
-// simplest within 50% (where the fastest is one
+// 25% of its prediction, and the simplest within 50% where it is simpler
+// than each of those, the simplest first (where the fastest is one
 // stage, which has none, those on several devices of the fastest plan
 // measured on several devices); then the fastest
 // first by their predictions, each scaled as its device count's measured

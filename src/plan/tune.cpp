@@ -663,14 +663,17 @@ std::vector<size_t> contendersBesideANeighbour(
   // 10% of the fastest's own prediction, ZB-H1 at 2 micro-batches (12%
   // behind zb-v at 4) was out of three reference tunes.
   //
-  // Where the prediction puts every simpler neighbour past 25%, the
-  // simplest within 50% joins alone: a calibration beside the neighbour
-  // misses by that much (stop 86: a busy Fashion tune in a slow minute,
-  // 21.8% from the grid, put each simpler neighbour of dualpipe at 4
-  // micro-batches past 25%, never measured ZB-H1 at 2, the grid's best,
-  // and chose one stage), and the calm model puts ZB-H1 at 2 25% behind
-  // zb-v at 2 on `auto_memory_mlp`, where the two train within 1.5% beside
-  // the neighbour.
+  // The simplest within 50% joins too, first, where it is simpler than
+  // every neighbour within 25% (alone where none is): a calibration beside
+  // the neighbour misses by that much (stop 86: a busy Fashion tune in a
+  // slow minute, 21.8% from the grid, put each simpler neighbour of
+  // dualpipe at 4 micro-batches past 25%, never measured ZB-H1 at 2, the
+  // grid's best, and chose one stage), and the calm model puts ZB-H1 at 2
+  // 25% behind zb-v at 2 on `auto_memory_mlp`, where the two train within
+  // 1.5% beside the neighbour. Beside near ones too: a busy
+  // `auto_memory_mlp` tune (stop 88) let ZB-H1 and ZB-H2 at 4, dualpipe at
+  // 4's neighbours within 25%, join, never measured ZB-H1 at 2, and chose
+  // ZB-H2 at 4, 5.3% behind it in training.
   auto simplerNeighboursOf = [&](const TuneCandidate& plan, int leastDevices) {
     std::vector<size_t> near, further;
     for (size_t i = 0; i < all.size(); ++i) {
@@ -682,12 +685,17 @@ std::vector<size_t> contendersBesideANeighbour(
       else if (all[i].predictedStepMs <= 1.5 * plan.predictedStepMs)
         further.push_back(i);
     }
-    if (!near.empty() || further.empty())
+    if (further.empty())
       return near;
-    return std::vector<size_t>{*std::min_element(
+    const size_t simplestFurther = *std::min_element(
         further.begin(), further.end(), [&](size_t a, size_t b) {
           return isSimplerPlan(all[a], all[b]);
-        })};
+        });
+    if (std::all_of(near.begin(), near.end(), [&](size_t i) {
+          return isSimplerPlan(all[simplestFurther], all[i]);
+        }))
+      near.push_back(simplestFurther);
+    return near;
   };
   std::vector<size_t> neighbours = simplerNeighboursOf(fastestPlan, 1);
   // One stage has no simpler neighbour: where it reads the fastest, the
