@@ -1246,18 +1246,18 @@ void settleByAFinal(
         !isSimplerPlan(all[finalists[k]], all[finalists[winner]]))
       continue;
     simplerBehind = true;
-    note << (!holdsNoMore(k)  ? "; on as many cores, "
-                 : !letOff(k) ? "; "
-                              : "; the simpler ")
-         << all[finalists[k]].label() << " takes " << std::setprecision(1)
-         << 100.0 * behind(k) << "% longer a step";
+    const std::string label = all[finalists[k]].label();
+    note << std::setprecision(1);
     if (!holdsNoMore(k))
-      continue;
-    if (letOff(k))
-      note << ", past " << 100.0 * kFinalMargin << "%";
+      note << "; on as many cores, " << label << " takes " << 100.0 * behind(k)
+           << "% longer a step";
+    else if (!letOff(k))
+      note << "; " << label << " takes " << 100.0 * behind(k)
+           << "% longer a step, let off nothing: it keeps the backward whole "
+              "where the fastest splits it";
     else
-      note << ", let off nothing: it keeps the backward whole where the "
-              "fastest splits it";
+      note << "; the simpler " << label << " takes " << 100.0 * behind(k)
+           << "% longer a step, past " << 100.0 * kFinalMargin << "%";
   }
   if (!simplerBehind && winner == fastest)
     note << ", the simplest, runs no slower";
